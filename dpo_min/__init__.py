@@ -1,0 +1,21 @@
+"""dpo_min: Direct Preference Optimization on transformers.Trainer, small enough to read in an hour."""
+
+from .collator import DPODataCollator
+from .config import DPOMinConfig
+from .data import load_preference_dataset, tokenize_dataset
+from .logps import sequence_logps
+from .losses import dpo_loss
+from .models import load_model_and_tokenizer
+from .trainer import DPOMinTrainer
+
+__all__ = [
+    "DPODataCollator",
+    "DPOMinConfig",
+    "DPOMinTrainer",
+    "dpo_loss",
+    "load_model_and_tokenizer",
+    "load_preference_dataset",
+    "sequence_logps",
+    "tokenize_dataset",
+]
+__version__ = "0.1.0"

