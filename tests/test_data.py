@@ -3,7 +3,7 @@ import gzip
 import json
 
 import pytest
-from conftest import HH_PATH, tiny_llama
+from conftest import HH_PATH, ROOT, tiny_llama
 from datasets import Dataset
 
 from dpo_min.data import load_preference_dataset, to_preference_rows, tokenize_dataset, tokenize_row, truncate_pair
@@ -44,13 +44,15 @@ def test_hh_transcripts_become_conversations():
     roles = [m["role"] for m in row["prompt"]]
     assert roles == ["user", "assistant"] * (len(roles) // 2) + ["user"]
     assert row["prompt"][0]["content"] == "what are some pranks with a pen i can do?"
-    assert row["chosen"][0]["role"] == "assistant" and row["chosen"][0]["content"].startswith("No, sorry!  All of these")
+    assert row["chosen"][0]["role"] == "assistant"
+    assert row["chosen"][0]["content"].startswith("No, sorry!  All of these")
 
 
 def test_sharegpt_layout(tmp_path):
-    rows = json.load(open(HH_PATH.parent.parent.parent / "shared" / "data" / "llamafactory-dpo_en_demo.json")) \
-        if (HH_PATH.parent.parent.parent / "shared" / "data").exists() else None
-    if rows is None:  # the shared folder sits beside the checkout; fall back to an inline row
+    shared = ROOT.parent / "shared" / "data" / "llamafactory-dpo_en_demo.json"
+    if shared.exists():  # the shared data sits beside the checkout (here and in CI)
+        rows = json.loads(shared.read_text())
+    else:
         rows = [{"conversations": [{"from": "system", "value": "Be brief."}, {"from": "human", "value": "Hi"}],
                  "chosen": {"from": "gpt", "value": "Hello!"}, "rejected": {"from": "gpt", "value": "Go away."}}]
     path = tmp_path / "sharegpt.json"
@@ -94,7 +96,7 @@ def test_bad_rows_name_the_row_and_field(row, field):
 def test_bad_file_says_which_file(tmp_path):
     path = tmp_path / "broken.json"
     path.write_text("{not json")
-    with pytest.raises(ValueError, match="broken.json"):
+    with pytest.raises(ValueError, match=r"broken\.json"):
         load_preference_dataset(str(path))
 
 
@@ -109,8 +111,8 @@ def test_token_ids_equal_trl(tokenizer, hh_pairs, conversational):
     if conversational:
         rows.pop()
     args = trl.DPOConfig(output_dir="unused", report_to="none", max_length=None, bf16=False, use_cpu=True)
-    theirs = trl.DPOTrainer(model=tiny_llama(), ref_model=tiny_llama(), args=args, train_dataset=Dataset.from_list(rows),
-                            processing_class=tokenizer).train_dataset
+    theirs = trl.DPOTrainer(model=tiny_llama(), ref_model=tiny_llama(), args=args,
+                            train_dataset=Dataset.from_list(rows), processing_class=tokenizer).train_dataset
     ours = tokenize_dataset(Dataset.from_list(copy.deepcopy(rows)), tokenizer)
     for name in ("prompt_ids", "chosen_ids", "rejected_ids"):
         assert ours[name] == theirs[name], name

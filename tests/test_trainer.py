@@ -165,3 +165,12 @@ def test_metrics_average_every_micro_batch_of_the_interval(tmp_path, tokenizer, 
         from dpo_min.logps import sequence_logps
         chosen = sequence_logps(trainer.model, batch).logps.chunk(2)[0]
     assert logged == pytest.approx(chosen.mean().item(), rel=1e-5)
+
+
+def test_a_last_batch_of_one_pair_is_logged_whole(tmp_path, tokenizer, hh_pairs):
+    trainer = DPOMinTrainer(tiny_llama(), DPOMinConfig(**config(tmp_path, max_steps=2)),
+                            train_dataset=hh_pairs.select(range(3)), processing_class=tokenizer, peft_config=lora())
+    trainer.train()
+    last = step_logs(trainer)[1]  # 3 pairs in batches of 2: the second batch holds one pair
+    assert last["rewards/accuracies"] in (0.0, 1.0)
+    assert last["rewards/margins"] == pytest.approx(last["rewards/chosen"] - last["rewards/rejected"], abs=1e-7)
