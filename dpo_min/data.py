@@ -98,8 +98,10 @@ def _from_hh(row: dict[str, Any], index: int) -> dict[str, Any]:
 
 def _extract_prompt(chosen: Any, rejected: Any, index: int) -> dict[str, Any]:
     """The implicit prompt is the longest common prefix of chosen and rejected (as TRL's `extract_prompt`)."""
-    if type(chosen) is not type(rejected) or not isinstance(chosen, (str, list)):
-        raise ValueError(f"row {index}: fields 'chosen' and 'rejected' must both be strings or both message lists")
+    if not isinstance(chosen, (str, list)):
+        raise ValueError(f"row {index}: field 'chosen' must be a string or a message list, got {type(chosen).__name__}")
+    if type(chosen) is not type(rejected):
+        raise ValueError(f"row {index}: field 'rejected' must be of the same kind as 'chosen' (string or messages)")
     split = 0
     for split in range(min(len(chosen), len(rejected))):
         if chosen[split] != rejected[split]:
@@ -119,22 +121,35 @@ def _validate(pair: dict[str, Any], index: int) -> None:
             _validate_messages(value, index, name, need_assistant=name != "prompt")
         elif not isinstance(value, str):
             raise ValueError(f"row {index}: field '{name}' must be a string, got {type(value).__name__}")
-        elif name != "prompt" and not value.strip():
-            raise ValueError(f"row {index}: field '{name}' is an empty completion")
+        else:
+            _validate_text(value, index, name)
+            if name != "prompt" and not value.strip():
+                raise ValueError(f"row {index}: field '{name}' is an empty completion")
     if pair["chosen"] == pair["rejected"]:
         raise ValueError(f"row {index}: field 'rejected' is identical to 'chosen'")
+
+
+def _validate_text(text: str, index: int, name: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:  # lone surrogates: no tokenizer can encode them
+        raise ValueError(f"row {index}: field '{name}' is not valid unicode ({error.reason})") from None
 
 
 def _validate_messages(messages: Any, index: int, name: str, need_assistant: bool) -> None:
     if not isinstance(messages, list) or not messages:
         raise ValueError(f"row {index}: field '{name}' must be a non-empty list of messages")
-    for turn in messages:
+    for position, turn in enumerate(messages):
         if not isinstance(turn, dict) or turn.get("role") not in _ROLES or not isinstance(turn.get("content"), str):
-            raise ValueError(f"row {index}: field '{name}' has a message that is not {{'role', 'content': str}}: "
-                             f"{str(turn)[:80]}")
+            raise ValueError(f"row {index}: field '{name}' has a message that is not {{'role': "
+                             f"{'|'.join(_ROLES)}, 'content': str}}: {str(turn)[:80]}")
+        _validate_text(turn["content"], index, name)
+        if turn["role"] == "system" and (position > 0 or name != "prompt"):
+            raise ValueError(f"row {index}: field '{name}' has a system message that is not the prompt's first")
     if need_assistant:
-        if not any(turn["role"] == "assistant" for turn in messages):
-            raise ValueError(f"row {index}: field '{name}' has no assistant turn")
+        if messages[0]["role"] != "assistant":
+            raise ValueError(f"row {index}: field '{name}' must start with an assistant turn, "
+                             f"not {messages[0]['role']!r}")
         if not any(turn["content"].strip() for turn in messages if turn["role"] == "assistant"):
             raise ValueError(f"row {index}: field '{name}' is an empty completion")
     elif messages[-1]["role"] == "assistant":
@@ -153,10 +168,16 @@ def tokenize_row(row: dict[str, Any], tokenizer: Any) -> dict[str, list[int]]:
         if tokenizer.chat_template is None:
             raise ValueError("conversational data needs a tokenizer with a chat template; set "
                              "tokenizer.chat_template or pass plain-string prompts")
-        def encode(messages, **kwargs):
-            return list(tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True, **kwargs)["input_ids"])
-        prompt_ids = encode(prompt, add_generation_prompt=True)
-        prompt_chosen_ids, prompt_rejected_ids = encode(prompt + chosen), encode(prompt + rejected)
+
+        def encode(messages, field, **kwargs):
+            try:
+                ids = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True, **kwargs)["input_ids"]
+            except Exception as error:  # templates raise their own errors (e.g. "roles must alternate")
+                raise ValueError(f"field '{field}': the chat template refused it: {error}") from error
+            return list(ids)
+        prompt_ids = encode(prompt, "prompt", add_generation_prompt=True)
+        prompt_chosen_ids = encode(prompt + chosen, "chosen")
+        prompt_rejected_ids = encode(prompt + rejected, "rejected")
     else:
         eos = tokenizer.eos_token
         chosen = chosen if chosen.endswith(eos) else chosen + eos
@@ -205,7 +226,11 @@ def tokenize_dataset(dataset: Dataset | Iterable[dict[str, Any]], tokenizer: Any
     dropped = []
     for index, row in enumerate(dataset):
         pair = _to_preference_row(row, index)
-        example = truncate_pair(tokenize_row(pair, tokenizer), max_length, max_prompt_length, truncation_mode)
+        try:
+            tokenized = tokenize_row(pair, tokenizer)
+        except ValueError as error:
+            raise ValueError(f"row {index}: {error}") from error
+        example = truncate_pair(tokenized, max_length, max_prompt_length, truncation_mode)
         if not example["chosen_ids"] or not example["rejected_ids"]:
             dropped.append(index)
             continue
@@ -218,7 +243,7 @@ def tokenize_dataset(dataset: Dataset | Iterable[dict[str, Any]], tokenizer: Any
                        "(max_length=%s, max_prompt_length=%s); first rows: %s", len(dropped), len(dropped) +
                        len(columns["prompt_ids"]), max_length, max_prompt_length, dropped[:10])
     if not columns["prompt_ids"]:
-        raise ValueError(f"no pair left after truncation to max_length={max_length}")
+        raise ValueError(f"no pair left: every row's prompt fills max_length={max_length} (rows {dropped[:10]})")
     return Dataset.from_dict(columns)
 
 

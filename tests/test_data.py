@@ -138,3 +138,15 @@ def test_pairs_without_completion_tokens_are_dropped_with_a_warning(tokenizer, c
         dataset = tokenize_dataset(Dataset.from_list(rows), tokenizer, max_length=20)
     assert len(dataset) == 1
     assert "dropped 1 of 2 pairs" in caplog.text
+
+
+def test_conversational_rows_need_a_chat_template(tokenizer):
+    tokenizer.chat_template = None
+    with pytest.raises(ValueError, match=r"row 0: conversational data needs a tokenizer with a chat template"):
+        tokenize_dataset([CONVERSATIONAL], tokenizer)
+
+
+def test_a_chat_template_error_names_the_row(tokenizer):
+    tokenizer.chat_template = "{{ raise_exception('roles must alternate') }}"
+    with pytest.raises(ValueError, match=r"row 0: field 'prompt': the chat template refused it: roles must alternate"):
+        tokenize_dataset([CONVERSATIONAL], tokenizer)

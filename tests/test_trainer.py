@@ -174,3 +174,11 @@ def test_a_last_batch_of_one_pair_is_logged_whole(tmp_path, tokenizer, hh_pairs)
     last = step_logs(trainer)[1]  # 3 pairs in batches of 2: the second batch holds one pair
     assert last["rewards/accuracies"] in (0.0, 1.0)
     assert last["rewards/margins"] == pytest.approx(last["rewards/chosen"] - last["rewards/rejected"], abs=1e-7)
+
+
+def test_a_tokenizer_without_pad_token_pads_with_eos(tmp_path, tokenizer, hh_pairs):
+    tokenizer.pad_token = None
+    trainer = DPOMinTrainer(tiny_llama(), DPOMinConfig(**config(tmp_path, max_steps=1)), train_dataset=hh_pairs,
+                            processing_class=tokenizer, peft_config=lora())
+    assert tokenizer.pad_token == tokenizer.eos_token
+    assert trainer.data_collator.pad_token_id == tokenizer.eos_token_id
