@@ -4,6 +4,8 @@ from dataclasses import dataclass, field
 
 from transformers import TrainingArguments
 
+from .losses import LOSS_TYPES
+
 TRUNCATION_MODES = ("keep_end", "keep_start")
 
 
@@ -16,10 +18,23 @@ class DPOMinConfig(TrainingArguments):
 
     learning_rate: float = field(default=1e-6, metadata={"help": "AdamW learning rate (TRL's DPO default)."})
     beta: float = field(default=0.1, metadata={"help": "Strength of the implicit KL penalty towards the reference."})
-    loss_type: str = field(default="sigmoid", metadata={"help": "Preference loss; see README for the list."})
-    label_smoothing: float = field(
-        default=0.0, metadata={"help": "Probability that a label is flipped (conservative DPO / robust DPO)."}
+    loss_type: list[str] = field(
+        default_factory=lambda: ["sigmoid"],
+        metadata={"help": f"Preference loss(es), space- or comma-separated, from {', '.join(LOSS_TYPES)}."},
     )
+    loss_weights: list[float] | None = field(
+        default=None, metadata={"help": "One weight per loss_type: total = sum_i w_i * mean(L_i). Default all 1."}
+    )
+    label_smoothing: float = field(
+        default=0.0,
+        metadata={"help": "eps: label-flip probability for sigmoid (conservative DPO), aot and robust; exo_pair's eps."},
+    )
+    reference_free: bool = field(default=False, metadata={"help": "Take the reference log-probs as 0."})
+    ld_alpha: float | None = field(
+        default=None, metadata={"help": "LD-DPO: weight in [0, 1] of the tokens beyond the shorter completion."}
+    )
+    use_weighting: bool = field(default=False, metadata={"help": "WPO: weight each pair by its policy probability."})
+    discopop_tau: float = field(default=0.05, metadata={"help": "Temperature of the discopop loss."})
     max_length: int | None = field(
         default=1024, metadata={"help": "Most tokens of prompt+completion; completions are cut to fit."}
     )
@@ -31,6 +46,17 @@ class DPOMinConfig(TrainingArguments):
     precompute_ref_log_probs: bool = field(
         default=False, metadata={"help": "Compute every pair's reference log-probs once, before training."}
     )
+    model_adapter_name: str | None = field(
+        default=None, metadata={"help": "PeftModel: the adapter to train (default: the active one)."}
+    )
+    ref_adapter_name: str | None = field(
+        default=None, metadata={"help": "PeftModel: another adapter of the same model, used frozen as reference."}
+    )
+    sync_ref_model: bool = field(
+        default=False, metadata={"help": "TR-DPO: every ref_model_sync_steps, ref <- alpha * policy + (1-alpha) * ref."}
+    )
+    ref_model_mixup_alpha: float = field(default=0.6, metadata={"help": "TR-DPO alpha, in (0, 1]."})
+    ref_model_sync_steps: int = field(default=512, metadata={"help": "TR-DPO: optimizer steps between syncs."})
     disable_dropout: bool = field(default=True, metadata={"help": "Turn dropout off in policy and reference."})
     remove_unused_columns: bool = field(
         default=False, metadata={"help": "Kept False: the collator picks the columns it needs."}
@@ -38,6 +64,8 @@ class DPOMinConfig(TrainingArguments):
 
     def __post_init__(self):
         super().__post_init__()
+        self._check_losses()
+        self._check_reference()
         if self.beta <= 0:
             raise ValueError(f"beta must be > 0, got {self.beta}")
         if self.truncation_mode not in TRUNCATION_MODES:
@@ -46,3 +74,42 @@ class DPOMinConfig(TrainingArguments):
             raise ValueError(f"max_length must be >= 2 or None, got {self.max_length}")
         if self.max_prompt_length is not None and self.max_prompt_length < 1:
             raise ValueError(f"max_prompt_length must be >= 1 or None, got {self.max_prompt_length}")
+
+    def _check_losses(self) -> None:
+        # From Python a string, from the CLI a list whose items may hold commas: both become a list of names.
+        names = [self.loss_type] if isinstance(self.loss_type, str) else list(self.loss_type)
+        self.loss_type = [part.strip() for name in names for part in name.split(",") if part.strip()]
+        unknown = [name for name in self.loss_type if name not in LOSS_TYPES]
+        if unknown or not self.loss_type:
+            raise ValueError(f"unknown loss_type {unknown or names}; valid choices: {', '.join(LOSS_TYPES)}")
+        if self.loss_weights is not None and len(self.loss_weights) != len(self.loss_type):
+            raise ValueError(f"loss_weights needs one weight per loss_type: got {len(self.loss_weights)} weights for "
+                             f"{self.loss_type}")
+        eps = self.label_smoothing
+        if not 0.0 <= eps < 1.0:
+            raise ValueError(f"label_smoothing must be in [0, 1), got {eps}")
+        if "robust" in self.loss_type and eps >= 0.5:
+            raise ValueError(f"loss_type 'robust' needs label_smoothing in [0, 0.5), got {eps}")
+        if "exo_pair" in self.loss_type and eps == 0.0:
+            raise ValueError("loss_type 'exo_pair' needs label_smoothing in (0, 1) (the EXO paper uses 1e-3), got 0")
+        if self.ld_alpha is not None and not 0.0 <= self.ld_alpha <= 1.0:
+            raise ValueError(f"ld_alpha must be in [0, 1] or None, got {self.ld_alpha}")
+        if self.use_weighting and {"aot", "aot_unpaired"} & set(self.loss_type):
+            raise ValueError("use_weighting (WPO) cannot weight aot/aot_unpaired: they sort pairs across the batch")
+        if self.discopop_tau <= 0:
+            raise ValueError(f"discopop_tau must be > 0, got {self.discopop_tau}")
+
+    def _check_reference(self) -> None:
+        if self.sync_ref_model:
+            if not 0.0 < self.ref_model_mixup_alpha <= 1.0:
+                raise ValueError(f"ref_model_mixup_alpha must be in (0, 1], got {self.ref_model_mixup_alpha}")
+            if self.ref_model_sync_steps < 1:
+                raise ValueError(f"ref_model_sync_steps must be >= 1, got {self.ref_model_sync_steps}")
+            if self.precompute_ref_log_probs or self.reference_free:
+                raise ValueError("sync_ref_model updates the reference during training: it cannot be combined with "
+                                 "precompute_ref_log_probs or reference_free")
+        if self.reference_free and self.precompute_ref_log_probs:
+            raise ValueError("reference_free needs no reference log-probs: drop precompute_ref_log_probs")
+        if self.ref_adapter_name is not None and self.ref_adapter_name == self.model_adapter_name:
+            raise ValueError(f"ref_adapter_name and model_adapter_name are both {self.ref_adapter_name!r}: the "
+                             "reference must be another adapter than the trained one")

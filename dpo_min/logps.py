@@ -2,8 +2,9 @@
 
 Only positions whose next token is a completion token need the output layer, so the model is asked for those
 logits alone (`logits_to_keep` as a boolean mask: a [K, V] tensor, K = completion tokens in the batch). The
-log-prob of each label is its logit minus the logsumexp of its row, taken in float32 chunk by chunk, and the
-backward recomputes the softmax per chunk: no float32 [2B, T, V] log-softmax is ever held.
+log-prob of each label is its logit minus the logsumexp of its row, taken in float32 (or the logits' own dtype when
+wider) chunk by chunk, and the backward recomputes the softmax per chunk: no float32 [2B, T, V] log-softmax is ever
+held.
 """
 
 from dataclasses import dataclass
@@ -20,11 +21,13 @@ CHUNK_TOKENS = 1024
 class SequenceLogps:
     """Log-probs of the 2B sequences of a batch (chosen first, then rejected).
 
-    logps:         [2B] sum over completion tokens of log p(token).
-    token_counts:  [2B] completion tokens per sequence.
-    logits_sums:   [2B] sum over completion tokens of the mean logit over the vocabulary (no grad), for metrics.
-    token_logps:   [K]  log p of every completion token, in batch order.
-    token_sequence:[K]  which sequence each of those tokens belongs to.
+    logps:           [2B] sum over completion tokens of log p(token).
+    token_counts:    [2B] completion tokens per sequence (float).
+    logits_sums:     [2B] sum over completion tokens of the mean logit over the vocabulary (no grad), for metrics.
+    token_logps:     [K]  log p of every completion token, in batch order.
+    token_sequence:  [K]  which sequence each of those tokens belongs to.
+    token_positions: [K]  index of each token inside its completion (0 = first completion token).
+    token_log_sum_sq_probs: [K] log sum_v p(v)^2 of each token's distribution (no grad), only when asked for (WPO).
     """
 
     logps: torch.Tensor
@@ -32,47 +35,82 @@ class SequenceLogps:
     logits_sums: torch.Tensor
     token_logps: torch.Tensor
     token_sequence: torch.Tensor
+    token_positions: torch.Tensor
+    token_log_sum_sq_probs: torch.Tensor | None = None
+
+    def _per_sequence(self, values: torch.Tensor) -> torch.Tensor:
+        return values.new_zeros(self.logps.shape).index_add(0, self.token_sequence, values)
+
+    def pair_logps(self, ld_alpha: float | None = None) -> torch.Tensor:
+        """[2B] summed log-probs; with `ld_alpha` (LD-DPO), the tokens of a completion beyond the length of the
+        shorter completion of its pair count `ld_alpha` times."""
+        if ld_alpha is None:
+            return self.logps
+        shared_lengths = torch.minimum(*self.token_counts.chunk(2)).repeat(2)
+        beyond_shared = self.token_positions >= shared_lengths[self.token_sequence]
+        return self._per_sequence(torch.where(beyond_shared, ld_alpha * self.token_logps, self.token_logps))
+
+    def wpo_weights(self) -> torch.Tensor:
+        """[B] WPO pair weights (no grad): per sequence exp(mean over tokens of log p - log sum_v p(v)^2), the
+        probability of the completion under its own sampling-like reweighting; chosen weight * rejected weight."""
+        if self.token_log_sum_sq_probs is None:
+            raise ValueError("WPO weights need sequence_logps(..., with_sum_sq_probs=True)")
+        aligned = self._per_sequence((self.token_logps - self.token_log_sum_sq_probs).detach())
+        chosen, rejected = torch.exp(aligned / self.token_counts).chunk(2)
+        return chosen * rejected
 
 
 class _LabelLogProbs(torch.autograd.Function):
-    """log_softmax(logits)[label] for [K, V] logits, in float32 chunks; saves only the logits and a [K] logsumexp."""
+    """log_softmax(logits)[label] for [K, V] logits, in float32 chunks; saves only the logits and a [K] logsumexp.
+
+    Also returns, without gradient, the mean logit of each row and (when asked) log sum_v p(v)^2 for WPO."""
 
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, labels: torch.Tensor):
-        token_logps = logits.new_empty(labels.shape, dtype=torch.float32)
+    def forward(ctx, logits: torch.Tensor, labels: torch.Tensor, with_sum_sq_probs: bool):
+        dtype = torch.promote_types(logits.dtype, torch.float32)
+        token_logps = logits.new_empty(labels.shape, dtype=dtype)
         logsumexp = torch.empty_like(token_logps)
         mean_logits = torch.empty_like(token_logps)
+        log_sum_sq_probs = torch.empty_like(token_logps) if with_sum_sq_probs else None
         for start in range(0, logits.size(0), CHUNK_TOKENS):
-            chunk = logits[start:start + CHUNK_TOKENS].float()
-            logsumexp[start:start + CHUNK_TOKENS] = torch.logsumexp(chunk, dim=-1)
-            label_logits = chunk.gather(-1, labels[start:start + CHUNK_TOKENS, None]).squeeze(-1)
-            token_logps[start:start + CHUNK_TOKENS] = label_logits - logsumexp[start:start + CHUNK_TOKENS]
-            mean_logits[start:start + CHUNK_TOKENS] = chunk.mean(dim=-1)
+            rows = slice(start, start + CHUNK_TOKENS)
+            chunk = logits[rows].to(dtype)
+            logsumexp[rows] = torch.logsumexp(chunk, dim=-1)
+            token_logps[rows] = chunk.gather(-1, labels[rows, None]).squeeze(-1) - logsumexp[rows]
+            mean_logits[rows] = chunk.mean(dim=-1)
+            if with_sum_sq_probs:
+                # log sum exp(2 z - 2 lse) without forming the probabilities
+                log_sum_sq_probs[rows] = torch.logsumexp(2 * chunk, dim=-1) - 2 * logsumexp[rows]
         ctx.save_for_backward(logits, labels, logsumexp)
-        ctx.mark_non_differentiable(mean_logits)
-        return token_logps, mean_logits
+        ctx.mark_non_differentiable(*(t for t in (mean_logits, log_sum_sq_probs) if t is not None))
+        return token_logps, mean_logits, log_sum_sq_probs
 
     @staticmethod
-    def backward(ctx, grad_token_logps: torch.Tensor, _grad_mean_logits: torch.Tensor):
+    def backward(ctx, grad_token_logps: torch.Tensor, *_grads_without_use):
         logits, labels, logsumexp = ctx.saved_tensors
         grad_logits = torch.empty_like(logits)
         for start in range(0, logits.size(0), CHUNK_TOKENS):
             stop = start + CHUNK_TOKENS
             # d/dlogits of (logit[label] - logsumexp) = onehot(label) - softmax
-            probs = torch.exp(logits[start:stop].float() - logsumexp[start:stop, None])
+            probs = torch.exp(logits[start:stop].to(logsumexp.dtype) - logsumexp[start:stop, None])
             grad = -probs * grad_token_logps[start:stop, None]
             grad.scatter_add_(-1, labels[start:stop, None], grad_token_logps[start:stop, None])
             grad_logits[start:stop] = grad.to(logits.dtype)
-        return grad_logits, None
+        return grad_logits, None, None
 
 
 def label_logps(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(log p(label), mean logit) per row of [K, V] logits, both float32 [K]."""
-    return _LabelLogProbs.apply(logits, labels)
+    """(log p(label), mean logit) per row of [K, V] logits, both [K] in float32 (float64 for float64 logits)."""
+    token_logps, mean_logits, _ = _LabelLogProbs.apply(logits, labels, False)
+    return token_logps, mean_logits
 
 
-def sequence_logps(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> SequenceLogps:
-    """One forward of `model` over a collated batch -> log-probs of each of its sequences."""
+def sequence_logps(model: torch.nn.Module, batch: dict[str, torch.Tensor],
+                   with_sum_sq_probs: bool = False) -> SequenceLogps:
+    """One forward of `model` over a collated batch -> log-probs of each of its sequences.
+
+    `with_sum_sq_probs` also fills `token_log_sum_sq_probs` (for WPO weights), at the cost of one more pass over
+    each chunk of logits."""
     labels, sequence_index = batch["labels"], batch["sequence_index"]
     num_sequences = 2 * _num_pairs(batch)
     # Position t predicts token t+1: keep the positions whose next token is a completion token.
@@ -84,18 +122,30 @@ def sequence_logps(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> Se
     keep = predicts_completion[:, :-1]
     token_labels = next_labels[keep]
     token_sequence = sequence_index[:, 1:][keep]
-    token_logps, mean_logits = label_logps(logits, token_labels)
+    token_logps, mean_logits, log_sum_sq_probs = _LabelLogProbs.apply(logits, token_labels, with_sum_sq_probs)
 
     def per_sequence(values: torch.Tensor) -> torch.Tensor:
         return values.new_zeros(num_sequences).index_add(0, token_sequence, values)
 
+    token_counts = per_sequence(torch.ones_like(token_logps))
     return SequenceLogps(
         logps=per_sequence(token_logps),
-        token_counts=per_sequence(torch.ones_like(token_logps)),
+        token_counts=token_counts,
         logits_sums=per_sequence(mean_logits),
         token_logps=token_logps,
         token_sequence=token_sequence,
+        token_positions=_positions_in_sequence(token_sequence, token_counts.long()),
+        token_log_sum_sq_probs=log_sum_sq_probs,
     )
+
+
+def _positions_in_sequence(token_sequence: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """[K] rank of each token among the tokens of its sequence, in batch order (any row layout)."""
+    order = torch.argsort(token_sequence, stable=True)
+    starts = torch.cumsum(counts, 0) - counts  # index in `order` of each sequence's first token
+    positions = torch.empty_like(token_sequence)
+    positions[order] = torch.arange(len(order), device=order.device) - starts[token_sequence[order]]
+    return positions
 
 
 def _num_pairs(batch: dict[str, torch.Tensor]) -> int:

@@ -8,11 +8,13 @@ from collections import defaultdict
 from typing import Any
 
 import torch
+from accelerate.utils import broadcast_object_list
 from datasets import Dataset
 from torch.utils.data import DataLoader
-from transformers import PreTrainedModel, Trainer, set_seed
+from transformers import PreTrainedModel, Trainer, TrainerCallback, set_seed
 from transformers.trainer_utils import rotate_checkpoints
 
+from . import ref_cache
 from .collator import DPODataCollator
 from .config import DPOMinConfig
 from .data import is_tokenized, tokenize_dataset
@@ -31,12 +33,46 @@ def _is_peft(model: Any) -> bool:
     return PeftModel is not None and isinstance(model, PeftModel)
 
 
+@torch.no_grad()
+def _mix_into(target: dict[str, torch.Tensor], source: dict[str, torch.Tensor], alpha: float) -> None:
+    """target <- alpha * source + (1 - alpha) * target, name by name (TRL's SyncRefModelCallback arithmetic)."""
+    for name, value in source.items():
+        target[name].mul_(1.0 - alpha).add_(value, alpha=alpha)
+
+
+def _adapter_parameters(model: "PeftModel", adapter: str) -> dict[str, torch.Tensor]:
+    """The parameters of one adapter, keyed by their name with the adapter's name taken out."""
+    tag = f".{adapter}."
+    return {name.replace(tag, "."): param for name, param in model.named_parameters() if tag in name}
+
+
+def _add_adapter_copy(model: "PeftModel", name: str) -> str:
+    """Add adapter `name`, frozen, with the weights of the active adapter; the active adapter stays active."""
+    active = model.active_adapter
+    model.add_adapter(name, model.peft_config[active])
+    _mix_into(_adapter_parameters(model, name), _adapter_parameters(model, active), alpha=1.0)
+    model.set_adapter(active)  # only the active adapter trains
+    return name
+
+
+class _SyncReference(TrainerCallback):
+    """TR-DPO: after every `ref_model_sync_steps` optimizer steps, move the reference towards the policy."""
+
+    def __init__(self, trainer: "DPOMinTrainer"):
+        self.trainer = trainer
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step % args.ref_model_sync_steps == 0:
+            self.trainer.sync_reference()
+
+
 class DPOMinTrainer(Trainer):
     """Direct Preference Optimization on `transformers.Trainer`.
 
-    The reference is, in this order of preference: the same PEFT model with its adapter disabled (or, for a
-    PeftModel that arrives with a trained adapter, a frozen copy of that adapter); `ref_model`; precomputed
-    log-probs (`precompute_ref_log_probs=True`); otherwise a frozen copy of `model` made here.
+    The reference is, in this order of preference: for a PEFT model, the adapter named `ref_adapter_name`, or the
+    model with its adapter disabled (`peft_config`), or a frozen copy of the adapter it arrives with; `ref_model`;
+    precomputed log-probs (`precompute_ref_log_probs=True`, cached on disk); otherwise a frozen copy of `model`.
+    `sync_ref_model` (TR-DPO) moves the reference model or reference adapter towards the policy during training.
     """
 
     def __init__(
@@ -67,22 +103,16 @@ class DPOMinTrainer(Trainer):
 
         # The adapter's random init must depend on the seed alone, as in TRL.
         set_seed(args.seed)
-        self.ref_adapter_name: str | None = None
-        if peft_config is not None:
+        model, self.ref_adapter_name = self._set_up_adapters(model, args, ref_model, peft_config)
+        if args.sync_ref_model and ref_model is not None:
             if _is_peft(model):
-                raise ValueError("pass either a PeftModel or a peft_config, not both")
-            model = get_peft_model(model, peft_config)
-        elif _is_peft(model) and ref_model is None:
-            # An adapter may arrive already trained: the reference is that adapter as it starts, kept frozen.
-            self.ref_adapter_name = REF_ADAPTER
-            active = model.active_adapter
-            model.add_adapter(REF_ADAPTER, model.peft_config[active])
-            for name, param in model.named_parameters():
-                if f".{active}." in name:
-                    model.get_parameter(name.replace(f".{active}.", f".{REF_ADAPTER}.")).data.copy_(param.data)
-            model.set_adapter(active)
+                raise ValueError("sync_ref_model with a PeftModel syncs a reference adapter: omit ref_model")
+            shapes = {name: p.shape for name, p in model.named_parameters()}
+            if shapes != {name: p.shape for name, p in ref_model.named_parameters()}:
+                raise ValueError("sync_ref_model needs a ref_model with the same parameters as model")
 
-        if ref_model is None and not _is_peft(model) and not args.precompute_ref_log_probs:
+        needs_reference = not (args.reference_free or args.precompute_ref_log_probs)
+        if ref_model is None and not _is_peft(model) and needs_reference:
             ref_model = copy.deepcopy(model)
         if ref_model is not None:
             ref_model.eval().requires_grad_(False)
@@ -110,6 +140,49 @@ class DPOMinTrainer(Trainer):
         self.model_accepts_loss_kwargs = False
         self.ref_model = None if ref_model is None else self.accelerator.prepare_model(ref_model, evaluation_mode=True)
         self._metrics: dict[str, dict[str, list[float]]] = {"train": defaultdict(list), "eval": defaultdict(list)}
+        if args.sync_ref_model:
+            self.add_callback(_SyncReference(self))
+
+    @staticmethod
+    def _set_up_adapters(model: Any, args: DPOMinConfig, ref_model: Any,
+                         peft_config: "PeftConfig | None") -> tuple[Any, str | None]:
+        """Wrap or pick the trained adapter; return the model and the name of the reference adapter, if any."""
+        named = [name for name in (args.model_adapter_name, args.ref_adapter_name) if name is not None]
+        if named and (not _is_peft(model) or ref_model is not None):
+            raise ValueError("model_adapter_name / ref_adapter_name name adapters of the PeftModel passed as model "
+                             "(without ref_model)")
+        if peft_config is not None:
+            if _is_peft(model):
+                raise ValueError("pass either a PeftModel or a peft_config, not both")
+            model = get_peft_model(model, peft_config)
+            # The reference is the model with the adapter disabled, unless TR-DPO must move it: then it needs
+            # weights of its own, a copy of the fresh adapter (equal to the bare model while B = 0).
+            return model, _add_adapter_copy(model, REF_ADAPTER) if args.sync_ref_model else None
+        if not _is_peft(model) or ref_model is not None:
+            return model, None
+        for name in named:
+            if name not in model.peft_config:
+                raise ValueError(f"no adapter named {name!r} in the model; it has {sorted(model.peft_config)}")
+        if args.model_adapter_name is not None:
+            model.set_adapter(args.model_adapter_name)  # also freezes every other adapter
+        if args.ref_adapter_name is not None:
+            return model, args.ref_adapter_name
+        # An adapter may arrive already trained: the reference is that adapter as it starts, kept frozen.
+        return model, _add_adapter_copy(model, REF_ADAPTER)
+
+    @torch.no_grad()
+    def sync_reference(self) -> None:
+        """TR-DPO: reference <- alpha * policy + (1 - alpha) * reference, for a reference model or adapter."""
+        alpha = self.args.ref_model_mixup_alpha
+        policy = self.accelerator.unwrap_model(self.model)
+        if self.ref_model is not None:
+            reference = self.accelerator.unwrap_model(self.ref_model)
+            _mix_into(dict(reference.named_parameters()), dict(policy.named_parameters()), alpha)
+        elif self.ref_adapter_name is not None:
+            _mix_into(_adapter_parameters(policy, self.ref_adapter_name),
+                      _adapter_parameters(policy, policy.active_adapter), alpha)
+        else:
+            raise ValueError("no reference weights to sync: the reference log-probs were precomputed")
 
     # ---- reference --------------------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -123,7 +196,7 @@ class DPOMinTrainer(Trainer):
                 yield
         else:
             active = unwrapped.active_adapter
-            unwrapped.set_adapter(self.ref_adapter_name)
+            unwrapped.set_adapter(self.ref_adapter_name, inference_mode=True)
             try:
                 yield
             finally:
@@ -146,19 +219,47 @@ class DPOMinTrainer(Trainer):
             raise ValueError(f"cannot precompute reference log-probs for the {description} data after training "
                              "started: full fine-tuning without ref_model uses the untrained model as reference. "
                              "Pass eval_dataset at construction or a ref_model.")
+        key = ref_cache.cache_key(self._reference_weights(), dataset, self._reference_settings())
+        cached = ref_cache.load(key, len(dataset))
+        if self.accelerator.num_processes > 1:  # all processes must take the same branch: the pass below gathers
+            cached = broadcast_object_list([cached])[0]
+        if cached is None:
+            cached = self._reference_pass(dataset)
+            if self.accelerator.is_main_process:
+                ref_cache.save(key, *cached)
+        dataset = dataset.add_column("ref_chosen_logps", cached[0].tolist())
+        return dataset.add_column("ref_rejected_logps", cached[1].tolist())
+
+    def _reference_pass(self, dataset: Dataset) -> tuple[torch.Tensor, torch.Tensor]:
         loader = DataLoader(dataset, batch_size=self.args.per_device_eval_batch_size, shuffle=False,
                             collate_fn=self.data_collator, num_workers=self.args.dataloader_num_workers)
         chosen, rejected = [], []
         was_training = self.model.training
         self.model.eval()
         for batch in self.accelerator.prepare(loader):
-            ref = self.reference_logps(batch).logps.chunk(2)
+            ref = self.reference_logps(batch).pair_logps(self.args.ld_alpha).chunk(2)
             ref = self.accelerator.gather_for_metrics(ref)
             chosen.append(ref[0].float().cpu())
             rejected.append(ref[1].float().cpu())
         self.model.train(was_training)
-        dataset = dataset.add_column("ref_chosen_logps", torch.cat(chosen).tolist())
-        return dataset.add_column("ref_rejected_logps", torch.cat(rejected).tolist())
+        return torch.cat(chosen), torch.cat(rejected)
+
+    def _reference_weights(self) -> list[tuple[str, torch.Tensor]]:
+        """The tensors the reference log-probs depend on (for the precompute cache key)."""
+        if self.ref_model is not None:
+            return list(self.accelerator.unwrap_model(self.ref_model).state_dict().items())
+        model = self.accelerator.unwrap_model(self.model)
+        trained = f".{model.active_adapter}." if _is_peft(model) else None
+        return [(name, tensor) for name, tensor in model.state_dict().items() if trained is None or trained not in name]
+
+    def _reference_settings(self) -> dict[str, Any]:
+        args = self.args
+        if self.ref_model is not None or not _is_peft(self.accelerator.unwrap_model(self.model)):
+            reference = "model"
+        else:
+            reference = f"adapter {self.ref_adapter_name}" if self.ref_adapter_name else "adapter disabled"
+        return {"reference": reference, "ld_alpha": args.ld_alpha, "max_length": args.max_length,
+                "max_prompt_length": args.max_prompt_length, "truncation_mode": args.truncation_mode}
 
     def _precompute_all(self) -> None:
         self.train_dataset = self._with_reference_logps(self.train_dataset, "train")
@@ -194,29 +295,37 @@ class DPOMinTrainer(Trainer):
 
     # ---- loss ---------------------------------------------------------------------------------------------------
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        policy = sequence_logps(model, inputs)
-        chosen_logps, rejected_logps = policy.logps.chunk(2)
-        if "ref_chosen_logps" in inputs:
+        args = self.args
+        policy = sequence_logps(model, inputs, with_sum_sq_probs=args.use_weighting)
+        pair_logps = policy.pair_logps(args.ld_alpha)
+        chosen_logps, rejected_logps = pair_logps.chunk(2)
+        if args.reference_free:
+            ref_chosen_logps, ref_rejected_logps = torch.zeros_like(chosen_logps), torch.zeros_like(rejected_logps)
+        elif "ref_chosen_logps" in inputs:
             ref_chosen_logps, ref_rejected_logps = inputs["ref_chosen_logps"], inputs["ref_rejected_logps"]
         else:
-            ref_chosen_logps, ref_rejected_logps = self.reference_logps(inputs).logps.chunk(2)
+            ref_chosen_logps, ref_rejected_logps = self.reference_logps(inputs).pair_logps(args.ld_alpha).chunk(2)
+        chosen_lengths, rejected_lengths = policy.token_counts.chunk(2)
         losses, chosen_rewards, rejected_rewards = dpo_loss(
-            chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps,
-            beta=self.args.beta, label_smoothing=self.args.label_smoothing,
+            chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, beta=args.beta,
+            label_smoothing=args.label_smoothing, reference_free=args.reference_free, loss_type=args.loss_type,
+            loss_weights=args.loss_weights, chosen_lengths=chosen_lengths, rejected_lengths=rejected_lengths,
+            chosen_nll=-policy.logps.chunk(2)[0], pair_weights=policy.wpo_weights() if args.use_weighting else None,
+            discopop_tau=args.discopop_tau,
         )
         loss = losses.mean()
         if not torch.isfinite(loss):
             self._raise_non_finite(loss, chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps)
-        self._record_metrics(policy, chosen_rewards, rejected_rewards)
+        self._record_metrics(policy, pair_logps, chosen_rewards, rejected_rewards)
         if return_outputs:
             return loss, {"chosen_rewards": chosen_rewards, "rejected_rewards": rejected_rewards}
         return loss
 
-    def _record_metrics(self, policy: SequenceLogps, chosen_rewards: torch.Tensor,
+    def _record_metrics(self, policy: SequenceLogps, pair_logps: torch.Tensor, chosen_rewards: torch.Tensor,
                         rejected_rewards: torch.Tensor) -> None:
         mode = "train" if self.model.training else "eval"
         # Only per-pair [B] tensors go through gather_for_metrics: it trims the last batch to the dataset's length.
-        chosen_logps, rejected_logps = policy.logps.detach().chunk(2)
+        chosen_logps, rejected_logps = pair_logps.detach().chunk(2)
         chosen_logits, rejected_logits = policy.logits_sums.chunk(2)
         chosen_tokens, rejected_tokens = policy.token_counts.chunk(2)
         (chosen_rewards, rejected_rewards, chosen_logps, rejected_logps, chosen_logits, rejected_logits,

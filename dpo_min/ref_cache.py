@@ -1,0 +1,88 @@
+"""Precomputed reference log-probs cached on disk, so that a second run on the same data skips the reference pass.
+
+An entry lives in `$DPO_MIN_CACHE/ref_logps/` (default `~/.cache/dpo_min/ref_logps/`) under a key that hashes
+- the weights the reference computes with: every tensor's name, shape, dtype and values; a tensor of more than
+  `SAMPLE_VALUES` values contributes an evenly strided sample of about that many values (so hashing a 7B model
+  takes seconds, not minutes; a fine-tune or merge changes every value of a matrix, so its sample too),
+- the tokenized pairs (prompt/chosen/rejected ids, in order), after truncation,
+- the settings that change the numbers (truncation settings, ld_alpha, which reference).
+Entries are written to a temporary file and renamed into place: an interrupted run leaves no partial entry.
+"""
+
+import hashlib
+import json
+import logging
+import os
+import pickle
+import tempfile
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from datasets import Dataset
+
+from .models import cache_dir
+
+logger = logging.getLogger(__name__)
+SAMPLE_VALUES = 1 << 20
+
+
+def fingerprint_tensors(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
+    digest = hashlib.sha256()
+    for name, tensor in sorted(named_tensors, key=lambda item: item[0]):
+        flat = tensor.detach().reshape(-1)
+        if flat.numel() > SAMPLE_VALUES:
+            flat = flat[:: flat.numel() // SAMPLE_VALUES]
+        digest.update(f"{name}:{tuple(tensor.shape)}:{tensor.dtype}".encode())
+        digest.update(flat.contiguous().view(torch.uint8).cpu().numpy().tobytes())
+    return digest.hexdigest()
+
+
+def fingerprint_pairs(dataset: Dataset) -> str:
+    table = dataset.with_format("arrow")[:]  # honours select()/shuffle() index mappings, unlike dataset.data
+    digest = hashlib.sha256()
+    for name in ("prompt_ids", "chosen_ids", "rejected_ids"):
+        column = table.column(name).combine_chunks()
+        for values in (column.value_lengths(), column.flatten()):
+            digest.update(np.asarray(values, dtype=np.int64).tobytes())
+    return digest.hexdigest()
+
+
+def cache_key(reference_weights: Iterable[tuple[str, torch.Tensor]], dataset: Dataset,
+              settings: dict[str, Any]) -> str:
+    description = {"weights": fingerprint_tensors(reference_weights), "pairs": fingerprint_pairs(dataset), **settings}
+    return hashlib.sha256(json.dumps(description, sort_keys=True).encode()).hexdigest()[:32]
+
+
+def _path(key: str) -> Path:
+    return cache_dir() / "ref_logps" / f"{key}.pt"
+
+
+def load(key: str, num_pairs: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(chosen [N], rejected [N]) reference log-probs, or None when there is no usable entry."""
+    path = _path(key)
+    if not path.exists():
+        return None
+    try:
+        saved = torch.load(path, weights_only=True)
+    except (OSError, RuntimeError, EOFError, pickle.UnpicklingError) as error:  # recomputed, not fatal
+        logger.warning("ignoring unreadable reference log-prob cache %s: %s", path, error)
+        return None
+    if len(saved["chosen"]) != num_pairs:
+        return None
+    return saved["chosen"], saved["rejected"]
+
+
+def save(key: str, chosen: torch.Tensor, rejected: torch.Tensor) -> Path:
+    path = _path(key)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle, staging = tempfile.mkstemp(dir=path.parent, prefix=".writing-")
+    try:
+        with os.fdopen(handle, "wb") as file:
+            torch.save({"chosen": chosen, "rejected": rejected}, file)
+        os.replace(staging, path)
+    finally:
+        Path(staging).unlink(missing_ok=True)
+    return path
