@@ -75,3 +75,33 @@ def test_chunking_does_not_change_the_result(monkeypatch, chunk):
     labels = torch.randint(0, 50, (10,))
     ours, _ = label_logps(logits, labels)
     torch.testing.assert_close(ours, torch.log_softmax(logits, -1).gather(-1, labels[:, None]).squeeze(-1))
+
+
+def test_token_positions_and_sum_sq_probs_per_token():
+    model = tiny_llama(vocab_size=64)
+    batch = DPODataCollator(pad_token_id=0)(EXAMPLES)
+    with torch.no_grad():
+        lean = sequence_logps(model, batch, with_sum_sq_probs=True)
+        # Unshared: full logits, float64, one row at a time.
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.double()
+    expected_positions, expected_sum_sq = [], []
+    for row in range(batch["input_ids"].size(0)):
+        completion = (batch["labels"][row] != -100).nonzero().squeeze(-1)
+        expected_positions += list(range(len(completion)))
+        probs = torch.softmax(logits[row, completion - 1], dim=-1)
+        expected_sum_sq.append(torch.log((probs ** 2).sum(-1)))
+    assert lean.token_positions.tolist() == expected_positions
+    torch.testing.assert_close(lean.token_log_sum_sq_probs.double(), torch.cat(expected_sum_sq), atol=1e-5, rtol=0)
+
+
+def test_ld_alpha_weights_the_tokens_beyond_the_shorter_completion():
+    batch = DPODataCollator(pad_token_id=0)(EXAMPLES)
+    with torch.no_grad():
+        lean = sequence_logps(tiny_llama(vocab_size=64), batch)
+    # Completion lengths: chosen 3, 2; rejected 2, 4 -> shared 2 and 2.
+    per_token = lean.token_logps.split(lean.token_counts.long().tolist())
+    chosen0, chosen1, rejected0, rejected1 = per_token
+    expected = torch.stack([chosen0[:2].sum() + 0.25 * chosen0[2:].sum(), chosen1.sum(), rejected0.sum(),
+                            rejected1[:2].sum() + 0.25 * rejected1[2:].sum()])
+    torch.testing.assert_close(lean.pair_logps(0.25), expected)
+    torch.testing.assert_close(lean.pair_logps(None), lean.logps)

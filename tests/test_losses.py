@@ -50,3 +50,44 @@ def test_loss_is_per_pair_and_rewards_are_detached():
     losses.sum().backward()
     # d/dx -log s(beta x) = -beta (1 - s(beta x)); at x = 0 that is -beta / 2.
     assert policy_chosen.grad[1].item() == pytest.approx(-0.05)
+
+
+@pytest.mark.parametrize(
+    "policy_chosen, policy_rejected, eps, beta, expected",
+    [
+        # As the original DPO code: reference_free sets the reference log-ratio to 0, so D = pc - pr.
+        (-10.0, -12.0, 0.0, 0.1, math.log1p(math.exp(-0.2))),
+        (-10.0, -12.0, 0.1, 0.1, 0.9 * math.log1p(math.exp(-0.2)) + 0.1 * math.log1p(math.exp(0.2))),
+        (-30.0, -20.0, 0.2, 0.5, 0.8 * math.log1p(math.exp(5.0)) + 0.2 * math.log1p(math.exp(-5.0))),
+        (-7.0, -7.0, 0.3, 1.0, math.log(2)),
+    ],
+)
+def test_reference_free_table(policy_chosen, policy_rejected, eps, beta, expected):
+    # The reference values would change every row if they were used.
+    losses, chosen_rewards, rejected_rewards = dpo_loss(t(policy_chosen), t(policy_rejected), t(-3.0), t(-50.0),
+                                                        beta=beta, label_smoothing=eps, reference_free=True)
+    assert losses.item() == pytest.approx(expected, abs=1e-10)
+    assert chosen_rewards.item() == pytest.approx(beta * policy_chosen)
+    assert rejected_rewards.item() == pytest.approx(beta * policy_rejected)
+
+
+def test_combined_losses_are_the_weighted_sum_of_their_means():
+    policy_chosen, policy_rejected = t(-10.0, -20.0), t(-12.0, -18.0)
+    reference = t(-11.0, -19.0)
+    lengths, nll = t(4.0, 6.0), t(10.0, 20.0)
+    losses, _, _ = dpo_loss(policy_chosen, policy_rejected, reference, reference, beta=0.1,
+                            loss_type=["sigmoid", "sft"], loss_weights=[1.0, 0.5], chosen_lengths=lengths,
+                            rejected_lengths=lengths, chosen_nll=nll)
+    # sigmoid: D = 2 and -2; sft: (10 + 20) / (4 + 6) = 3 per token, the same for both pairs.
+    sigmoid_mean = (math.log1p(math.exp(-0.2)) + math.log1p(math.exp(0.2))) / 2
+    assert losses.mean().item() == pytest.approx(sigmoid_mean + 0.5 * 3.0, abs=1e-12)
+
+
+def test_unknown_loss_type_lists_the_choices():
+    with pytest.raises(ValueError, match="sigmoid.*discopop"):
+        dpo_loss(t(-1.0), t(-2.0), t(-1.0), t(-2.0), loss_type="dpo")
+
+
+def test_length_normalised_losses_need_lengths():
+    with pytest.raises(ValueError, match="chosen_lengths"):
+        dpo_loss(t(-1.0), t(-2.0), t(-1.0), t(-2.0), loss_type="ipo")

@@ -6,7 +6,6 @@ weights, length normalisation, sft, the combination of several losses) is each t
 with respect to the policy's logits, and the reward/log-prob metrics must agree to 1e-6.
 """
 
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest

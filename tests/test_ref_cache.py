@@ -1,0 +1,70 @@
+"""precompute_ref_log_probs caches on disk: a second run skips the reference pass; model, data or truncation
+changes recompute."""
+
+import pytest
+from conftest import tiny_llama
+from peft import LoraConfig
+
+from dpo_min import DPOMinConfig, DPOMinTrainer
+
+
+@pytest.fixture
+def precompute(tmp_path, monkeypatch, tokenizer, hh_pairs):
+    """precompute(**changes) -> (reference passes it made, ref_chosen_logps), in a fresh cache under tmp_path."""
+    monkeypatch.setenv("DPO_MIN_CACHE", str(tmp_path / "cache"))
+    calls = []
+    reference_logps = DPOMinTrainer.reference_logps
+
+    def counted(self, inputs):
+        calls.append(1)
+        return reference_logps(self, inputs)
+
+    monkeypatch.setattr(DPOMinTrainer, "reference_logps", counted)
+
+    def run(ref_seed=1, rows=range(4), max_length=1024, seed=7, lora=False):
+        args = DPOMinConfig(output_dir=str(tmp_path / "out"), report_to="none", use_cpu=True, seed=seed,
+                            precompute_ref_log_probs=True, max_length=max_length, per_device_eval_batch_size=2)
+        peft_config = LoraConfig(r=4, target_modules=["q_proj"]) if lora else None
+        trainer = DPOMinTrainer(tiny_llama(), args, train_dataset=hh_pairs.select(rows), processing_class=tokenizer,
+                                ref_model=None if lora else tiny_llama(seed=ref_seed), peft_config=peft_config)
+        calls.clear()
+        trainer.get_train_dataloader()
+        return len(calls), trainer.train_dataset["ref_chosen_logps"]
+
+    return run
+
+
+def test_second_run_skips_the_reference_pass(precompute, tmp_path):
+    passes, first = precompute()
+    assert passes == 2  # 4 pairs, batches of 2
+    passes, second = precompute()
+    assert passes == 0
+    assert second == first
+    assert len(list((tmp_path / "cache" / "ref_logps").glob("*.pt"))) == 1
+
+
+@pytest.mark.parametrize("change", [{"ref_seed": 2}, {"rows": range(1, 5)}, {"max_length": 128}],
+                         ids=["model", "data", "max_length"])
+def test_a_change_of_model_data_or_truncation_recomputes(precompute, change):
+    _, first = precompute()
+    passes, changed = precompute(**change)
+    assert passes == 2
+    assert changed != first
+
+
+def test_adapter_reference_key_ignores_the_trained_adapter(precompute):
+    # The reference is the base model with the adapter off: a different adapter init (seed) still hits the cache.
+    assert precompute(lora=True, seed=1)[0] == 2
+    assert precompute(lora=True, seed=2)[0] == 0
+
+
+def test_pairs_fingerprint_follows_the_selected_rows():
+    from datasets import Dataset
+
+    from dpo_min.ref_cache import fingerprint_pairs
+
+    rows = [{"prompt_ids": [i, i + 1], "chosen_ids": [i + 2], "rejected_ids": [i + 3, 2]} for i in range(4)]
+    tokenized = Dataset.from_list(rows)
+    # Non-contiguous selections keep the whole table underneath, with an index mapping on top.
+    assert fingerprint_pairs(tokenized.select([0, 2])) == fingerprint_pairs(Dataset.from_list([rows[0], rows[2]]))
+    assert fingerprint_pairs(tokenized.select([0, 2])) != fingerprint_pairs(tokenized.select([0, 3]))

@@ -1,0 +1,182 @@
+"""The reference options: a named reference adapter, TR-DPO syncing, reference_free. Tiny models on token ids."""
+
+import copy
+
+import pytest
+import torch
+from conftest import tiny_llama
+from datasets import Dataset
+from peft import LoraConfig, get_peft_model
+from transformers import TrainerCallback
+
+from dpo_min import DPODataCollator, DPOMinConfig, DPOMinTrainer, dpo_loss
+from dpo_min.logps import sequence_logps
+
+VOCAB = 64
+
+
+def pairs(count: int = 8) -> Dataset:
+    generator = torch.Generator().manual_seed(0)
+
+    def ids(length):
+        return torch.randint(3, VOCAB, (length,), generator=generator).tolist()
+
+    return Dataset.from_list([{"prompt_ids": ids(5), "chosen_ids": ids(3 + i % 3) + [2], "rejected_ids": ids(4) + [2]}
+                              for i in range(count)])
+
+
+def config(tmp_path, **overrides):
+    settings = {"output_dir": str(tmp_path / "out"), "per_device_train_batch_size": 2, "max_steps": 4,
+                "learning_rate": 0.05, "report_to": "none", "save_strategy": "no", "use_cpu": True, "seed": 3,
+                "disable_tqdm": True, "logging_steps": 1}
+    return DPOMinConfig(**{**settings, **overrides})
+
+
+def lora():
+    return LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+
+
+def adapter_weights(model, adapter):
+    return {name.replace(f".{adapter}.", "."): p.detach().clone() for name, p in model.named_parameters()
+            if f".{adapter}." in name}
+
+
+def randomise_lora_b(model, adapter, seed):
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if f"lora_B.{adapter}." in name:
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.5)
+
+
+def first_batch(trainer):
+    return trainer.data_collator([trainer.train_dataset[i] for i in range(2)])
+
+
+def test_named_reference_adapter_stays_frozen_while_the_model_adapter_trains(tmp_path, tokenizer):
+    model = get_peft_model(tiny_llama(vocab_size=VOCAB), lora(), adapter_name="policy")
+    model.add_adapter("reference", lora())
+    randomise_lora_b(model, "policy", seed=1)
+    randomise_lora_b(model, "reference", seed=2)
+    model.set_adapter("reference")  # model_adapter_name, not the active adapter, picks what trains
+    snapshot = copy.deepcopy(model)
+    policy_before, reference_before = adapter_weights(model, "policy"), adapter_weights(model, "reference")
+    trainer = DPOMinTrainer(model, config(tmp_path, model_adapter_name="policy", ref_adapter_name="reference"),
+                            train_dataset=pairs(), processing_class=tokenizer)
+    trainer.train()
+
+    assert model.active_adapter == "policy"
+    reference_after = adapter_weights(model, "reference")
+    assert all(torch.equal(reference_after[name], value) for name, value in reference_before.items())
+    assert not any(p.requires_grad for name, p in model.named_parameters() if ".reference." in name)
+    policy_after = adapter_weights(model, "policy")
+    assert any(not torch.equal(policy_after[name], value) for name, value in policy_before.items())
+    # The reference log-probs are those of the untouched copy with only its reference adapter on.
+    batch = first_batch(trainer)
+    snapshot.set_adapter("reference")
+    with torch.no_grad():
+        expected = sequence_logps(snapshot, batch).logps
+        policy = sequence_logps(model, batch).logps
+    torch.testing.assert_close(trainer.reference_logps(batch).logps, expected)
+    assert (policy - expected).abs().max() > 1e-3
+
+
+def test_reference_adapter_must_exist(tmp_path, tokenizer):
+    model = get_peft_model(tiny_llama(vocab_size=VOCAB), lora())
+    with pytest.raises(ValueError, match="no adapter named 'ref_typo'"):
+        DPOMinTrainer(model, config(tmp_path, ref_adapter_name="ref_typo"), train_dataset=pairs(),
+                      processing_class=tokenizer)
+
+
+class Recorder(TrainerCallback):
+    """Reference and policy weights around every step (runs after the trainer's own sync callback)."""
+
+    def __init__(self, reference_weights, policy_weights):
+        self.reference_weights, self.policy_weights = reference_weights, policy_weights
+        self.before, self.after, self.policy = [], [], []
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.before.append(self.reference_weights())
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.after.append(self.reference_weights())
+        self.policy.append(self.policy_weights())
+
+
+def check_sync(recorder, alpha, sync_steps):
+    for step, (before, after, policy) in enumerate(zip(recorder.before, recorder.after, recorder.policy), start=1):
+        for name, value in after.items():
+            if step % sync_steps == 0:
+                expected = policy[name] if alpha == 1.0 else alpha * policy[name] + (1 - alpha) * before[name]
+                torch.testing.assert_close(value, expected, atol=1e-7, rtol=0)
+            else:
+                assert torch.equal(value, before[name]), (step, name)
+        if step % sync_steps:  # between syncs the policy moved away from the reference
+            assert any(not torch.equal(after[name], policy[name]) for name in after), step
+
+
+@pytest.mark.parametrize("alpha", [1.0, 0.5])
+def test_sync_moves_a_reference_model_every_n_steps(tmp_path, tokenizer, alpha):
+    model, ref_model = tiny_llama(vocab_size=VOCAB), tiny_llama(seed=5, vocab_size=VOCAB)
+    trainer = DPOMinTrainer(model, config(tmp_path, sync_ref_model=True, ref_model_mixup_alpha=alpha,
+                                          ref_model_sync_steps=2, max_steps=3),
+                            train_dataset=pairs(), processing_class=tokenizer, ref_model=ref_model)
+
+    def weights(module):
+        return lambda: {name: p.detach().clone() for name, p in module.named_parameters()}
+
+    recorder = Recorder(weights(ref_model), weights(model))
+    trainer.add_callback(recorder)
+    trainer.train()
+    assert len(recorder.after) == 3
+    check_sync(recorder, alpha, sync_steps=2)
+    assert not any(p.requires_grad for p in ref_model.parameters())
+
+
+@pytest.mark.parametrize("setup", ["peft_config", "named_adapters"])
+def test_sync_copies_the_trained_adapter_into_the_reference_adapter(tmp_path, tokenizer, setup):
+    base = tiny_llama(vocab_size=VOCAB)
+    if setup == "peft_config":
+        model, peft_config, names = base, lora(), {}
+    else:
+        model, peft_config = get_peft_model(base, lora(), adapter_name="policy"), None
+        model.add_adapter("reference", lora())
+        randomise_lora_b(model, "reference", seed=2)
+        names = {"model_adapter_name": "policy", "ref_adapter_name": "reference"}
+    trainer = DPOMinTrainer(model, config(tmp_path, sync_ref_model=True, ref_model_mixup_alpha=1.0,
+                                          ref_model_sync_steps=2, max_steps=3, **names),
+                            train_dataset=pairs(), processing_class=tokenizer, peft_config=peft_config)
+    peft_model = trainer.model
+    trained, reference = peft_model.active_adapter, trainer.ref_adapter_name
+    batch = first_batch(trainer)
+    if setup == "peft_config":
+        # The reference adapter starts as a copy of the fresh adapter: the bare base model.
+        with torch.no_grad(), peft_model.disable_adapter():
+            bare = sequence_logps(peft_model, batch).logps
+        torch.testing.assert_close(trainer.reference_logps(batch).logps, bare)
+    recorder = Recorder(lambda: adapter_weights(peft_model, reference), lambda: adapter_weights(peft_model, trained))
+    trainer.add_callback(recorder)
+    trainer.train()
+    check_sync(recorder, 1.0, sync_steps=2)
+    assert not any(p.requires_grad for name, p in peft_model.named_parameters() if f".{reference}." in name)
+
+
+def test_reference_free_needs_no_reference(tmp_path, tokenizer, monkeypatch):
+    model = tiny_llama(vocab_size=VOCAB)
+    # Two pairs, one batch: the logged loss is the mean over both, whatever order the sampler picks.
+    trainer = DPOMinTrainer(model, config(tmp_path, reference_free=True, max_steps=1), train_dataset=pairs(2),
+                            processing_class=tokenizer)
+    assert trainer.ref_model is None
+
+    def no_reference(*args, **kwargs):
+        raise AssertionError("reference_free must not compute reference log-probs")
+
+    monkeypatch.setattr(DPOMinTrainer, "reference_logps", no_reference)
+    batch = DPODataCollator(pad_token_id=2)([trainer.train_dataset[i] for i in range(2)])
+    with torch.no_grad():
+        chosen, rejected = sequence_logps(model, batch).logps.chunk(2)
+    trainer.train()
+    zeros = torch.zeros_like(chosen)
+    expected = dpo_loss(chosen, rejected, zeros, zeros, beta=0.1)[0].mean().item()
+    assert trainer.state.log_history[0]["loss"] == pytest.approx(expected, abs=1e-6)
+    assert expected != pytest.approx(0.6931471805599453, abs=1e-4)  # not the ln 2 of a reference equal to the policy
