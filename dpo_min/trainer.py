@@ -104,16 +104,19 @@ class DPOMinTrainer(Trainer):
         # The adapter's random init must depend on the seed alone, as in TRL.
         set_seed(args.seed)
         model, self.ref_adapter_name = self._set_up_adapters(model, args, ref_model, peft_config)
-        if args.sync_ref_model and ref_model is not None:
-            if _is_peft(model):
-                raise ValueError("sync_ref_model with a PeftModel syncs a reference adapter: omit ref_model")
-            shapes = {name: p.shape for name, p in model.named_parameters()}
-            if shapes != {name: p.shape for name, p in ref_model.named_parameters()}:
-                raise ValueError("sync_ref_model needs a ref_model with the same parameters as model")
-
         needs_reference = not (args.reference_free or args.precompute_ref_log_probs)
         if ref_model is None and not _is_peft(model) and needs_reference:
             ref_model = copy.deepcopy(model)
+        if args.sync_ref_model:
+            if ref_model is not None and _is_peft(model):
+                raise ValueError("sync_ref_model with a PeftModel syncs a reference adapter: omit ref_model")
+            if ref_model is not None:
+                policy, reference = dict(model.named_parameters()), dict(ref_model.named_parameters())
+            else:
+                policy = _adapter_parameters(model, model.active_adapter)
+                reference = _adapter_parameters(model, self.ref_adapter_name)
+            if {name: p.shape for name, p in policy.items()} != {name: p.shape for name, p in reference.items()}:
+                raise ValueError("sync_ref_model needs a reference (model or adapter) with the policy's parameters")
         if ref_model is not None:
             ref_model.eval().requires_grad_(False)
         if args.disable_dropout:

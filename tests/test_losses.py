@@ -91,3 +91,16 @@ def test_unknown_loss_type_lists_the_choices():
 def test_length_normalised_losses_need_lengths():
     with pytest.raises(ValueError, match="chosen_lengths"):
         dpo_loss(t(-1.0), t(-2.0), t(-1.0), t(-2.0), loss_type="ipo")
+
+
+def test_pair_weights_scale_every_term_and_keep_the_graph():
+    # TRL 1.16 scales in place and fails on backward for hinge and sft; here the weights are an ordinary product.
+    policy_chosen = t(-10.0, -20.0).requires_grad_()
+    inputs = (policy_chosen, t(-12.0, -18.0), t(-11.0, -19.0), t(-11.0, -19.0))
+    options = {"loss_type": ["hinge", "sft"], "chosen_lengths": t(4.0, 6.0), "rejected_lengths": t(5.0, 5.0)}
+    weights = t(0.5, 0.25)
+    weighted, _, _ = dpo_loss(*inputs, pair_weights=weights, **options)
+    unweighted, _, _ = dpo_loss(*inputs, **options)
+    torch.testing.assert_close(weighted, unweighted * weights)
+    weighted.mean().backward()
+    assert policy_chosen.grad.abs().sum() > 0

@@ -180,3 +180,11 @@ def test_reference_free_needs_no_reference(tmp_path, tokenizer, monkeypatch):
     expected = dpo_loss(chosen, rejected, zeros, zeros, beta=0.1)[0].mean().item()
     assert trainer.state.log_history[0]["loss"] == pytest.approx(expected, abs=1e-6)
     assert expected != pytest.approx(0.6931471805599453, abs=1e-4)  # not the ln 2 of a reference equal to the policy
+
+
+def test_sync_needs_a_reference_adapter_shaped_like_the_trained_one(tmp_path, tokenizer):
+    model = get_peft_model(tiny_llama(vocab_size=VOCAB), lora(), adapter_name="policy")
+    model.add_adapter("reference", LoraConfig(r=2, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    with pytest.raises(ValueError, match="policy's parameters"):
+        DPOMinTrainer(model, config(tmp_path, sync_ref_model=True, model_adapter_name="policy",
+                                    ref_adapter_name="reference"), train_dataset=pairs(), processing_class=tokenizer)
