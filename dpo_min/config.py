@@ -27,7 +27,7 @@ class DPOMinConfig(TrainingArguments):
     )
     label_smoothing: float = field(
         default=0.0,
-        metadata={"help": "eps: label-flip probability for sigmoid (conservative DPO), aot and robust; exo_pair's eps."},
+        metadata={"help": "eps: label-flip probability for sigmoid (conservative DPO), aot, robust; exo_pair's eps."},
     )
     reference_free: bool = field(default=False, metadata={"help": "Take the reference log-probs as 0."})
     ld_alpha: float | None = field(

@@ -84,7 +84,7 @@ def test_combined_losses_are_the_weighted_sum_of_their_means():
 
 
 def test_unknown_loss_type_lists_the_choices():
-    with pytest.raises(ValueError, match="sigmoid.*discopop"):
+    with pytest.raises(ValueError, match=r"sigmoid.*discopop"):
         dpo_loss(t(-1.0), t(-2.0), t(-1.0), t(-2.0), loss_type="dpo")
 
 

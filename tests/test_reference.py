@@ -21,7 +21,7 @@ def pairs(count: int = 8) -> Dataset:
     def ids(length):
         return torch.randint(3, VOCAB, (length,), generator=generator).tolist()
 
-    return Dataset.from_list([{"prompt_ids": ids(5), "chosen_ids": ids(3 + i % 3) + [2], "rejected_ids": ids(4) + [2]}
+    return Dataset.from_list([{"prompt_ids": ids(5), "chosen_ids": [*ids(3 + i % 3), 2], "rejected_ids": [*ids(4), 2]}
                               for i in range(count)])
 
 
