@@ -20,8 +20,8 @@ def test_non_finite_loss_names_the_step_and_quantity_and_keeps_the_checkpoint(tm
     real_sequence_logps = trainer_module.sequence_logps
     calls = []
 
-    def logps_with_an_inf_in_the_third_policy_forward(model, batch):
-        result = real_sequence_logps(model, batch)
+    def logps_with_an_inf_in_the_third_policy_forward(model, batch, **kwargs):
+        result = real_sequence_logps(model, batch, **kwargs)
         calls.append(1)
         if len(calls) == 5:  # each step: policy, then reference; call 5 is step 3's policy forward
             result.logps = result.logps + torch.tensor([float("-inf")] + [0.0] * (len(result.logps) - 1))
