@@ -272,6 +272,12 @@ class DPOMinTrainer(Trainer):
         else:
             self.eval_dataset = self._with_reference_logps(self.eval_dataset, "eval")
 
+    def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs: Any):
+        if self.args.precompute_ref_log_probs and resume_from_checkpoint:
+            # Before Trainer loads the checkpoint's weights: the reference is the model as given, not as trained.
+            self._precompute_all()
+        return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
+
     def get_train_dataloader(self) -> DataLoader:
         if self.args.precompute_ref_log_probs:
             # The eval data too, now: for full fine-tuning the reference is the model before its first step.

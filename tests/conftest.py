@@ -40,3 +40,12 @@ def hh_pairs():
     dataset = load_preference_dataset(str(HH_PATH))
     short = [i for i, row in enumerate(dataset) if sum(len(m["content"]) for m in row["prompt"]) < 300]
     return dataset.select(short[:8])
+
+
+@pytest.fixture(autouse=True)
+def isolated_reference_cache(tmp_path_factory, monkeypatch):
+    """Precomputed reference log-probs go to a per-test folder, not the user's cache (the converted model stays)."""
+    import dpo_min.ref_cache
+
+    folder = tmp_path_factory.mktemp("dpo_min_cache")
+    monkeypatch.setattr(dpo_min.ref_cache, "cache_dir", lambda: Path(os.environ.get("DPO_MIN_CACHE", folder)))
