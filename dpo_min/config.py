@@ -31,6 +31,16 @@ class DPOMinConfig(TrainingArguments):
     precompute_ref_log_probs: bool = field(
         default=False, metadata={"help": "Compute every pair's reference log-probs once, before training."}
     )
+    padding_free: bool = field(
+        default=False,
+        metadata={"help": "Pack the batch's sequences into one row with restarting position_ids: no pad token is "
+                          "computed. Needs sdpa or eager attention."},
+    )
+    share_prompt: bool = field(
+        default=False,
+        metadata={"help": "Lay each pair out as prompt, chosen, rejected with a 4D attention mask, so the prompt is "
+                          "computed once. Combines with padding_free. Needs sdpa or eager attention."},
+    )
     disable_dropout: bool = field(default=True, metadata={"help": "Turn dropout off in policy and reference."})
     remove_unused_columns: bool = field(
         default=False, metadata={"help": "Kept False: the collator picks the columns it needs."}

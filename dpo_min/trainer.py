@@ -10,7 +10,7 @@ from datasets import Dataset
 from torch.utils.data import DataLoader
 from transformers import PreTrainedModel, Trainer, set_seed
 
-from .collator import DPODataCollator
+from .collator import make_collator
 from .config import DPOMinConfig
 from .data import is_tokenized, tokenize_dataset
 from .logps import SequenceLogps, sequence_logps
@@ -22,10 +22,25 @@ except ImportError:  # peft is a dependency, but keep the full fine-tuning path 
     PeftConfig = PeftModel = get_peft_model = None
 
 REF_ADAPTER = "ref"
+# Attention implementations that build the block-diagonal mask from position_ids and take a 4D additive mask.
+PACKED_ATTENTION = ("sdpa", "eager")
 
 
 def _is_peft(model: Any) -> bool:
     return PeftModel is not None and isinstance(model, PeftModel)
+
+
+def _check_layout(model_config: Any, args: DPOMinConfig) -> None:
+    if not (args.padding_free or args.share_prompt):
+        return
+    attention = getattr(model_config, "_attn_implementation", None)
+    if attention not in PACKED_ATTENTION:
+        raise ValueError(f"padding_free and share_prompt need attention in {PACKED_ATTENTION} (the ones tested to "
+                         f"keep packed sequences apart), got {attention!r}")
+    layer_types = getattr(model_config, "layer_types", None) or ["sliding_attention"]
+    if args.share_prompt and getattr(model_config, "sliding_window", None) and "sliding_attention" in layer_types:
+        raise ValueError("share_prompt's 4D attention mask has no sliding window, and this model uses one "
+                         f"(sliding_window={model_config.sliding_window})")
 
 
 class DPOMinTrainer(Trainer):
@@ -99,7 +114,8 @@ class DPOMinTrainer(Trainer):
             eval_dataset = {name: prepare(dataset) for name, dataset in eval_dataset.items()}
         else:
             eval_dataset = prepare(eval_dataset)
-        data_collator = data_collator or DPODataCollator(pad_token_id=tokenizer.pad_token_id)
+        _check_layout(model.config, args)
+        data_collator = data_collator or make_collator(tokenizer.pad_token_id, args.padding_free, args.share_prompt)
 
         super().__init__(model=model, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset,
                          processing_class=processing_class, data_collator=data_collator, **kwargs)
