@@ -14,8 +14,8 @@ Counting:
   (0 when precomputed), P = all parameters of the model (the tied embedding counted once, as the output layer),
   U = each pair's unique tokens (prompt + chosen + rejected);
 - matmul FLOP/s: torch.mm of [1024, hidden] x [hidden, intermediate] in float32, best of before and after the configs;
-- sft: a plain supervised step (`model(..., labels=...)`) over the 2B sequences packed without padding: the work of a
-  DPO step without a reference pass and without prompt sharing.
+- sft: a supervised step (mean NLL of the completion tokens) over the 2B sequences packed without padding, through
+  the same lean log-probs: the work of a DPO step with no reference pass and no prompt sharing.
 """
 
 import argparse
@@ -55,8 +55,10 @@ def run_config(config: str, model_path: str, batch_size: int, warmup: int, steps
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
     from dpo_min import DPOMinConfig, DPOMinTrainer, load_model_and_tokenizer, load_preference_dataset
+    from dpo_min.attention import use_segmented_attention
     from dpo_min.collator import PackedDPODataCollator
     from dpo_min.data import tokenize_dataset
+    from dpo_min.logps import sequence_logps
 
     mode, method = config.split("/")
     trainer_kind, overrides = METHODS[method]
@@ -85,17 +87,15 @@ def run_config(config: str, model_path: str, batch_size: int, warmup: int, steps
             from peft import get_peft_model
 
             model = get_peft_model(model, peft_config)
-        model.config.use_cache = False  # with a cache transformers would not keep the packed sequences apart
-        packed = PackedDPODataCollator(tokenizer.pad_token_id, padding_free=True)
+        use_segmented_attention(model)
 
-        def collate(examples):
-            batch = packed(examples)
-            del batch["sequence_index"]
-            return batch
+        class SFTTrainer(Trainer):
+            def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+                return -sequence_logps(model, inputs).token_logps.mean()
 
         del settings["max_length"]
-        trainer = Trainer(model=model, args=TrainingArguments(**settings, remove_unused_columns=False),
-                          train_dataset=tokenized, data_collator=collate)
+        trainer = SFTTrainer(model=model, args=TrainingArguments(**settings, remove_unused_columns=False),
+                             train_dataset=tokenized, data_collator=PackedDPODataCollator(tokenizer.pad_token_id))
 
     step_times = []
 

@@ -24,7 +24,7 @@ import torch
 
 IGNORE_INDEX = -100
 # Keys of a batch that are not model inputs.
-NON_MODEL_KEYS = ("labels", "sequence_index", "ref_chosen_logps", "ref_rejected_logps")
+NON_MODEL_KEYS = ("labels", "sequence_index", "segment_bounds", "ref_chosen_logps", "ref_rejected_logps")
 
 
 @dataclass
@@ -98,7 +98,8 @@ class PackedDPODataCollator:
     """The padding-free and shared-prompt layouts (see the module docstring).
 
     padding_free: every sequence of the batch in one row [1, N], so no pad token is computed; otherwise one row per
-        sequence (or per pair with share_prompt), right-padded.
+        sequence (or per pair with share_prompt), right-padded. Adds `segment_bounds` [S + 1], where each of the row's
+        S independent segments (a sequence, or a pair with share_prompt) starts, then N: attention runs per segment.
     share_prompt: one segment per pair, the prompt computed once; adds a boolean 4D `attention_mask` [rows, 1, T, T]
         (True = may attend), which `sequence_logps` turns into the additive mask the model expects.
     """
@@ -132,13 +133,17 @@ class PackedDPODataCollator:
                 row.add(ex["prompt_ids"], 0, group=sequence, branch=1)
                 row.add(completion, len(ex["prompt_ids"]), group=sequence, branch=1, sequence=sequence)
                 rows.append(row)
+        segment_bounds = None
         if self.padding_free:
+            segment_bounds = torch.tensor([0] + [len(row.input_ids) for row in rows]).cumsum(0)
             packed = _Row()
             for row in rows:
                 for name, values in vars(row).items():
                     getattr(packed, name).extend(values)
             rows = [packed]
         batch = self._to_tensors(rows)
+        if segment_bounds is not None:
+            batch["segment_bounds"] = segment_bounds
         return add_reference_logps(batch, examples)
 
     def _to_tensors(self, rows: list[_Row]) -> dict[str, torch.Tensor]:

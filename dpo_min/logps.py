@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from .attention import segment_kwargs
 from .collator import IGNORE_INDEX, NON_MODEL_KEYS
 
 CHUNK_TOKENS = 1024
@@ -78,7 +79,8 @@ def sequence_logps(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> Se
     # Position t predicts token t+1: keep the positions whose next token is a completion token.
     next_labels = labels[:, 1:]
     predicts_completion = F.pad(next_labels != IGNORE_INDEX, (0, 1), value=False)
-    model_inputs = _model_inputs(model, batch)
+    model_inputs = _model_inputs(model, batch) | segment_kwargs(model, batch.get("segment_bounds"))
+    # No cache: with one, transformers would not keep packed sequences apart.
     logits = model(**model_inputs, logits_to_keep=predicts_completion, use_cache=False).logits
     logits = logits.reshape(-1, logits.size(-1))  # [K, V], in row-major order of the mask
     keep = predicts_completion[:, :-1]

@@ -10,6 +10,7 @@ from datasets import Dataset
 from torch.utils.data import DataLoader
 from transformers import PreTrainedModel, Trainer, set_seed
 
+from .attention import SEGMENTED_SDPA, use_segmented_attention
 from .collator import make_collator
 from .config import DPOMinConfig
 from .data import is_tokenized, tokenize_dataset
@@ -23,7 +24,7 @@ except ImportError:  # peft is a dependency, but keep the full fine-tuning path 
 
 REF_ADAPTER = "ref"
 # Attention implementations that build the block-diagonal mask from position_ids and take a 4D additive mask.
-PACKED_ATTENTION = ("sdpa", "eager")
+PACKED_ATTENTION = ("sdpa", "eager", SEGMENTED_SDPA)
 
 
 def _is_peft(model: Any) -> bool:
@@ -72,6 +73,7 @@ class DPOMinTrainer(Trainer):
             raise ValueError("processing_class (the tokenizer) is required to tokenize the pairs")
         if ref_model is not None and ref_model is model:
             raise ValueError("ref_model must be another object than model (omit it to get a frozen copy)")
+        _check_layout(model.config, args)
         tokenizer = getattr(processing_class, "tokenizer", processing_class)
         if tokenizer.pad_token is None:
             # Padding never reaches the loss (labels are -100 there), so any token id serves; EOS is the usual one.
@@ -98,6 +100,9 @@ class DPOMinTrainer(Trainer):
             ref_model = copy.deepcopy(model)
         if ref_model is not None:
             ref_model.eval().requires_grad_(False)
+        if args.padding_free:
+            for module in [model] + ([ref_model] if ref_model is not None else []):
+                use_segmented_attention(module)
         if args.disable_dropout:
             for module in [model] + ([ref_model] if ref_model is not None else []):
                 for submodule in module.modules():
@@ -114,7 +119,6 @@ class DPOMinTrainer(Trainer):
             eval_dataset = {name: prepare(dataset) for name, dataset in eval_dataset.items()}
         else:
             eval_dataset = prepare(eval_dataset)
-        _check_layout(model.config, args)
         data_collator = data_collator or make_collator(tokenizer.pad_token_id, args.padding_free, args.share_prompt)
 
         super().__init__(model=model, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset,

@@ -13,6 +13,7 @@ from test_trainer import METRICS, config, step_logs
 from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
 from dpo_min import DPOMinConfig, DPOMinTrainer, tokenize_dataset
+from dpo_min.attention import SEGMENTED_SDPA, use_segmented_attention
 from dpo_min.collator import PackedDPODataCollator, make_collator
 from dpo_min.logps import sequence_logps
 
@@ -40,12 +41,15 @@ def random_pairs(count: int, seed: int = 0) -> list[dict[str, list[int]]]:
     return pairs
 
 
-@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+@pytest.mark.parametrize("attention", ["sdpa", "eager", SEGMENTED_SDPA])
 @pytest.mark.parametrize("family", [tiny_llama, tiny_qwen2], ids=["llama", "qwen2"])
 def test_every_layout_gives_the_log_probs_of_one_sequence_at_a_time(family, attention):
     # Eval mode: there a forward builds a cache unless told not to, and with a cache transformers ignores
     # position_ids when masking, so packed sequences would attend to each other.
-    model = family(vocab_size=64, attn_implementation=attention).eval()
+    model = family(vocab_size=64, attn_implementation="eager" if attention == "eager" else "sdpa").eval()
+    if attention == SEGMENTED_SDPA:
+        use_segmented_attention(model)
+    assert model.config._attn_implementation == attention
     pairs = random_pairs(4)
     with torch.no_grad():
         reference = naive_logps(model, pairs)
@@ -167,3 +171,37 @@ def test_packed_layouts_refuse_attention_they_were_not_tested_with(tmp_path, tok
         DPOMinTrainer(tiny_qwen2(use_sliding_window=True, sliding_window=8, max_window_layers=0),
                       DPOMinConfig(**config(tmp_path, share_prompt=True)), train_dataset=hh_tokenized,
                       processing_class=tokenizer)
+
+
+def test_sdpa_attends_segment_by_segment_in_a_packed_row(monkeypatch):
+    seen = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(query, *args, **kwargs):
+        seen.append(query.shape[-2])
+        return sdpa(query, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    model = tiny_llama(vocab_size=64)
+    use_segmented_attention(model)
+    pairs = random_pairs(3)
+    batch = make_collator(0, padding_free=True, share_prompt=True)(pairs)
+    sequence_logps(model, batch)
+    pair_lengths = [len(p["prompt_ids"]) + len(p["chosen_ids"]) + len(p["rejected_ids"]) + 1 for p in pairs]
+    assert seen == pair_lengths * model.config.num_hidden_layers
+
+
+@pytest.mark.parametrize("layout", ["padding_free", "shared_packed"])
+def test_gradient_checkpointing_recomputes_segmented_attention(layout):
+    pairs = random_pairs(3)
+    batch = make_collator(0, *LAYOUTS[layout])(pairs)
+    grads = []
+    for checkpointing in (False, True):
+        model = tiny_llama(vocab_size=64).train()
+        use_segmented_attention(model)
+        if checkpointing:
+            model.gradient_checkpointing_enable()
+        sequence_logps(model, batch).logps.sum().backward()
+        grads.append([p.grad for p in model.parameters()])
+    for plain, recomputed in zip(*grads):
+        torch.testing.assert_close(recomputed, plain, rtol=1e-4, atol=1e-6)
