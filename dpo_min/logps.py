@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from .attention import segment_kwargs
 from .collator import IGNORE_INDEX, NON_MODEL_KEYS
 
-CHUNK_TOKENS = 1024
+CHUNK_TOKENS = 256
 
 
 @dataclass
@@ -59,11 +59,12 @@ class _LabelLogProbs(torch.autograd.Function):
         grad_logits = torch.empty_like(logits)
         for start in range(0, logits.size(0), CHUNK_TOKENS):
             stop = start + CHUNK_TOKENS
-            # d/dlogits of (logit[label] - logsumexp) = onehot(label) - softmax
-            probs = torch.exp(logits[start:stop].float() - logsumexp[start:stop, None])
-            grad = -probs * grad_token_logps[start:stop, None]
+            # d/dlogits of (logit[label] - logsumexp) = onehot(label) - softmax; in place, so that one float32
+            # [CHUNK_TOKENS, V] buffer is the only temporary while every activation of the model is still held.
+            grad = torch.sub(logits[start:stop].float(), logsumexp[start:stop, None]).exp_()
+            grad.mul_(-grad_token_logps[start:stop, None])
             grad.scatter_add_(-1, labels[start:stop, None], grad_token_logps[start:stop, None])
-            grad_logits[start:stop] = grad.to(logits.dtype)
+            grad_logits[start:stop] = grad
         return grad_logits, None
 
 
