@@ -1,6 +1,6 @@
 """dpo_min: Direct Preference Optimization on transformers.Trainer, small enough to read in an hour."""
 
-from .collator import DPODataCollator
+from .collator import DPODataCollator, PackedDPODataCollator
 from .config import DPOMinConfig
 from .data import load_preference_dataset, tokenize_dataset
 from .logps import sequence_logps
@@ -12,6 +12,7 @@ __all__ = [
     "DPODataCollator",
     "DPOMinConfig",
     "DPOMinTrainer",
+    "PackedDPODataCollator",
     "dpo_loss",
     "load_model_and_tokenizer",
     "load_preference_dataset",

@@ -1,20 +1,30 @@
-"""DPODataCollator: B tokenized pairs -> one forward batch of 2B sequences.
+"""Collators: B tokenized pairs -> one forward batch of 2B sequences, in one of three layouts.
 
 The batch is the seam between data and model. Whatever the layout, it holds
 - the model inputs (`input_ids` and `attention_mask`; other layouts use `position_ids` or a 4D mask),
-- `labels`: the token id at completion tokens, -100 elsewhere (aligned with `input_ids`, not shifted),
+- `labels`: the token id at completion tokens, -100 elsewhere (aligned with `input_ids`, not shifted: position t
+  predicts the label at t + 1 of the same row),
 - `sequence_index`: for each label, which of the 2B sequences it belongs to: chosen i -> i, rejected i -> B + i,
 so the trainer sums log-probs per sequence without knowing how the rows were laid out.
+
+Layouts:
+- `DPODataCollator`: 2B rows padded to the longest (as TRL).
+- `PackedDPODataCollator(padding_free=True)`: the 2B sequences in one row, `position_ids` restarting at 0 for each;
+  no `attention_mask`, from which transformers keeps each sequence to itself (a block-diagonal causal mask).
+- `PackedDPODataCollator(share_prompt=True)`: one segment per pair, prompt[:-1] | prompt[-1] chosen | prompt[-1]
+  rejected. Both answers continue the prompt's positions, and a 4D mask lets each answer see the shared prefix and
+  itself only. The prompt's last token is repeated at the head of each answer so that, in every layout, the
+  position just before a completion token predicts it; it costs one token per pair.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 IGNORE_INDEX = -100
 # Keys of a batch that are not model inputs.
-NON_MODEL_KEYS = ("labels", "sequence_index", "ref_chosen_logps", "ref_rejected_logps")
+NON_MODEL_KEYS = ("labels", "sequence_index", "segment_bounds", "ref_chosen_logps", "ref_rejected_logps")
 
 
 @dataclass
@@ -55,3 +65,107 @@ def add_reference_logps(batch: dict[str, torch.Tensor], examples: list[dict[str,
         if name in examples[0]:
             batch[name] = torch.tensor([ex[name] for ex in examples], dtype=torch.float32)
     return batch
+
+
+@dataclass
+class _Row:
+    """Per-token columns of one row. A token may attend to an earlier token of the same `group` whose `branch` is
+    its own or 0 (the shared prompt prefix); padding is group -1."""
+
+    input_ids: list[int] = field(default_factory=list)
+    position_ids: list[int] = field(default_factory=list)
+    labels: list[int] = field(default_factory=list)
+    sequence_index: list[int] = field(default_factory=list)
+    group: list[int] = field(default_factory=list)
+    branch: list[int] = field(default_factory=list)
+
+    def add(self, ids: list[int], first_position: int, group: int, branch: int, sequence: int | None = None) -> None:
+        """Append `ids` at positions first_position, first_position + 1, ...; score them when `sequence` is given."""
+        scored = sequence is not None
+        self.input_ids += ids
+        self.position_ids += range(first_position, first_position + len(ids))
+        self.labels += ids if scored else [IGNORE_INDEX] * len(ids)
+        self.sequence_index += [sequence if scored else -1] * len(ids)
+        if scored and first_position == 0 and ids:
+            # Nothing precedes a sequence's first token, so nothing predicts it (as in the padded layout).
+            self.labels[-len(ids)], self.sequence_index[-len(ids)] = IGNORE_INDEX, -1
+        self.group += [group] * len(ids)
+        self.branch += [branch] * len(ids)
+
+
+@dataclass
+class PackedDPODataCollator:
+    """The padding-free and shared-prompt layouts (see the module docstring).
+
+    padding_free: every sequence of the batch in one row [1, N], so no pad token is computed; otherwise one row per
+        sequence (or per pair with share_prompt), right-padded. Adds `segment_bounds` [S + 1], where each of the row's
+        S independent segments (a sequence, or a pair with share_prompt) starts, then N: attention runs per segment.
+    share_prompt: one segment per pair, the prompt computed once; adds a boolean 4D `attention_mask` [rows, 1, T, T]
+        (True = may attend), which `sequence_logps` turns into the additive mask the model expects.
+    """
+
+    pad_token_id: int
+    padding_free: bool = True
+    share_prompt: bool = False
+    pad_to_multiple_of: int | None = None
+
+    def __post_init__(self):
+        if not (self.padding_free or self.share_prompt):
+            raise ValueError("PackedDPODataCollator needs padding_free or share_prompt; DPODataCollator pads")
+
+    def __call__(self, examples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        num_pairs = len(examples)
+        rows = []
+        for pair, ex in enumerate(examples):
+            prompt, chosen, rejected = ex["prompt_ids"], ex["chosen_ids"], ex["rejected_ids"]
+            if self.share_prompt:
+                row, shared = _Row(), len(prompt) - 1 if prompt else 0
+                row.add(prompt[:shared], 0, group=pair, branch=0)
+                for branch, completion, sequence in ((1, chosen, pair), (2, rejected, num_pairs + pair)):
+                    row.add(prompt[shared:], shared, group=pair, branch=branch)
+                    row.add(completion, len(prompt), group=pair, branch=branch, sequence=sequence)
+                rows.append(row)
+        if not self.share_prompt:
+            for sequence in range(2 * num_pairs):
+                ex = examples[sequence % num_pairs]
+                completion = ex["chosen_ids"] if sequence < num_pairs else ex["rejected_ids"]
+                row = _Row()
+                row.add(ex["prompt_ids"], 0, group=sequence, branch=1)
+                row.add(completion, len(ex["prompt_ids"]), group=sequence, branch=1, sequence=sequence)
+                rows.append(row)
+        segment_bounds = None
+        if self.padding_free:
+            segment_bounds = torch.tensor([0] + [len(row.input_ids) for row in rows]).cumsum(0)
+            packed = _Row()
+            for row in rows:
+                for name, values in vars(row).items():
+                    getattr(packed, name).extend(values)
+            rows = [packed]
+        batch = self._to_tensors(rows)
+        if segment_bounds is not None:
+            batch["segment_bounds"] = segment_bounds
+        return add_reference_logps(batch, examples)
+
+    def _to_tensors(self, rows: list[_Row]) -> dict[str, torch.Tensor]:
+        length = max(len(row.input_ids) for row in rows)
+        if self.pad_to_multiple_of and not self.padding_free:
+            length = -(-length // self.pad_to_multiple_of) * self.pad_to_multiple_of
+        pads = {"input_ids": self.pad_token_id, "position_ids": 0, "labels": IGNORE_INDEX, "sequence_index": -1,
+                "group": -1, "branch": -1}
+        columns = {name: torch.tensor([getattr(row, name) + [pad] * (length - len(row.input_ids)) for row in rows])
+                   for name, pad in pads.items()}
+        group, branch = columns.pop("group"), columns.pop("branch")
+        if self.share_prompt:
+            causal = torch.ones(length, length, dtype=torch.bool).tril()
+            same_group = group[:, :, None] == group[:, None, :]
+            visible_branch = (branch[:, None, :] == 0) | (branch[:, :, None] == branch[:, None, :])
+            columns["attention_mask"] = (causal & same_group & visible_branch)[:, None]
+        return columns
+
+
+def make_collator(pad_token_id: int, padding_free: bool = False,
+                  share_prompt: bool = False) -> DPODataCollator | PackedDPODataCollator:
+    """The collator of a layout: padded unless `padding_free` or `share_prompt`."""
+    if padding_free or share_prompt:
+        return PackedDPODataCollator(pad_token_id, padding_free=padding_free, share_prompt=share_prompt)
+    return DPODataCollator(pad_token_id)

@@ -57,6 +57,16 @@ class DPOMinConfig(TrainingArguments):
     )
     ref_model_mixup_alpha: float = field(default=0.6, metadata={"help": "TR-DPO alpha, in (0, 1]."})
     ref_model_sync_steps: int = field(default=512, metadata={"help": "TR-DPO: optimizer steps between syncs."})
+    padding_free: bool = field(
+        default=False,
+        metadata={"help": "Pack the batch's sequences into one row with restarting position_ids: no pad token is "
+                          "computed. Needs sdpa or eager attention."},
+    )
+    share_prompt: bool = field(
+        default=False,
+        metadata={"help": "Lay each pair out as prompt, chosen, rejected with a 4D attention mask, so the prompt is "
+                          "computed once. Combines with padding_free. Needs sdpa or eager attention."},
+    )
     disable_dropout: bool = field(default=True, metadata={"help": "Turn dropout off in policy and reference."})
     remove_unused_columns: bool = field(
         default=False, metadata={"help": "Kept False: the collator picks the columns it needs."}

@@ -15,7 +15,8 @@ from transformers import PreTrainedModel, Trainer, TrainerCallback, set_seed
 from transformers.trainer_utils import rotate_checkpoints
 
 from . import ref_cache
-from .collator import DPODataCollator
+from .attention import SEGMENTED_SDPA, use_segmented_attention
+from .collator import make_collator
 from .config import DPOMinConfig
 from .data import is_tokenized, tokenize_dataset
 from .logps import SequenceLogps, sequence_logps
@@ -27,6 +28,8 @@ except ImportError:  # peft is a dependency, but keep the full fine-tuning path 
     PeftConfig = PeftModel = get_peft_model = None
 
 REF_ADAPTER = "ref"
+# Attention implementations that build the block-diagonal mask from position_ids and take a 4D additive mask.
+PACKED_ATTENTION = ("sdpa", "eager", SEGMENTED_SDPA)
 
 
 def _is_peft(model: Any) -> bool:
@@ -66,6 +69,19 @@ class _SyncReference(TrainerCallback):
             self.trainer.sync_reference()
 
 
+def _check_layout(model_config: Any, args: DPOMinConfig) -> None:
+    if not (args.padding_free or args.share_prompt):
+        return
+    attention = getattr(model_config, "_attn_implementation", None)
+    if attention not in PACKED_ATTENTION:
+        raise ValueError(f"padding_free and share_prompt need attention in {PACKED_ATTENTION} (the ones tested to "
+                         f"keep packed sequences apart), got {attention!r}")
+    layer_types = getattr(model_config, "layer_types", None) or ["sliding_attention"]
+    if args.share_prompt and getattr(model_config, "sliding_window", None) and "sliding_attention" in layer_types:
+        raise ValueError("share_prompt's 4D attention mask has no sliding window, and this model uses one "
+                         f"(sliding_window={model_config.sliding_window})")
+
+
 class DPOMinTrainer(Trainer):
     """Direct Preference Optimization on `transformers.Trainer`.
 
@@ -96,6 +112,7 @@ class DPOMinTrainer(Trainer):
             raise ValueError("processing_class (the tokenizer) is required to tokenize the pairs")
         if ref_model is not None and ref_model is model:
             raise ValueError("ref_model must be another object than model (omit it to get a frozen copy)")
+        _check_layout(model.config, args)
         tokenizer = getattr(processing_class, "tokenizer", processing_class)
         if tokenizer.pad_token is None:
             # Padding never reaches the loss (labels are -100 there), so any token id serves; EOS is the usual one.
@@ -119,6 +136,9 @@ class DPOMinTrainer(Trainer):
                 raise ValueError("sync_ref_model needs a reference (model or adapter) with the policy's parameters")
         if ref_model is not None:
             ref_model.eval().requires_grad_(False)
+        if args.padding_free:
+            for module in [model] + ([ref_model] if ref_model is not None else []):
+                use_segmented_attention(module)
         if args.disable_dropout:
             for module in [model] + ([ref_model] if ref_model is not None else []):
                 for submodule in module.modules():
@@ -135,7 +155,7 @@ class DPOMinTrainer(Trainer):
             eval_dataset = {name: prepare(dataset) for name, dataset in eval_dataset.items()}
         else:
             eval_dataset = prepare(eval_dataset)
-        data_collator = data_collator or DPODataCollator(pad_token_id=tokenizer.pad_token_id)
+        data_collator = data_collator or make_collator(tokenizer.pad_token_id, args.padding_free, args.share_prompt)
 
         super().__init__(model=model, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset,
                          processing_class=processing_class, data_collator=data_collator, **kwargs)
