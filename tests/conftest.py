@@ -40,3 +40,12 @@ def hh_pairs():
     dataset = load_preference_dataset(str(HH_PATH))
     short = [i for i, row in enumerate(dataset) if sum(len(m["content"]) for m in row["prompt"]) < 300]
     return dataset.select(short[:8])
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, smollm_path) -> Path:
+    """A tiny random Llama with the SmolLM2 tokenizer, saved like any checkpoint (for the command and notebook)."""
+    path = tmp_path_factory.mktemp("tiny_model")
+    tiny_llama().save_pretrained(path)
+    AutoTokenizer.from_pretrained(str(smollm_path)).save_pretrained(path)
+    return path
