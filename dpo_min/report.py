@@ -6,10 +6,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import ProgressCallback
+from tqdm.auto import tqdm
+from transformers import ProgressCallback, TrainerCallback
 
-# The held-out figures the command prints and compares, as TRL names them.
-HEADLINE = {"reward accuracy": "eval_rewards/accuracies", "mean margin": "eval_rewards/margins", "loss": "eval_loss"}
+# The held-out figures the command prints and compares (TRL's names) and how they are shown.
+HEADLINE = {"reward accuracy": ("eval_rewards/accuracies", ".4f"), "mean margin": ("eval_rewards/margins", "+.4f"),
+            "loss": ("eval_loss", ".4f")}
 PLOTTED = {"loss": "loss", "reward accuracy": "rewards/accuracies", "reward margin": "rewards/margins"}
 
 
@@ -22,14 +24,29 @@ class LiveLossBar(ProgressCallback):
                                           margin=f"{logs.get('rewards/margins', 0):+.3f}", refresh=False)
 
 
+class HeldOutPrinter(TrainerCallback):
+    """Prints the headline held-out figures after each evaluation, above the progress bar."""
+
+    def on_evaluate(self, args, state, control, metrics=None, **kwargs):
+        if not state.is_world_process_zero or not metrics:
+            return
+        when = "before training" if state.global_step == 0 else f"at step {state.global_step}"
+        note = "  (the policy starts as the reference: rewards are 0)" if state.global_step == 0 else ""
+        tqdm.write(f"held-out {when}: {describe(metrics)}{note}")
+
+
 def describe(metrics: dict[str, float]) -> str:
     """'reward accuracy 0.625, mean margin +0.041, loss 0.6812' from an evaluation's metrics."""
-    return ", ".join(f"{name} {metrics[key]:{'+.4f' if 'margin' in name else '.4f'}}"
-                     for name, key in HEADLINE.items() if key in metrics)
+    return ", ".join(f"{name} {metrics[key]:{style}}" for name, (key, style) in HEADLINE.items() if key in metrics)
+
+
+def describe_change(before: dict[str, float], after: dict[str, float]) -> str:
+    """'reward accuracy 0.0000 -> 0.6250, ...' from two evaluations."""
+    return ", ".join(f"{name} {before[key]:{style}} -> {after[key]:{style}}" for name, (key, style) in HEADLINE.items())
 
 
 def all_finite(metrics: dict[str, float]) -> bool:
-    return all(math.isfinite(metrics[key]) for key in HEADLINE.values() if key in metrics)
+    return all(math.isfinite(metrics[key]) for key, _ in HEADLINE.values() if key in metrics)
 
 
 def plot_training(log_history: list[dict[str, Any]], path: Path) -> None:

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import datasets
+import torch
 import yaml
 from datasets import Dataset
 from peft import LoraConfig
@@ -25,7 +26,15 @@ from transformers import HfArgumentParser, ProgressCallback
 from .config import DPOMinConfig
 from .data import load_preference_dataset
 from .models import load_model_and_tokenizer
-from .report import LiveLossBar, all_finite, describe, greedy_completions, plot_training, write_samples
+from .report import (
+    HeldOutPrinter,
+    LiveLossBar,
+    all_finite,
+    describe_change,
+    greedy_completions,
+    plot_training,
+    write_samples,
+)
 from .trainer import DPOMinTrainer
 
 PROG = "python -m dpo_min.train"
@@ -44,6 +53,8 @@ COMMAND_DEFAULTS = {
     "max_length": 128,
     "max_prompt_length": 96,
     "precompute_ref_log_probs": True,
+    "eval_on_start": True,
+    "ddp_find_unused_parameters": False,
     "logging_steps": 1,
     "save_strategy": "no",
     "report_to": "none",
@@ -122,11 +133,20 @@ def build_parser() -> HfArgumentParser:
                     "flags override it.",
         epilog="Options marked 'DPOMinConfig: X; this command:' have a default sized for a first run on a CPU.")
     parser.set_defaults(**COMMAND_DEFAULTS)
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not _has_accelerator():
+        # One of several processes on a CPU-only machine: without use_cpu, accelerate would leave each process
+        # training alone instead of joining them over gloo.
+        parser.set_defaults(use_cpu=True)
     library_defaults = {f.name: f.default for f in fields(DPOMinConfig)}
     for action in parser._actions:
         if action.dest in COMMAND_DEFAULTS and action.option_strings[0] == f"--{action.dest}":
             action.help = f"{action.help or ''} DPOMinConfig: {library_defaults[action.dest]}; this command:".strip()
     return parser
+
+
+def _has_accelerator() -> bool:
+    accelerator = getattr(torch, "accelerator", None)  # torch >= 2.6 knows every backend; older ones, CUDA
+    return accelerator.is_available() if accelerator is not None else torch.cuda.is_available()
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[ModelArguments, DataArguments, DPOMinConfig]:
@@ -266,6 +286,7 @@ def main(argv: list[str] | None = None) -> int:
         train_pairs, held_out = load_pairs(data_args, args)  # before the model: a bad file fails in a second
         model, tokenizer, peft_config = load_model(model_args)
         args.output_dir = str(staging)
+        args.eval_on_start = args.eval_on_start and held_out is not None
         try:  # tokenization happens here: a pair the tokenizer cannot render is an input error
             trainer = DPOMinTrainer(model, args, train_dataset=train_pairs, eval_dataset=held_out,
                                     processing_class=tokenizer, peft_config=peft_config)
@@ -273,6 +294,7 @@ def main(argv: list[str] | None = None) -> int:
             raise InputError(str(error).splitlines()[0]) from None
         if trainer.pop_callback(ProgressCallback) is not None:
             trainer.add_callback(LiveLossBar())
+        trainer.add_callback(HeldOutPrinter())
         run(trainer, model_args, data_args, held_out, output_dir, started)
     except (UsageError, InputError, FloatingPointError) as error:
         if staging is not None:
@@ -300,14 +322,13 @@ def run(trainer: DPOMinTrainer, model_args: ModelArguments, data_args: DataArgum
         f"{'LoRA r=' + str(model_args.lora_r) if model_args.use_peft else 'full fine-tuning'} | output {output_dir}")
     # The policy starts as the reference, so these are the reference's completions.
     reference_texts = greedy_completions(model, tokenizer, prompts, data_args.max_new_tokens) if is_main else []
-    before = after = {}
-    if held_out is not None:
-        before = trainer.evaluate()
-        say(f"held-out before training: {describe(before)}  (the policy is still the reference: rewards are 0)")
+    # The evaluation before training runs inside train() (eval_on_start): an evaluate() ahead of train() would leave
+    # the model without its DDP wrapper, and several processes would then train apart, never syncing gradients.
     train_metrics = trainer.train(resume_from_checkpoint=args.resume_from_checkpoint).metrics
-    if held_out is not None:
-        after = trainer.evaluate()
-        say(f"held-out after training:  {describe(after)}")
+    after = trainer.evaluate() if held_out is not None else {}
+    before = next((entry for entry in trainer.state.log_history if "eval_loss" in entry and entry["step"] == 0), {})
+    if before and after:
+        say(f"held-out, before -> after training: {describe_change(before, after)}")
     model = trainer.accelerator.unwrap_model(trainer.model)
     policy_texts = greedy_completions(model, tokenizer, prompts, data_args.max_new_tokens) if is_main else []
 

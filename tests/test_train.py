@@ -1,7 +1,6 @@
 """The command: end to end on a tiny model, options, errors. Held-out figures are checked against an independent,
 unbatched log-prob computation on the saved model."""
 
-import gzip
 import json
 import math
 import os
@@ -11,7 +10,7 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import HH_PATH, ROOT
+from conftest import ROOT, write_hh_rows
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from dpo_min import models
@@ -21,20 +20,6 @@ from dpo_min.train import COMMAND_DEFAULTS, DataArguments, ModelArguments, Usage
 
 OUTPUT_FILES = ("adapter_config.json", "adapter_model.safetensors", "tokenizer.json", "trainer_state.json",
                 "metrics.json", "training_curves.png", "samples.jsonl")
-
-
-def write_hh_rows(path, count):
-    """The first `count` short HH transcripts, as they are in the embedded file."""
-    rows = []
-    with gzip.open(HH_PATH, "rt") as file:
-        for line in file:
-            row = json.loads(line)
-            if len(row["chosen"]) + len(row["rejected"]) < 500:
-                rows.append(row)
-            if len(rows) == count:
-                break
-    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    return path
 
 
 @pytest.fixture(scope="session")
@@ -110,7 +95,8 @@ def test_command_end_to_end_on_a_tiny_model(tmp_path, tiny_model_dir, hh_file):
     expected = held_out_figures(policy, reference, held_out_pairs(output_dir, hh_file), tokenizer)
     assert expected["eval_rewards/margins"] != 0.0  # the run moved the policy
     assert_figures_match(metrics["after"], expected)
-    assert "held-out after training:  reward accuracy" in result.stdout
+    assert "held-out before training: reward accuracy 0.0000, mean margin +0.0000, loss 0.6931" in result.stdout
+    assert "held-out, before -> after training: reward accuracy 0.0000 -> " in result.stdout
 
     state = json.loads((output_dir / "trainer_state.json").read_text())
     assert [entry["step"] for entry in state["log_history"] if "loss" in entry] == [1, 2, 3]
