@@ -22,6 +22,7 @@ import yaml
 from datasets import Dataset
 from peft import LoraConfig
 from transformers import HfArgumentParser, ProgressCallback
+from transformers.trainer_utils import get_last_checkpoint
 
 from .config import DPOMinConfig
 from .data import load_preference_dataset
@@ -245,12 +246,22 @@ def staging_dir(output_dir: Path, resume_from_checkpoint: str | None) -> Path:
     if output_dir.is_dir() and any(output_dir.iterdir()) and not (output_dir / "metrics.json").exists():
         raise UsageError(f"--output_dir {output_dir} holds files that are not a dpo_min run; choose another folder")
     staging = output_dir.with_name(output_dir.name + ".partial")
-    resuming = resume_from_checkpoint is not None and Path(resume_from_checkpoint).resolve().is_relative_to(
-        staging.resolve())
+    resuming = resume_from_checkpoint == "latest" or (
+        resume_from_checkpoint is not None and Path(resume_from_checkpoint).resolve().is_relative_to(staging.resolve()))
     if staging.exists() and not resuming:
-        raise UsageError(f"{staging} holds an interrupted run: delete it, or resume with --resume_from_checkpoint "
-                         f"{staging}/checkpoint-N")
+        raise UsageError(f"{staging} holds an interrupted run: delete it, or resume it with "
+                         "--resume_from_checkpoint latest")
     return staging
+
+
+def resolve_checkpoint(resume_from_checkpoint: str | None, staging: Path) -> str | None:
+    """`latest` -> the newest complete checkpoint of the interrupted run (checkpoints are renamed into place whole)."""
+    if resume_from_checkpoint != "latest":
+        return resume_from_checkpoint
+    last = get_last_checkpoint(str(staging)) if staging.is_dir() else None
+    if last is None:
+        raise UsageError(f"--resume_from_checkpoint latest: no checkpoint in {staging}")
+    return last
 
 
 def _publish(staging: Path, output_dir: Path) -> None:
@@ -283,10 +294,12 @@ def main(argv: list[str] | None = None) -> int:
         model_args, data_args, args = parse_args(argv)
         output_dir = Path(args.output_dir)
         staging = staging_dir(output_dir, args.resume_from_checkpoint)
+        args.resume_from_checkpoint = resolve_checkpoint(args.resume_from_checkpoint, staging)
         train_pairs, held_out = load_pairs(data_args, args)  # before the model: a bad file fails in a second
         model, tokenizer, peft_config = load_model(model_args)
         args.output_dir = str(staging)
-        args.eval_on_start = args.eval_on_start and held_out is not None
+        # A resumed run keeps the first run's step-0 evaluation in the restored log history.
+        args.eval_on_start = args.eval_on_start and held_out is not None and not args.resume_from_checkpoint
         try:  # tokenization happens here: a pair the tokenizer cannot render is an input error
             trainer = DPOMinTrainer(model, args, train_dataset=train_pairs, eval_dataset=held_out,
                                     processing_class=tokenizer, peft_config=peft_config)
