@@ -237,7 +237,9 @@ def main() -> None:
         config = transformers.AutoConfig.from_pretrained(model_path)
         matmul = [matmul_flops(config.hidden_size, config.intermediate_size)]
         results = []
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+        # A fresh cache: a reference pass cached by an earlier run would not run (nor count in peak RSS) here.
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+                   DPO_MIN_CACHE=str(Path(scratch) / "cache"))
         for name in args.configs:
             command = [sys.executable, __file__, "--worker", name, "--model", model_path, "--steps", str(args.steps),
                        "--warmup", str(args.warmup), "--batch-size", str(args.batch_size)]
