@@ -97,18 +97,19 @@ def run_config(config: str, model_path: str, batch_size: int, warmup: int, steps
         trainer = SFTTrainer(model=model, args=TrainingArguments(**settings, remove_unused_columns=False),
                              train_dataset=tokenized, data_collator=PackedDPODataCollator(tokenizer.pad_token_id))
 
-    step_times = []
+    step_times, cpu_times = [], []  # CPU time goes only to --json: with one thread it resists other processes' load
 
     class StepTimer(TrainerCallback):
         def on_step_begin(self, args, state, control, **kwargs):
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
-            self.start = time.perf_counter()
+            self.start, self.cpu_start = time.perf_counter(), time.process_time()
 
         def on_step_end(self, args, state, control, **kwargs):
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
             step_times.append(time.perf_counter() - self.start)
+            cpu_times.append(time.process_time() - self.cpu_start)
 
     trainer.add_callback(StepTimer())
     trainer.train()
@@ -123,6 +124,7 @@ def run_config(config: str, model_path: str, batch_size: int, warmup: int, steps
     return {
         "config": config,
         "step_s": statistics.median(times),
+        "step_cpu_s": statistics.median(cpu_times[warmup:]),
         "tokens_per_s": statistics.median(t / s for t, s in zip(tokens, times)),
         "model_flops": statistics.median(flops_per_token * num_params * u / s for u, s in zip(unique, times)),
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
@@ -235,7 +237,9 @@ def main() -> None:
         config = transformers.AutoConfig.from_pretrained(model_path)
         matmul = [matmul_flops(config.hidden_size, config.intermediate_size)]
         results = []
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+        # A fresh cache: a reference pass cached by an earlier run would not run (nor count in peak RSS) here.
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+                   DPO_MIN_CACHE=str(Path(scratch) / "cache"))
         for name in args.configs:
             command = [sys.executable, __file__, "--worker", name, "--model", model_path, "--steps", str(args.steps),
                        "--warmup", str(args.warmup), "--batch-size", str(args.batch_size)]

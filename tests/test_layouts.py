@@ -116,8 +116,12 @@ def hh_tokenized(smollm_path, hh_pairs):
     return tokenize_dataset(hh_pairs, AutoTokenizer.from_pretrained(str(smollm_path)), max_length=1024)
 
 
-@pytest.mark.parametrize("use_lora", [True, False], ids=["lora", "full"])
-def test_layouts_give_the_same_loss_and_gradients(tmp_path, tokenizer, use_lora):
+@pytest.mark.parametrize(("use_lora", "loss_options"), [
+    (True, {}), (False, {}),
+    # the per-token inputs of LD-DPO (token positions) and WPO (sum of squared probabilities) in every layout
+    (True, {"loss_type": "sigmoid,ipo", "ld_alpha": 0.5, "use_weighting": True}),
+], ids=["lora", "full", "lora-ld-wpo-ipo"])
+def test_layouts_give_the_same_loss_and_gradients(tmp_path, tokenizer, use_lora, loss_options):
     pairs = random_pairs(4)
     results = {}
     for layout in ("padded", "padding_free", "shared_packed"):
@@ -126,7 +130,7 @@ def test_layouts_give_the_same_loss_and_gradients(tmp_path, tokenizer, use_lora)
         peft_config = LoraConfig(r=4, target_modules=["q_proj", "v_proj", "up_proj"], init_lora_weights=False)
         trainer = DPOMinTrainer(
             tiny_llama(vocab_size=64), DPOMinConfig(**config(tmp_path, padding_free=padding_free,
-                                                             share_prompt=share_prompt)),
+                                                             share_prompt=share_prompt, **loss_options)),
             train_dataset=Dataset.from_list(pairs), processing_class=tokenizer,
             peft_config=peft_config if use_lora else None, ref_model=None if use_lora else tiny_llama(1, 64))
         loss = trainer.compute_loss(trainer.model, trainer.data_collator(pairs))
