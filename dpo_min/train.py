@@ -47,8 +47,7 @@ DATA_SUFFIXES = (".json", ".jsonl", ".parquet", ".csv")
 COMMAND_DEFAULTS = {
     "output_dir": "dpo_min_output",
     "learning_rate": 5e-4,
-    "max_steps": 16,
-    "warmup_steps": 2,
+    "max_steps": 8,
     "per_device_train_batch_size": 4,
     "per_device_eval_batch_size": 8,
     "max_length": 128,
@@ -95,7 +94,7 @@ class DataArguments:
         "help": "Split to evaluate on. Without it, --eval_fraction of the data is held out."})
     eval_fraction: float = field(default=0.05, metadata={
         "help": "Fraction of the data held out, seeded by --data_seed or --seed (0: no evaluation)."})
-    max_eval_samples: int | None = field(default=48, metadata={"help": "Most held-out pairs evaluated."})
+    max_eval_samples: int | None = field(default=24, metadata={"help": "Most held-out pairs evaluated."})
     num_samples: int = field(default=3, metadata={
         "help": "Held-out prompts completed greedily by the reference and the trained policy (samples.jsonl)."})
     max_new_tokens: int = field(default=48, metadata={"help": "Most new tokens in each of those completions."})

