@@ -21,7 +21,7 @@ class LiveLossBar(ProgressCallback):
     def on_log(self, args, state, control, logs=None, **kwargs):
         if state.is_world_process_zero and self.training_bar is not None and logs and "loss" in logs:
             self.training_bar.set_postfix(loss=f"{logs['loss']:.4f}", acc=f"{logs.get('rewards/accuracies', 0):.2f}",
-                                          margin=f"{logs.get('rewards/margins', 0):+.3f}", refresh=False)
+                                          margin=f"{logs.get('rewards/margins', 0):+.3f}")
 
 
 class HeldOutPrinter(TrainerCallback):

