@@ -296,11 +296,15 @@ def main(argv: list[str] | None = None) -> int:
     try:
         model_args, data_args, args = parse_args(argv)
         output_dir = Path(args.output_dir)
-    resuming = resume_from_checkpoint == "latest" or (
-        resume_from_checkpoint is not None and Path(resume_from_checkpoint).resolve().is_relative_to(staging.resolve()))
-    if is_main and staging.exists() and not resuming:
-        raise UsageError(f"{staging} holds an interrupted run: delete it, or resume it with "
-                         "--resume_from_checkpoint latest")
+        is_main = args.process_index == 0
+        folder = staging_dir(output_dir, args.resume_from_checkpoint, is_main)
+        staging = folder if is_main else None
+        args.resume_from_checkpoint = resolve_checkpoint(args.resume_from_checkpoint, folder)
+        train_pairs, held_out = load_pairs(data_args, args)  # before the model: a bad file fails in a second
+        model, tokenizer, peft_config = load_model(model_args)
+        args.output_dir = str(folder)
+        # A resumed run keeps the first run's step-0 evaluation in the restored log history.
+        args.eval_on_start = args.eval_on_start and held_out is not None and not args.resume_from_checkpoint
         try:  # tokenization happens here: a pair the tokenizer cannot render is an input error
             trainer = DPOMinTrainer(model, args, train_dataset=train_pairs, eval_dataset=held_out,
                                     processing_class=tokenizer, peft_config=peft_config)
