@@ -32,6 +32,13 @@ REF_ADAPTER = "ref"
 PACKED_ATTENTION = ("sdpa", "eager", SEGMENTED_SDPA)
 
 
+def _tokenized(dataset: Any, tokenizer: Any, args: DPOMinConfig) -> Any:
+    """Raw rows -> tokenized pairs, with the config's truncation; None and tokenized data pass through."""
+    if dataset is None or is_tokenized(dataset):
+        return dataset
+    return tokenize_dataset(dataset, tokenizer, args.max_length, args.max_prompt_length, args.truncation_mode)
+
+
 def _is_peft(model: Any) -> bool:
     return PeftModel is not None and isinstance(model, PeftModel)
 
@@ -136,25 +143,19 @@ class DPOMinTrainer(Trainer):
                 raise ValueError("sync_ref_model needs a reference (model or adapter) with the policy's parameters")
         if ref_model is not None:
             ref_model.eval().requires_grad_(False)
-        if args.padding_free:
-            for module in [model] + ([ref_model] if ref_model is not None else []):
+        for module in [model] + ([ref_model] if ref_model is not None else []):
+            if args.padding_free:
                 use_segmented_attention(module)
-        if args.disable_dropout:
-            for module in [model] + ([ref_model] if ref_model is not None else []):
+            if args.disable_dropout:
                 for submodule in module.modules():
                     if isinstance(submodule, torch.nn.Dropout):
                         submodule.p = 0.0
 
-        def prepare(dataset: Any) -> Any:
-            if dataset is None or is_tokenized(dataset):
-                return dataset
-            return tokenize_dataset(dataset, tokenizer, args.max_length, args.max_prompt_length, args.truncation_mode)
-
-        train_dataset = prepare(train_dataset)
+        train_dataset = _tokenized(train_dataset, tokenizer, args)
         if isinstance(eval_dataset, dict):
-            eval_dataset = {name: prepare(dataset) for name, dataset in eval_dataset.items()}
+            eval_dataset = {name: _tokenized(dataset, tokenizer, args) for name, dataset in eval_dataset.items()}
         else:
-            eval_dataset = prepare(eval_dataset)
+            eval_dataset = _tokenized(eval_dataset, tokenizer, args)
         data_collator = data_collator or make_collator(tokenizer.pad_token_id, args.padding_free, args.share_prompt)
 
         super().__init__(model=model, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset,
@@ -298,6 +299,9 @@ class DPOMinTrainer(Trainer):
             self._precompute_all()
         return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
 
+    def _tokenized_eval(self, dataset: Dataset) -> Dataset:
+        return _tokenized(dataset, getattr(self.processing_class, "tokenizer", self.processing_class), self.args)
+
     def get_train_dataloader(self) -> DataLoader:
         if self.args.precompute_ref_log_probs:
             # The eval data too, now: for full fine-tuning the reference is the model before its first step.
@@ -311,16 +315,10 @@ class DPOMinTrainer(Trainer):
             if eval_dataset is None:
                 self._precompute_all()
             else:
-                eval_dataset = self._with_reference_logps(self._tokenized(eval_dataset), "eval")
+                eval_dataset = self._with_reference_logps(self._tokenized_eval(eval_dataset), "eval")
         elif eval_dataset is not None and not isinstance(eval_dataset, str):
-            eval_dataset = self._tokenized(eval_dataset)
+            eval_dataset = self._tokenized_eval(eval_dataset)
         return super().get_eval_dataloader(eval_dataset)
-
-    def _tokenized(self, dataset: Dataset) -> Dataset:
-        if is_tokenized(dataset):
-            return dataset
-        args, tokenizer = self.args, getattr(self.processing_class, "tokenizer", self.processing_class)
-        return tokenize_dataset(dataset, tokenizer, args.max_length, args.max_prompt_length, args.truncation_mode)
 
     # ---- loss ---------------------------------------------------------------------------------------------------
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
