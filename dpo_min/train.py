@@ -7,7 +7,6 @@ parse -> data -> model -> trainer -> samples and evaluation before -> train -> e
 
 import json
 import os
-import shutil
 import signal
 import sys
 import time
@@ -22,7 +21,6 @@ import yaml
 from datasets import Dataset
 from peft import LoraConfig
 from transformers import HfArgumentParser, ProgressCallback
-from transformers.trainer_utils import get_last_checkpoint
 
 from .config import DPOMinConfig
 from .data import load_preference_dataset
@@ -36,6 +34,7 @@ from .report import (
     plot_training,
     write_samples,
 )
+from .run_dir import OutputDirError, RunFolder, check_same_data, data_settings, resolve_checkpoint
 from .trainer import DPOMinTrainer
 
 PROG = "python -m dpo_min.train"
@@ -239,51 +238,6 @@ def _load(source: str, split: str) -> Dataset:
         raise InputError(f"cannot load dataset {source!r} (split {split!r}): {str(error).splitlines()[0]}") from None
 
 
-# ---- output folder ----------------------------------------------------------------------------------------------
-def staging_dir(output_dir: Path, resume_from_checkpoint: str | None, is_main: bool) -> Path:
-    """The sibling folder the run writes into; it becomes `output_dir` only once everything is written.
-
-    Only the main process checks for an earlier staging folder: the others may look after it made one."""
-    if output_dir.exists() and not output_dir.is_dir():
-        raise UsageError(f"--output_dir {output_dir} is a file")
-    if output_dir.is_dir() and any(output_dir.iterdir()) and not (output_dir / "metrics.json").exists():
-        raise UsageError(f"--output_dir {output_dir} holds files that are not a dpo_min run; choose another folder")
-    staging = output_dir.with_name(output_dir.name + ".partial")
-    resuming = resume_from_checkpoint == "latest" or (
-        resume_from_checkpoint is not None and Path(resume_from_checkpoint).resolve().is_relative_to(staging.resolve()))
-    if is_main and staging.exists() and not resuming:
-        raise UsageError(f"{staging} holds an interrupted run: delete it, or resume it with "
-                         "--resume_from_checkpoint latest")
-    return staging
-
-
-def resolve_checkpoint(resume_from_checkpoint: str | None, staging: Path) -> str | None:
-    """`latest` -> the newest complete checkpoint of the interrupted run (checkpoints are renamed into place whole)."""
-    if resume_from_checkpoint != "latest":
-        return resume_from_checkpoint
-    last = get_last_checkpoint(str(staging)) if staging.is_dir() else None
-    if last is None:
-        raise UsageError(f"--resume_from_checkpoint latest: no checkpoint in {staging}")
-    return last
-
-
-def _publish(staging: Path, output_dir: Path) -> None:
-    """Replace `output_dir` (empty, absent, or an earlier run) with the finished staging folder."""
-    if output_dir.exists():
-        shutil.rmtree(output_dir)
-    os.replace(staging, output_dir)
-
-
-def _discard(staging: Path) -> None:
-    """After a failure: drop the staging folder, unless it holds checkpoints to resume from."""
-    if not staging.exists():
-        return
-    if any(staging.glob("checkpoint-*")):
-        print(f"{PROG}: checkpoints of the interrupted run kept in {staging}", file=sys.stderr)
-    else:
-        shutil.rmtree(staging, ignore_errors=True)
-
-
 # ---- the run ----------------------------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> int:
     """Run the command; returns the exit code (0, 1 for an unusable input or a failed run, 2 for a usage error)."""
@@ -292,17 +246,27 @@ def main(argv: list[str] | None = None) -> int:
     warnings.filterwarnings("ignore", message=".*pin_memory.*")
     warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
     datasets.disable_progress_bars()  # one bar per file read: noise next to the training bar
-    staging = None  # set once this process is known to be the main one, which alone creates and removes it
+    locked = None  # the main process's RunFolder while it holds the lock
+    owned = None  # ... and once the staging folder is this run's to discard
     try:
         model_args, data_args, args = parse_args(argv)
         output_dir = Path(args.output_dir)
+        folder = RunFolder(output_dir)
+        folder.check_place()
         is_main = args.process_index == 0
-        folder = staging_dir(output_dir, args.resume_from_checkpoint, is_main)
-        staging = folder if is_main else None
-        args.resume_from_checkpoint = resolve_checkpoint(args.resume_from_checkpoint, folder)
+        if is_main:  # the other processes of a run neither lock nor look: the main one may have made the folder
+            folder.lock()
+            locked = folder
+            folder.prepare(args.resume_from_checkpoint)
+        args.resume_from_checkpoint = resolve_checkpoint(args.resume_from_checkpoint, folder.staging,
+                                                         warn=print if is_main else lambda text: None)
+        check_same_data(args.resume_from_checkpoint, data_settings(args))
+        if is_main:
+            folder.begin(data_settings(args))
+            owned = folder
         train_pairs, held_out = load_pairs(data_args, args)  # before the model: a bad file fails in a second
         model, tokenizer, peft_config = load_model(model_args)
-        args.output_dir = str(folder)
+        args.output_dir = str(folder.staging)
         # A resumed run keeps the first run's step-0 evaluation in the restored log history.
         args.eval_on_start = args.eval_on_start and held_out is not None and not args.resume_from_checkpoint
         try:  # tokenization happens here: a pair the tokenizer cannot render is an input error
@@ -314,15 +278,18 @@ def main(argv: list[str] | None = None) -> int:
             trainer.add_callback(LiveLossBar())
         trainer.add_callback(HeldOutPrinter())
         run(trainer, model_args, data_args, held_out, output_dir, started)
-    except (UsageError, InputError, FloatingPointError) as error:
-        if staging is not None:
-            _discard(staging)
+    except (UsageError, InputError, OutputDirError, FloatingPointError) as error:
+        if owned is not None:
+            owned.discard()
         print(f"{PROG}: error: {error}", file=sys.stderr)
         return getattr(error, "exit_code", 1)
     except BaseException:
-        if staging is not None:
-            _discard(staging)
+        if owned is not None:
+            owned.discard()
         raise
+    finally:
+        if locked is not None:
+            locked.release()
     return 0
 
 
@@ -368,7 +335,7 @@ def run(trainer: DPOMinTrainer, model_args: ModelArguments, data_args: DataArgum
     (staging / "metrics.json").write_text(json.dumps(metrics, indent=2, allow_nan=True) + "\n")
     plot_training(trainer.state.log_history, staging / "training_curves.png")
     samples = write_samples(staging / "samples.jsonl", prompts, reference_texts, policy_texts)
-    _publish(staging, output_dir)
+    RunFolder(output_dir).publish()
     if samples:
         say(f"\ngreedy completions of held-out prompts (reference, then trained policy):\n{samples}")
     if after and not all_finite(after):

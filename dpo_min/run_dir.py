@@ -1,0 +1,331 @@
+"""The command's output folder: locked for the whole run, written in a staging sibling, published by renames.
+
+For `--output_dir runs/a` the files beside it are
+- `runs/a.lock`: an OS lock (flock) held by the run's main process from start to end; the kernel drops it when the
+  process dies, however it dies, so a second run into `runs/a` learns that a live run holds the folder;
+- `runs/a.partial`: the run writes here; an interrupted run's checkpoints stay here for `--resume_from_checkpoint`;
+- `runs/a.replaced`: the earlier run, for the moment between the two renames that publish a new one.
+Each run folder holds `MANIFEST`, the list of the files the run wrote: a later run replaces the folder only when it
+holds nothing else, and deletes exactly those files.
+"""
+
+import fcntl
+import json
+import os
+import shutil
+import signal
+import sys
+import threading
+import zipfile
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, suppress
+from pathlib import Path
+from typing import Any
+
+MANIFEST = "dpo_min_run.json"
+STAGING_SUFFIX, BACKUP_SUFFIX, LOCK_SUFFIX = ".partial", ".replaced", ".lock"
+# What a checkpoint needs to resume exactly, beside the model weights: file -> what it restores.
+CHECKPOINT_FILES = {"optimizer.pt": "optimizer", "scheduler.pt": "scheduler", "trainer_state.json": "trainer state"}
+WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin", "model.safetensors", "pytorch_model.bin",
+                "model.safetensors.index.json", "pytorch_model.bin.index.json")
+# The settings that decide which pairs a run reaches, in which order: a resumed run must have the same.
+DATA_SETTINGS = ("per_device_train_batch_size", "gradient_accumulation_steps", "world_size", "max_steps",
+                 "num_train_epochs", "seed", "data_seed")
+
+
+class OutputDirError(Exception):
+    """The output folder cannot be used as asked: one line on stderr, exit code 2."""
+
+    exit_code = 2
+
+
+def _after_step(step: str) -> None:
+    """Called after each step of `publish` ("backup", "rename", "cleanup"); tests replace it to kill the process."""
+
+
+class RunFolder:
+    """`output_dir` and its siblings. Only the main process of a run locks, prepares, publishes and discards."""
+
+    def __init__(self, output_dir: str | os.PathLike):
+        self.output_dir = Path(output_dir)
+        name = self.output_dir.name
+        self.staging = self.output_dir.with_name(name + STAGING_SUFFIX)
+        self.backup = self.output_dir.with_name(name + BACKUP_SUFFIX)
+        self.lock_path = self.output_dir.with_name(name + LOCK_SUFFIX)
+        self._lock_file = None
+        self._made_parents: list[Path] = []
+
+    # ---- checks that need no lock -------------------------------------------------------------------------------
+    def check_place(self) -> None:
+        """Refuse a folder that is a file, the working folder, or above it (replacing it would delete the caller)."""
+        resolved, here = self.output_dir.resolve(), Path.cwd().resolve()
+        if not self.output_dir.name or resolved == here or here.is_relative_to(resolved):
+            raise OutputDirError(f"--output_dir {self.output_dir} is the working folder or above it; name a new "
+                                 "folder for the run")
+        if self.output_dir.exists() and not self.output_dir.is_dir():
+            raise OutputDirError(f"--output_dir {self.output_dir} is a file")
+
+    # ---- the lock -----------------------------------------------------------------------------------------------
+    def lock(self) -> None:
+        """Take `<output_dir>.lock`, or raise naming the live run that holds it."""
+        parent = self.output_dir.parent
+        missing = [folder for folder in [parent, *parent.parents] if not folder.exists()]
+        try:
+            for folder in reversed(missing):
+                folder.mkdir()
+                self._made_parents.insert(0, folder)
+            while True:
+                file = open(self.lock_path, "a+")  # noqa: SIM115 - held open for the whole run
+                try:
+                    fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    file.seek(0)
+                    holder = file.read().strip() or "?"
+                    file.close()
+                    self._remove_parents()
+                    raise OutputDirError(f"--output_dir {self.output_dir}: a live run (pid {holder}) holds it "
+                                         f"({self.lock_path}); wait for it to end or choose another folder") from None
+                # The holder before us may have unlinked the file between our open and our flock: then we hold a
+                # lock on a file no one else will find, and must take the one at the path.
+                if os.path.exists(self.lock_path) and os.fstat(file.fileno()).st_ino == os.stat(self.lock_path).st_ino:
+                    break
+                file.close()
+        except PermissionError as error:
+            self._remove_parents()
+            raise OutputDirError(f"--output_dir {self.output_dir}: cannot write in {error.filename or parent} "
+                                 "(permission denied)") from None
+        file.seek(0)
+        file.truncate()
+        file.write(f"{os.getpid()}\n")
+        file.flush()
+        self._lock_file = file
+
+    def release(self) -> None:
+        """Drop the lock and its file (unlinked while held, so no other run ever takes a stale path)."""
+        if self._lock_file is None:
+            return
+        self.lock_path.unlink(missing_ok=True)
+        self._lock_file.close()
+        self._lock_file = None
+        self._remove_parents()
+
+    def _remove_parents(self) -> None:
+        for folder in self._made_parents:  # only the ones this run made, and only while empty
+            try:
+                folder.rmdir()
+            except OSError:
+                break
+        self._made_parents = []
+
+    # ---- before the run -----------------------------------------------------------------------------------------
+    def prepare(self, resume_from_checkpoint: str | None) -> None:
+        """Under the lock: finish a publish a kill cut short, then check the folder and the interrupted run."""
+        self._recover()
+        foreign = self.foreign_files(self.output_dir)
+        if foreign:
+            raise OutputDirError(f"--output_dir {self.output_dir} holds files that are not a dpo_min run's "
+                                 f"({', '.join(foreign[:3])}{', ...' if len(foreign) > 3 else ''}); choose another "
+                                 "folder")
+        resuming = resume_from_checkpoint == "latest" or (
+            resume_from_checkpoint is not None
+            and Path(resume_from_checkpoint).resolve().is_relative_to(self.staging.resolve()))
+        if self.staging.exists() and not resuming:
+            if _read_manifest(self.staging).get("complete"):
+                raise OutputDirError(f"{self.staging} holds a finished run that was not published; move it to "
+                                     f"{self.output_dir} or delete it")
+            raise OutputDirError(f"{self.staging} holds an interrupted run: delete it, or resume it with "
+                                 "--resume_from_checkpoint latest")
+
+    def _recover(self) -> None:
+        """A kill between the renames of `publish` left the earlier run at the backup name: put it back, or drop it
+        once the new run is in place."""
+        if not self.backup.exists():
+            return
+        if self.output_dir.exists():
+            _remove_run(self.backup)
+        else:
+            os.replace(self.backup, self.output_dir)
+
+    @staticmethod
+    def foreign_files(folder: Path) -> list[str]:
+        """Files under `folder` that its manifest does not list (all of them when it has none)."""
+        if not folder.is_dir():
+            return []
+        present = sorted(str(path.relative_to(folder)) for path in _walk(folder))
+        listed = set(_read_manifest(folder).get("files", []))
+        return [name for name in present if name not in listed and name != MANIFEST]
+
+    def begin(self, settings: dict[str, Any]) -> None:
+        """Create the staging folder (or reuse the interrupted run's) and record the settings that fix its data."""
+        self.staging.mkdir(exist_ok=True)
+        manifest = _read_manifest(self.staging)
+        manifest.setdefault("data_settings", settings)
+        _write_json(self.staging / MANIFEST, {**manifest, "complete": False})
+
+    # ---- after the run ------------------------------------------------------------------------------------------
+    def publish(self) -> None:
+        """Make the finished staging folder `output_dir` with renames only: earlier run -> backup, staging -> name,
+        then delete the backup. SIGTERM and SIGINT wait until the renames are done; after a SIGKILL the next run's
+        `prepare` completes or undoes them."""
+        manifest = _read_manifest(self.staging)
+        manifest["files"] = sorted(str(path.relative_to(self.staging)) for path in _walk(self.staging)
+                                   if path.name != MANIFEST)
+        _write_json(self.staging / MANIFEST, {**manifest, "complete": True})
+        with _signals_deferred():
+            foreign = self.foreign_files(self.output_dir)  # again: something may have been added during the run
+            if foreign:
+                raise OutputDirError(f"--output_dir {self.output_dir} gained files during the run ({foreign[0]}); "
+                                     f"the run is kept in {self.staging}")
+            if self.output_dir.exists():
+                os.replace(self.output_dir, self.backup)
+                _after_step("backup")
+            os.replace(self.staging, self.output_dir)
+            _after_step("rename")
+            if self.backup.exists():
+                _remove_run(self.backup)
+                _after_step("cleanup")
+
+    def discard(self) -> None:
+        """After a failure: drop the staging folder, unless it holds checkpoints to resume from or a finished run."""
+        if not self.staging.exists():
+            return
+        if any(self.staging.glob("checkpoint-*")) or _read_manifest(self.staging).get("complete"):
+            print(f"checkpoints of the interrupted run kept in {self.staging}", file=sys.stderr)
+        else:
+            shutil.rmtree(self.staging, ignore_errors=True)
+
+
+# ---- checkpoints ------------------------------------------------------------------------------------------------
+def checkpoint_problems(checkpoint: Path) -> list[str]:
+    """Why `checkpoint` cannot resume a run exactly (empty when it is whole): missing or truncated files."""
+    problems = []
+    weights = [checkpoint / name for name in WEIGHT_FILES if (checkpoint / name).exists()]
+    if not weights:
+        problems.append("no model weights")
+    problems += [f"{path.name} is truncated" for path in weights if not _is_whole(path)]
+    for name in CHECKPOINT_FILES:
+        path = checkpoint / name
+        if not path.exists():
+            problems.append(f"no {name}")
+        elif not _is_whole(path):
+            problems.append(f"{name} is truncated")
+    if not any(checkpoint.glob("rng_state*.pth")):
+        problems.append("no rng_state.pth")
+    return problems
+
+
+def _is_whole(path: Path) -> bool:
+    """A cheap test for a file cut short: zip archives (torch.save) end with their directory, safetensors' header
+    states the data's length, JSON must parse."""
+    try:
+        if path.suffix in (".pt", ".pth", ".bin"):
+            return zipfile.is_zipfile(path)
+        if path.suffix == ".json":
+            json.loads(path.read_text())
+            return True
+        if path.suffix == ".safetensors":
+            with open(path, "rb") as file:
+                header_size = int.from_bytes(file.read(8), "little")
+                header = json.loads(file.read(header_size))
+            end = max((entry["data_offsets"][1] for key, entry in header.items() if key != "__metadata__"), default=0)
+            return path.stat().st_size == 8 + header_size + end
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+    return True
+
+
+def resolve_checkpoint(resume_from_checkpoint: str | None, staging: Path,
+                       warn: Callable[[str], None] = lambda text: print(text, file=sys.stderr)) -> str | None:
+    """`latest` -> the newest whole checkpoint of the interrupted run, naming the incomplete ones skipped; a path ->
+    itself, when it is a whole checkpoint. Raises OutputDirError."""
+    if resume_from_checkpoint is None:
+        return None
+    if resume_from_checkpoint != "latest":
+        path = Path(resume_from_checkpoint)
+        if not path.is_dir():
+            raise OutputDirError(f"--resume_from_checkpoint {path}: no such folder")
+        problems = checkpoint_problems(path)
+        if problems:
+            raise OutputDirError(f"--resume_from_checkpoint {path} is incomplete: {', '.join(problems)}")
+        return str(path)
+    checkpoints = sorted((path for path in staging.glob("checkpoint-*") if path.name.split("-")[-1].isdigit()),
+                         key=lambda path: int(path.name.split("-")[-1]), reverse=True) if staging.is_dir() else []
+    skipped = []
+    for path in checkpoints:
+        problems = checkpoint_problems(path)
+        if not problems:
+            if skipped:
+                warn(f"--resume_from_checkpoint latest: skipped incomplete {'; '.join(skipped)}")
+            return str(path)
+        skipped.append(f"{path.name} ({', '.join(problems)})")
+    raise OutputDirError(f"--resume_from_checkpoint latest: no whole checkpoint in {staging}"
+                         + (f" (incomplete: {'; '.join(skipped)})" if skipped else ""))
+
+
+def data_settings(args: Any) -> dict[str, Any]:
+    return {name: getattr(args, name) for name in DATA_SETTINGS}
+
+
+def check_same_data(checkpoint: str | None, settings: dict[str, Any]) -> None:
+    """Refuse to resume with settings that would give the run other pairs, or the same pairs in another order."""
+    if checkpoint is None:
+        return
+    recorded = _read_manifest(Path(checkpoint).parent).get("data_settings")
+    if not recorded:
+        return
+    changed = [f"{name} {recorded[name]} -> {settings[name]}" for name in DATA_SETTINGS
+               if name in recorded and recorded[name] != settings[name]]
+    if changed:
+        raise OutputDirError(f"cannot resume {checkpoint} with other data settings ({', '.join(changed)}): the run "
+                             "would reach other pairs; resume with the interrupted run's values")
+
+
+# ---- helpers ------------------------------------------------------------------------------------------------------
+def _walk(folder: Path) -> Iterator[Path]:
+    for root, _, files in os.walk(folder):
+        for name in files:
+            yield Path(root) / name
+
+
+def _read_manifest(folder: Path) -> dict[str, Any]:
+    try:
+        manifest = json.loads((folder / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return {}
+    return manifest if isinstance(manifest, dict) else {}
+
+
+def _write_json(path: Path, value: Any) -> None:
+    temporary = path.with_name(path.name + ".writing")
+    temporary.write_text(json.dumps(value, indent=1) + "\n")
+    os.replace(temporary, path)
+
+
+def _remove_run(folder: Path) -> None:
+    """Delete the files `folder`'s manifest lists, then the folders left empty; anything else stays, with a note."""
+    for name in _read_manifest(folder).get("files", []):
+        (folder / name).unlink(missing_ok=True)
+    (folder / MANIFEST).unlink(missing_ok=True)
+    for root, _, _ in sorted(os.walk(folder), key=lambda entry: -len(entry[0])):
+        with suppress(OSError):
+            os.rmdir(root)
+    if folder.exists():
+        print(f"kept {folder}: it holds files no dpo_min run wrote", file=sys.stderr)
+
+
+@contextmanager
+def _signals_deferred() -> Iterator[None]:
+    """Hold SIGTERM and SIGINT until the block ends, then deliver them: the renames are never cut in between."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    received: list[int] = []
+    previous = {number: signal.signal(number, lambda number, frame: received.append(number))
+                for number in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for number, handler in previous.items():
+            signal.signal(number, handler)
+        for number in received:
+            os.kill(os.getpid(), number)
