@@ -76,6 +76,7 @@ class DPOMinConfig(TrainingArguments):
         super().__post_init__()
         self._check_losses()
         self._check_reference()
+        self._check_steps()
         if self.beta <= 0:
             raise ValueError(f"beta must be > 0, got {self.beta}")
         if self.truncation_mode not in TRUNCATION_MODES:
@@ -84,6 +85,20 @@ class DPOMinConfig(TrainingArguments):
             raise ValueError(f"max_length must be >= 2 or None, got {self.max_length}")
         if self.max_prompt_length is not None and self.max_prompt_length < 1:
             raise ValueError(f"max_prompt_length must be >= 1 or None, got {self.max_prompt_length}")
+
+    def _check_steps(self) -> None:
+        # Trainer takes any max_steps <= 0 as "use num_train_epochs", and trains zero steps for 0 epochs: both hide
+        # a typo behind a run that reports success.
+        if self.learning_rate < 0:
+            raise ValueError(f"learning_rate must be >= 0, got {self.learning_rate}")
+        for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_steps == 0 or self.max_steps < -1:
+            raise ValueError(f"max_steps must be > 0, or -1 to train num_train_epochs, got {self.max_steps}")
+        if self.max_steps == -1 and self.num_train_epochs <= 0:
+            raise ValueError(f"num_train_epochs must be > 0 when max_steps is -1, got {self.num_train_epochs}: the "
+                             "run would train zero steps (to evaluate only, call evaluate() without train())")
 
     def _check_losses(self) -> None:
         # From Python a string, from the CLI a list whose items may hold commas: both become a list of names.

@@ -48,6 +48,7 @@ class RunFolder:
 
     def __init__(self, output_dir: str | os.PathLike):
         self.output_dir = Path(output_dir)
+        self._check_place()
         name = self.output_dir.name
         self.staging = self.output_dir.with_name(name + STAGING_SUFFIX)
         self.backup = self.output_dir.with_name(name + BACKUP_SUFFIX)
@@ -55,8 +56,7 @@ class RunFolder:
         self._lock_file = None
         self._made_parents: list[Path] = []
 
-    # ---- checks that need no lock -------------------------------------------------------------------------------
-    def check_place(self) -> None:
+    def _check_place(self) -> None:
         """Refuse a folder that is a file, the working folder, or above it (replacing it would delete the caller)."""
         resolved, here = self.output_dir.resolve(), Path.cwd().resolve()
         if not self.output_dir.name or resolved == here or here.is_relative_to(resolved):
@@ -90,10 +90,10 @@ class RunFolder:
                 if os.path.exists(self.lock_path) and os.fstat(file.fileno()).st_ino == os.stat(self.lock_path).st_ino:
                     break
                 file.close()
-        except PermissionError as error:
+        except OSError as error:  # a read-only folder or file system, a parent that is a file
             self._remove_parents()
-            raise OutputDirError(f"--output_dir {self.output_dir}: cannot write in {error.filename or parent} "
-                                 "(permission denied)") from None
+            raise OutputDirError(f"--output_dir {self.output_dir}: cannot write in "
+                                 f"{Path(error.filename or self.lock_path).parent}: {error.strerror}") from None
         file.seek(0)
         file.truncate()
         file.write(f"{os.getpid()}\n")

@@ -6,6 +6,7 @@ parse -> data -> model -> trainer -> samples and evaluation before -> train -> e
 """
 
 import json
+import math
 import os
 import signal
 import sys
@@ -163,6 +164,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[ModelArguments, DataArgum
         raise UsageError(f"unknown argument(s): {' '.join(remaining)}")
     if not 0 <= data_args.eval_fraction < 1:
         raise UsageError(f"--eval_fraction must be in [0, 1), got {data_args.eval_fraction}")
+    if data_args.num_samples > 0 and data_args.max_new_tokens < 1:
+        raise UsageError(f"--max_new_tokens must be >= 1 to sample completions, got {data_args.max_new_tokens} "
+                         "(--num_samples 0 samples none)")
     return model_args, data_args, args
 
 
@@ -180,6 +184,12 @@ def _read_recipe(path: str) -> dict[str, Any]:
     unknown = sorted(set(values) - known)
     if unknown:
         raise UsageError(f"{path}: unknown option(s): {', '.join(unknown)}")
+    # argparse converts a flag's text, not a recipe's numbers: 2.5 would reach an int option unchanged.
+    types = {f.name: f.type for dataclass_type in (ModelArguments, DataArguments, DPOMinConfig)
+             for f in fields(dataclass_type)}
+    for name, value in values.items():
+        if types[name] in (int, int | None) and isinstance(value, (float, bool)):
+            raise UsageError(f"{path}: {name} must be an integer, got {value!r}")
     return values
 
 
@@ -217,6 +227,9 @@ def load_pairs(data_args: DataArguments, args: DPOMinConfig) -> tuple[Dataset, D
     elif data_args.eval_fraction > 0:
         if round(len(train) * data_args.eval_fraction) < 1 or len(train) < 2:
             raise UsageError(f"--eval_fraction {data_args.eval_fraction} of {len(train)} pairs holds out no pair")
+        if len(train) - math.ceil(len(train) * data_args.eval_fraction) < 1:
+            raise UsageError(f"--eval_fraction {data_args.eval_fraction} of {len(train)} pairs leaves no pair to "
+                             "train on")
         parts = train.train_test_split(test_size=data_args.eval_fraction, seed=seed)
         train, held_out = parts["train"], parts["test"]
     if held_out is not None and data_args.max_eval_samples is not None:
@@ -251,8 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         model_args, data_args, args = parse_args(argv)
         output_dir = Path(args.output_dir)
-        folder = RunFolder(output_dir)
-        folder.check_place()
+        folder = RunFolder(output_dir)  # refuses the working folder or above it
         is_main = args.process_index == 0
         if is_main:  # the other processes of a run neither lock nor look: the main one may have made the folder
             folder.lock()

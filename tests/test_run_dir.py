@@ -1,0 +1,292 @@
+"""The output folder: nothing but a run's own files is ever deleted, one live run per folder, a kill at any moment
+of a publish leaves a whole run under the name, and only whole checkpoints resume a run."""
+
+import json
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import ROOT, write_hh_rows
+from safetensors.torch import save_file
+
+from dpo_min import run_dir
+from dpo_min.run_dir import MANIFEST, OutputDirError, RunFolder, checkpoint_problems, resolve_checkpoint
+from dpo_min.train import main
+
+FORK = multiprocessing.get_context("fork")
+
+
+def write_run(folder: Path, files: dict[str, str]) -> Path:
+    """A finished run of ours in `folder`'s staging sibling, published with its manifest."""
+    run = RunFolder(folder)
+    run.begin({"per_device_train_batch_size": 2})
+    for name, text in files.items():
+        (run.staging / name).parent.mkdir(parents=True, exist_ok=True)
+        (run.staging / name).write_text(text)
+    run.publish()
+    return folder
+
+
+def tree(folder: Path) -> dict[str, str]:
+    return {str(path.relative_to(folder)): path.read_text() for path in sorted(folder.rglob("*")) if path.is_file()}
+
+
+def one_error_line(capsys) -> str:
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1, lines
+    return lines[0]
+
+
+# ---- 1. only a run's own files are deleted --------------------------------------------------------------------
+def test_a_folder_with_a_metrics_file_and_other_files_is_refused_and_kept(tmp_path, capsys, tiny_model_dir):
+    folder = tmp_path / "p"
+    (folder / "s").mkdir(parents=True)
+    (folder / "metrics.json").write_text("{}")
+    (folder / "keep.txt").write_text("k")
+    data = write_hh_rows(tmp_path / "pairs.jsonl", 8)
+    code = main(["--model", str(tiny_model_dir), "--dataset", str(data), "--output_dir", str(folder),
+                 "--max_steps", "2"])
+    assert code == 2
+    assert "holds files that are not a dpo_min run's (keep.txt, metrics.json)" in one_error_line(capsys)
+    assert tree(folder) == {"keep.txt": "k", "metrics.json": "{}"} and (folder / "s").is_dir()
+    assert sorted(os.listdir(tmp_path)) == ["p", "pairs.jsonl"]
+
+
+@pytest.mark.parametrize("name", [".", ".."])
+def test_the_working_folder_or_above_is_a_usage_error(tmp_path, capsys, monkeypatch, tiny_model_dir, name):
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    for folder in (work, tmp_path):
+        (folder / "metrics.json").write_text("{}")
+    data = write_hh_rows(work / "pairs.jsonl", 8)
+    code = main(["--model", str(tiny_model_dir), "--dataset", str(data), "--output_dir", name, "--max_steps", "2"])
+    assert code == 2
+    assert f"--output_dir {name} is the working folder or above it" in one_error_line(capsys)
+    assert sorted(os.listdir(work)) == ["metrics.json", "pairs.jsonl"]
+    assert sorted(os.listdir(tmp_path)) == ["metrics.json", "work"]
+
+
+def test_replacing_a_run_removes_exactly_the_files_its_manifest_lists(tmp_path):
+    folder = write_run(tmp_path / "run", {"a.txt": "old", "checkpoint-1/x.bin": "old"})
+    manifest = json.loads((folder / MANIFEST).read_text())
+    assert manifest["files"] == ["a.txt", "checkpoint-1/x.bin"] and manifest["complete"] is True
+    write_run(folder, {"b.txt": "new"})
+    assert tree(folder) == {"b.txt": "new", MANIFEST: (folder / MANIFEST).read_text()}
+    assert sorted(os.listdir(tmp_path)) == ["run"]  # no backup, staging or lock left
+
+    (folder / "notes.txt").write_text("mine")  # a file no run wrote: the folder is no longer ours to replace
+    with pytest.raises(OutputDirError, match=r"holds files that are not a dpo_min run's \(notes.txt\)"):
+        RunFolder(folder).prepare(None)
+    run = RunFolder(folder)
+    run.begin({})
+    (run.staging / "c.txt").write_text("newer")
+    with pytest.raises(OutputDirError, match="gained files during the run"):
+        run.publish()
+    assert (folder / "notes.txt").read_text() == "mine" and (run.staging / "c.txt").exists()
+
+
+# ---- 2. one live run per folder ---------------------------------------------------------------------------------
+def hold_lock(output_dir, ready, stop):
+    run = RunFolder(output_dir)
+    run.lock()
+    run.begin({})
+    (run.staging / "checkpoint-2").mkdir()
+    ready.set()
+    stop.wait(60)
+    run.release()
+
+
+@pytest.mark.parametrize("resume", [[], ["--resume_from_checkpoint", "latest"]], ids=["new", "resume-latest"])
+def test_a_second_run_into_a_live_runs_folder_says_so_and_touches_nothing(tmp_path, capsys, resume):
+    ready, stop = FORK.Event(), FORK.Event()
+    holder = FORK.Process(target=hold_lock, args=(tmp_path / "run", ready, stop))
+    holder.start()
+    try:
+        assert ready.wait(60)
+        before = tree(tmp_path)
+        code = main(["--model", str(tmp_path / "no-model"), "--output_dir", str(tmp_path / "run"), *resume])
+        assert code == 2
+        assert f"a live run (pid {holder.pid}) holds it" in one_error_line(capsys)
+        assert tree(tmp_path) == before and (tmp_path / "run.partial" / "checkpoint-2").is_dir()
+    finally:
+        stop.set()
+        holder.join()
+    assert sorted(os.listdir(tmp_path)) == ["run.partial"]  # the holder dropped its lock file
+    RunFolder(tmp_path / "run").lock()  # and the lock is free again
+
+
+def test_the_lock_of_a_killed_run_is_free(tmp_path):
+    ready, stop = FORK.Event(), FORK.Event()
+    holder = FORK.Process(target=hold_lock, args=(tmp_path / "run", ready, stop))
+    holder.start()
+    assert ready.wait(60)
+    os.kill(holder.pid, signal.SIGKILL)
+    holder.join()
+    run = RunFolder(tmp_path / "run")
+    run.lock()  # the kernel released the dead process's lock; its stale file is reused
+    run.release()
+    assert not (tmp_path / "run.lock").exists()
+
+
+def test_two_commands_started_together_publish_one_run_and_the_other_says_why(tmp_path, tiny_model_dir):
+    data = write_hh_rows(tmp_path / "pairs.jsonl", 8)
+    argv = [sys.executable, "-m", "dpo_min.train", "--model", str(tiny_model_dir), "--dataset", str(data),
+            "--output_dir", str(tmp_path / "run"), "--max_steps", "2", "--per_device_train_batch_size", "2",
+            "--eval_fraction", "0", "--num_samples", "0", "--disable_tqdm", "true"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    # Started together, both reach the lock within a second of each other; the winner holds it for its whole run.
+    processes = [subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                 for _ in range(2)]
+    outputs = [process.communicate(timeout=300) for process in processes]
+    results = sorted((process.returncode, *output) for process, output in zip(processes, outputs))
+    (ok_code, ok_out, ok_err), (refused_code, refused_out, refused_err) = results
+    assert ok_code == 0, ok_err[-2000:]
+    assert refused_code == 2 and "a live run (pid" in refused_err.strip().splitlines()[-1]
+    assert "wrote" in ok_out and "wrote" not in refused_out
+    assert sorted(os.listdir(tmp_path)) == ["pairs.jsonl", "run"]
+    assert json.loads((tmp_path / "run" / MANIFEST).read_text())["complete"] is True
+
+
+def test_an_unwritable_parent_is_one_line(tmp_path, capsys, monkeypatch):
+    # Tests run as root, for whom chmod does not forbid writing: the refusal the OS would give is injected.
+    def refuse(path, *args, **kwargs):
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(run_dir, "open", refuse, raising=False)
+    code = main(["--model", str(tmp_path / "no-model"), "--output_dir", str(tmp_path / "sub" / "run")])
+    assert code == 2
+    assert f"cannot write in {tmp_path / 'sub'}: Permission denied" in one_error_line(capsys)
+    assert not os.listdir(tmp_path)  # the parent it made for the lock is gone again
+
+
+# ---- 3. a kill at any moment of a publish -----------------------------------------------------------------------
+def publish_and_die(output_dir, step, signal_number):
+    signal.signal(signal.SIGTERM, lambda number, frame: sys.exit(128 + number))  # as the command's cli()
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
+    def kill(reached):
+        if reached == step:
+            os.kill(os.getpid(), signal_number)
+
+    run_dir._after_step = kill
+    run = RunFolder(output_dir)
+    run.lock()
+    run.begin({})
+    (run.staging / "weights.txt").write_text("new")
+    try:
+        run.publish()
+    finally:
+        run.release()
+
+
+@pytest.mark.parametrize("signal_number", [signal.SIGKILL, signal.SIGTERM, signal.SIGINT],
+                         ids=["SIGKILL", "SIGTERM", "SIGINT"])
+@pytest.mark.parametrize("step", ["backup", "rename", "cleanup"])
+def test_a_kill_during_publish_leaves_one_whole_run_under_the_name(tmp_path, step, signal_number):
+    output_dir = write_run(tmp_path / "run", {"weights.txt": "old", "checkpoint-1/state.json": "old"})
+    child = FORK.Process(target=publish_and_die, args=(output_dir, step, signal_number))
+    child.start()
+    child.join()
+    if signal_number == signal.SIGKILL:
+        assert child.exitcode == -signal.SIGKILL
+    else:  # SIGTERM and Ctrl-C wait for the renames: the new run is published, then the process stops
+        assert child.exitcode != 0
+        assert tree(output_dir)["weights.txt"] == "new" and not (tmp_path / "run.replaced").exists()
+    # Whatever the moment, the next run into the folder (which takes the lock first) finds one whole run under the
+    # name, and the new one is either that run or whole in the staging folder.
+    run = RunFolder(output_dir)
+    run.lock()
+    with pytest.raises(OutputDirError) if (tmp_path / "run.partial").exists() else _nothing():
+        run.prepare(None)
+    run.release()
+    published = tree(output_dir)
+    assert json.loads(published.pop(MANIFEST))["complete"] is True
+    if published == {"weights.txt": "new"}:
+        assert sorted(os.listdir(tmp_path)) == ["run"]
+    else:
+        assert step == "backup" and published == {"weights.txt": "old", "checkpoint-1/state.json": "old"}
+        assert tree(tmp_path / "run.partial")["weights.txt"] == "new"
+        assert json.loads((tmp_path / "run.partial" / MANIFEST).read_text())["complete"] is True
+        assert sorted(os.listdir(tmp_path)) == ["run", "run.partial"]
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+# ---- 4. only whole checkpoints resume --------------------------------------------------------------------------
+def write_checkpoint(folder: Path) -> Path:
+    folder.mkdir(parents=True)
+    save_file({"lora_A": torch.zeros(2, 2)}, folder / "adapter_model.safetensors")
+    for name in ("optimizer.pt", "scheduler.pt", "rng_state.pth"):
+        torch.save({"state": torch.ones(3)}, folder / name)
+    (folder / "trainer_state.json").write_text(json.dumps({"global_step": 1}))
+    return folder
+
+
+def test_latest_takes_the_newest_whole_checkpoint_and_names_the_skipped_ones(tmp_path):
+    staging = tmp_path / "run.partial"
+    for step in (2, 4, 6):
+        write_checkpoint(staging / f"checkpoint-{step}")
+    (staging / "checkpoint-6" / "optimizer.pt").unlink()
+    (staging / "checkpoint-4" / "scheduler.pt").write_bytes((staging / "checkpoint-4" / "scheduler.pt")
+                                                            .read_bytes()[:-30])
+    warnings = []
+    assert resolve_checkpoint("latest", staging, warn=warnings.append) == str(staging / "checkpoint-2")
+    assert warnings == ["--resume_from_checkpoint latest: skipped incomplete checkpoint-6 (no optimizer.pt); "
+                        "checkpoint-4 (scheduler.pt is truncated)"]
+    assert checkpoint_problems(staging / "checkpoint-2") == []
+
+
+@pytest.mark.parametrize("damage, problem", [
+    (lambda c: (c / "optimizer.pt").unlink(), "no optimizer.pt"),
+    (lambda c: (c / "scheduler.pt").unlink(), "no scheduler.pt"),
+    (lambda c: (c / "rng_state.pth").unlink(), "no rng_state.pth"),
+    (lambda c: (c / "trainer_state.json").write_text('{"global_'), "trainer_state.json is truncated"),
+    (lambda c: (c / "adapter_model.safetensors").write_bytes((c / "adapter_model.safetensors").read_bytes()[:-4]),
+     "adapter_model.safetensors is truncated"),
+    (lambda c: (c / "adapter_model.safetensors").unlink(), "no model weights"),
+    (lambda c: None, "no such folder"),
+], ids=["optimizer", "scheduler", "rng", "state", "weights-truncated", "weights", "missing"])
+def test_an_explicit_incomplete_checkpoint_is_one_line_before_the_model_loads(tmp_path, capsys, damage, problem):
+    checkpoint = tmp_path / "old.partial" / "checkpoint-2"
+    if problem != "no such folder":
+        write_checkpoint(checkpoint)
+    damage(checkpoint)
+    # The model path does not exist: the checkpoint is refused before anything tries to load it.
+    code = main(["--model", str(tmp_path / "no-model"), "--output_dir", str(tmp_path / "run"),
+                 "--resume_from_checkpoint", str(checkpoint)])
+    assert code == 2
+    assert f"--resume_from_checkpoint {checkpoint}" in (line := one_error_line(capsys)) and problem in line
+    assert "run.partial" not in os.listdir(tmp_path)
+
+
+# ---- 6. a resumed run reaches the same pairs -------------------------------------------------------------------
+def test_resuming_with_another_batch_size_is_refused_naming_both_values(tmp_path, capsys):
+    run = RunFolder(tmp_path / "run")
+    settings = {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 1, "world_size": 1, "max_steps": 8,
+                "num_train_epochs": 3.0, "seed": 42, "data_seed": None}
+    run.begin(settings)
+    write_checkpoint(run.staging / "checkpoint-2")
+    code = main(["--model", str(tmp_path / "no-model"), "--output_dir", str(tmp_path / "run"), "--max_steps", "8",
+                 "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "2",
+                 "--resume_from_checkpoint", "latest"])
+    assert code == 2
+    line = one_error_line(capsys)
+    assert "per_device_train_batch_size 2 -> 4, gradient_accumulation_steps 1 -> 2" in line
+    assert json.loads((run.staging / MANIFEST).read_text())["data_settings"] == settings  # the record stays
+    assert (run.staging / "checkpoint-2").is_dir()
+    # With the interrupted run's values the same checkpoint passes the checks and goes on to the (missing) model.
+    code = main(["--model", str(tmp_path / "no-model"), "--output_dir", str(tmp_path / "run"), "--max_steps", "8",
+                 "--per_device_train_batch_size", "2", "--resume_from_checkpoint", "latest"])
+    assert code == 1 and "no-model" in capsys.readouterr().err.strip().splitlines()[-1]
