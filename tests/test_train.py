@@ -134,6 +134,15 @@ def test_yaml_recipe_then_flags_override_it(tmp_path):
         parse_args([str(recipe)])
 
 
+def test_recipe_with_a_fraction_for_an_integer_option_is_one_line(tmp_path, capsys):
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("max_steps: 2.5\n")
+    assert main([str(recipe), "--output_dir", str(tmp_path / "out")]) == 2
+    error_lines = capsys.readouterr().err.strip().splitlines()
+    assert error_lines == [f"python -m dpo_min.train: error: {recipe}: max_steps must be an integer, got 2.5"]
+    assert sorted(os.listdir(tmp_path)) == ["recipe.yaml"]
+
+
 def test_help_lists_every_option_with_its_default(capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["--help"])
@@ -165,7 +174,18 @@ def not_a_run_folder(tmp_path):
     (lambda tmp_path: ["--beta", "-1"], 2, "beta must be > 0"),
     (wrong_columns_file, 1, "row 0: field 'chosen' is missing"),
     (not_a_run_folder, 2, "holds files that are not a dpo_min run"),
-], ids=["unknown-flag", "missing-dataset", "bad-value", "wrong-columns", "foreign-output-dir"])
+    (lambda tmp_path: ["--learning_rate", "-0.0001"], 2, "learning_rate must be >= 0, got -0.0001"),
+    (lambda tmp_path: ["--dataset", str(write_hh_rows(tmp_path / "p.jsonl", 12)), "--eval_fraction", "0.99"], 2,
+     "--eval_fraction 0.99 of 12 pairs leaves no pair to train on"),
+    (lambda tmp_path: ["--max_new_tokens", "0"], 2, "--max_new_tokens must be >= 1 to sample completions, got 0"),
+    (lambda tmp_path: ["--per_device_train_batch_size", "0"], 2, "per_device_train_batch_size must be >= 1, got 0"),
+    (lambda tmp_path: ["--gradient_accumulation_steps", "0"], 2, "gradient_accumulation_steps must be >= 1, got 0"),
+    (lambda tmp_path: ["--max_steps", "-5"], 2, "max_steps must be > 0, or -1 to train num_train_epochs, got -5"),
+    (lambda tmp_path: ["--max_steps", "-1", "--num_train_epochs", "0"], 2,
+     "num_train_epochs must be > 0 when max_steps is -1, got 0.0: the run would train zero steps"),
+], ids=["unknown-flag", "missing-dataset", "bad-value", "wrong-columns", "foreign-output-dir", "negative-lr",
+        "eval-fraction-leaves-nothing", "no-new-tokens", "batch-size-0", "accumulation-0", "negative-max-steps",
+        "zero-epochs"])
 def test_user_errors_give_one_line_and_no_output_folder(tmp_path, capsys, tiny_model_dir, make_args, exit_code,
                                                         message):
     before = sorted(os.listdir(tmp_path))
