@@ -9,6 +9,7 @@ An entry lives in `$DPO_MIN_CACHE/ref_logps/` (default `~/.cache/dpo_min/ref_log
 Entries are written to a temporary file and renamed into place: an interrupted run leaves no partial entry.
 """
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -61,18 +62,40 @@ def _path(key: str) -> Path:
 
 
 def load(key: str, num_pairs: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(chosen [N], rejected [N]) reference log-probs, or None when there is no usable entry."""
+    """(chosen [N], rejected [N]) reference log-probs, or None when there is no usable entry.
+
+    An entry that cannot be read or does not hold two [N] float tensors is moved aside (to `<key>.pt.bad`, kept for
+    a look) with a warning that says why, and the log-probs are recomputed."""
     path = _path(key)
     if not path.exists():
         return None
     try:
         saved = torch.load(path, weights_only=True)
-    except (OSError, RuntimeError, EOFError, pickle.UnpicklingError) as error:  # recomputed, not fatal
-        logger.warning("ignoring unreadable reference log-prob cache %s: %s", path, error)
-        return None
-    if len(saved["chosen"]) != num_pairs:
-        return None
+    except (OSError, RuntimeError, EOFError, pickle.UnpicklingError) as error:
+        return _move_aside(path, f"unreadable ({str(error).strip().splitlines()[0] if str(error) else type(error)})")
+    problem = _entry_problem(saved, num_pairs)
+    if problem:
+        return _move_aside(path, problem)
     return saved["chosen"], saved["rejected"]
+
+
+def _entry_problem(saved: Any, num_pairs: int) -> str | None:
+    if not isinstance(saved, dict) or set(saved) != {"chosen", "rejected"}:
+        keys = sorted(map(str, saved)) if isinstance(saved, dict) else type(saved).__name__
+        return f"holds {keys}, not the keys ['chosen', 'rejected']"
+    for name, value in saved.items():
+        if not isinstance(value, torch.Tensor) or value.shape != (num_pairs,) or not value.is_floating_point():
+            shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+            return f"{name!r} is {shape}, not a float tensor of shape ({num_pairs},)"
+    return None
+
+
+def _move_aside(path: Path, problem: str) -> None:
+    aside = path.with_name(path.name + ".bad")
+    with contextlib.suppress(FileNotFoundError):  # another process of the run moved it first
+        os.replace(path, aside)
+    logger.warning("reference log-prob cache %s %s: moved to %s, recomputing", path, problem, aside)
+    return None
 
 
 def save(key: str, chosen: torch.Tensor, rejected: torch.Tensor) -> Path:

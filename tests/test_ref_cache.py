@@ -1,7 +1,10 @@
 """precompute_ref_log_probs caches on disk: a second run skips the reference pass; model, data or truncation
 changes recompute."""
 
+import logging
+
 import pytest
+import torch
 from conftest import tiny_llama
 from peft import LoraConfig
 
@@ -41,6 +44,25 @@ def test_second_run_skips_the_reference_pass(precompute, tmp_path):
     assert passes == 0
     assert second == first
     assert len(list((tmp_path / "cache" / "ref_logps").glob("*.pt"))) == 1
+
+
+@pytest.mark.parametrize("content, reason", [
+    ({"chosen_logps": torch.zeros(4), "rejected_logps": torch.zeros(4)},
+     "holds ['chosen_logps', 'rejected_logps'], not the keys ['chosen', 'rejected']"),
+    ({"chosen": torch.zeros(3), "rejected": torch.zeros(3)}, "'chosen' is (3,), not a float tensor of shape (4,)"),
+    ([1, 2], "holds list, not the keys"),
+], ids=["wrong-keys", "wrong-length", "not-a-dict"])
+def test_a_cache_entry_with_the_wrong_content_is_named_moved_aside_and_recomputed(precompute, tmp_path, caplog,
+                                                                                  content, reason):
+    _, first = precompute()
+    (entry,) = (tmp_path / "cache" / "ref_logps").glob("*.pt")
+    torch.save(content, entry)
+    with caplog.at_level(logging.WARNING, logger="dpo_min.ref_cache"):
+        passes, second = precompute()
+    assert passes == 2 and second == first
+    assert f"reference log-prob cache {entry} {reason}" in caplog.text and "recomputing" in caplog.text
+    assert torch.load(entry.with_name(entry.name + ".bad"), weights_only=True) is not None  # kept for a look
+    assert set(torch.load(entry, weights_only=True)) == {"chosen", "rejected"}  # and a good entry written again
 
 
 @pytest.mark.parametrize("change", [{"ref_seed": 2}, {"rows": range(1, 5)}, {"max_length": 128}],
