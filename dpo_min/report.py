@@ -2,6 +2,7 @@
 
 import json
 import math
+import unicodedata
 from pathlib import Path
 from typing import Any
 
@@ -11,7 +12,11 @@ from transformers import ProgressCallback, TrainerCallback
 
 # The held-out figures the command prints and compares (TRL's names) and how they are shown.
 HEADLINE = {"reward accuracy": ("eval_rewards/accuracies", ".4f"), "mean margin": ("eval_rewards/margins", "+.4f"),
-            "loss": ("eval_loss", ".4f")}
+            "loss": ("eval_loss", ".4f"), "drift chosen": ("eval_drift/chosen", "+.4f"),
+            "drift rejected": ("eval_drift/rejected", "+.4f")}
+# |drift| per token above which the policy has left the reference behind: e^-1 of the reference's probability per
+# token, on average; DPO runs that stay useful move a few hundredths.
+DRIFT_ALARM = 1.0
 PLOTTED = {"loss": "loss", "reward accuracy": "rewards/accuracies", "reward margin": "rewards/margins"}
 
 
@@ -42,7 +47,28 @@ def describe(metrics: dict[str, float]) -> str:
 
 def describe_change(before: dict[str, float], after: dict[str, float]) -> str:
     """'reward accuracy 0.0000 -> 0.6250, ...' from two evaluations."""
-    return ", ".join(f"{name} {before[key]:{style}} -> {after[key]:{style}}" for name, (key, style) in HEADLINE.items())
+    return ", ".join(f"{name} {before[key]:{style}} -> {after[key]:{style}}" for name, (key, style) in HEADLINE.items()
+                     if key in before and key in after)
+
+
+def is_empty_completion(text: str) -> bool:
+    """True when no character would show: whitespace, zero-width and other format or control characters only."""
+    return not any(unicodedata.category(char)[0] not in "CZ" for char in text)
+
+
+def collapse_warnings(after: dict[str, float], policy_texts: list[str]) -> list[str]:
+    """Signs that the trained policy collapsed, which the reward figures do not show."""
+    warnings = []
+    empty = sum(map(is_empty_completion, policy_texts))
+    if empty:
+        warnings.append(f"{empty} of {len(policy_texts)} completions of the trained policy are empty: it may have "
+                        "collapsed (try a lower --learning_rate)")
+    for name in ("chosen", "rejected"):
+        drift = after.get(f"eval_drift/{name}")
+        if drift is not None and not abs(drift) <= DRIFT_ALARM:
+            warnings.append(f"the policy drifted {drift:+.2f} nats per token from the reference on {name} "
+                            f"completions (alarm at {DRIFT_ALARM}): the reward figures say little about such a model")
+    return warnings
 
 
 def all_finite(metrics: dict[str, float]) -> bool:

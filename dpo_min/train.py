@@ -30,6 +30,7 @@ from .report import (
     HeldOutPrinter,
     LiveLossBar,
     all_finite,
+    collapse_warnings,
     describe_change,
     greedy_completions,
     plot_training,
@@ -352,6 +353,8 @@ def run(trainer: DPOMinTrainer, model_args: ModelArguments, data_args: DataArgum
         say(f"\ngreedy completions of held-out prompts (reference, then trained policy):\n{samples}")
     if after and not all_finite(after):
         say("warning: the held-out figures are not finite")
+    for warning in collapse_warnings(after, policy_texts):
+        say(f"WARNING: {warning}")
     say(f"wrote {', '.join(sorted(path.name for path in output_dir.iterdir()))} to {output_dir} "
         f"in {wall_time:.0f} s")
 

@@ -343,13 +343,14 @@ class DPOMinTrainer(Trainer):
         loss = losses.mean()
         if not torch.isfinite(loss):
             self._raise_non_finite(loss, chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps)
-        self._record_metrics(policy, pair_logps, chosen_rewards, rejected_rewards)
+        reference = None if args.reference_free else torch.cat([ref_chosen_logps, ref_rejected_logps])
+        self._record_metrics(policy, pair_logps, chosen_rewards, rejected_rewards, reference)
         if return_outputs:
             return loss, {"chosen_rewards": chosen_rewards, "rejected_rewards": rejected_rewards}
         return loss
 
     def _record_metrics(self, policy: SequenceLogps, pair_logps: torch.Tensor, chosen_rewards: torch.Tensor,
-                        rejected_rewards: torch.Tensor) -> None:
+                        rejected_rewards: torch.Tensor, reference_logps: torch.Tensor | None = None) -> None:
         mode = "train" if self.model.training else "eval"
         # Only per-pair [B] tensors go through gather_for_metrics: it trims the last batch to the dataset's length.
         chosen_logps, rejected_logps = pair_logps.detach().chunk(2)
@@ -369,6 +370,12 @@ class DPOMinTrainer(Trainer):
         # Mean logit over completion tokens, token-weighted across the batch (as TRL).
         metrics["logits/chosen"].append((chosen_logits.sum() / chosen_tokens.sum()).item())
         metrics["logits/rejected"].append((rejected_logits.sum() / rejected_tokens.sum()).item())
+        if reference_logps is not None:
+            # Drift from the reference: mean policy - reference log-ratio per completion token, token-weighted. A
+            # model that collapses can still rank pairs "right"; this shows how far it went to do so.
+            drift = self.accelerator.gather_for_metrics(tuple((pair_logps.detach() - reference_logps).chunk(2)))
+            metrics["drift/chosen"].append((drift[0].sum() / chosen_tokens.sum()).item())
+            metrics["drift/rejected"].append((drift[1].sum() / rejected_tokens.sum()).item())
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         inputs = self._prepare_inputs(inputs)

@@ -17,6 +17,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from dpo_min import DPOMinTrainer, models
 from dpo_min.config import DPOMinConfig
 from dpo_min.data import to_preference_rows, tokenize_dataset
+from dpo_min.report import collapse_warnings, is_empty_completion
 from dpo_min.train import COMMAND_DEFAULTS, DataArguments, ModelArguments, UsageError, main, parse_args
 
 OUTPUT_FILES = ("adapter_config.json", "adapter_model.safetensors", "tokenizer.json", "trainer_state.json",
@@ -53,15 +54,20 @@ def sequence_logp(model, prompt_ids, completion_ids):
 def held_out_figures(policy, reference, pairs, tokenizer, beta=0.1):
     """Reward accuracy, mean margin and DPO loss, one unpadded sequence at a time."""
     examples = tokenize_dataset(pairs, tokenizer, COMMAND_DEFAULTS["max_length"], COMMAND_DEFAULTS["max_prompt_length"])
-    margins = []
+    margins, log_ratios, tokens = [], {"chosen": 0.0, "rejected": 0.0}, {"chosen": 0, "rejected": 0}
     for example in examples:
-        rewards = [beta * (sequence_logp(policy, example["prompt_ids"], example[name])
-                           - sequence_logp(reference, example["prompt_ids"], example[name]))
-                   for name in ("chosen_ids", "rejected_ids")]
-        margins.append(rewards[0] - rewards[1])
+        ratios = {name: (sequence_logp(policy, example["prompt_ids"], example[f"{name}_ids"])
+                         - sequence_logp(reference, example["prompt_ids"], example[f"{name}_ids"]))
+                  for name in ("chosen", "rejected")}
+        margins.append(beta * (ratios["chosen"] - ratios["rejected"]))
+        for name, ratio in ratios.items():
+            log_ratios[name] += ratio.item()
+            tokens[name] += len(example[f"{name}_ids"])
     margins = torch.stack(margins)
+    # Drift: the policy - reference log-ratio per completion token, over all the pairs' tokens.
     return {"eval_rewards/accuracies": (margins > 0).float().mean().item(),
-            "eval_rewards/margins": margins.mean().item(), "eval_loss": -F.logsigmoid(margins).mean().item()}
+            "eval_rewards/margins": margins.mean().item(), "eval_loss": -F.logsigmoid(margins).mean().item(),
+            **{f"eval_drift/{name}": log_ratios[name] / tokens[name] for name in tokens}}
 
 
 def assert_figures_match(metrics, expected):
@@ -86,7 +92,8 @@ def test_command_end_to_end_on_a_tiny_model(tmp_path, tiny_model_dir, hh_file):
     metrics = json.loads((output_dir / "metrics.json").read_text())
     # Before training the policy is the reference: rewards 0, loss ln 2, by hand.
     assert_figures_match(metrics["before"], {"eval_rewards/accuracies": 0.0, "eval_rewards/margins": 0.0,
-                                             "eval_loss": math.log(2)})
+                                             "eval_loss": math.log(2), "eval_drift/chosen": 0.0,
+                                             "eval_drift/rejected": 0.0})
     assert all(math.isfinite(value) for value in metrics["after"].values())
     # After: the saved adapter, scored on the held-out pairs without the trainer, gives the printed figures.
     from peft import PeftModel
@@ -94,8 +101,13 @@ def test_command_end_to_end_on_a_tiny_model(tmp_path, tiny_model_dir, hh_file):
     reference = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     policy = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_dir), output_dir)
     expected = held_out_figures(policy, reference, held_out_pairs(output_dir, hh_file), tokenizer)
-    assert expected["eval_rewards/margins"] != 0.0  # the run moved the policy
+    assert expected["eval_rewards/margins"] != 0.0 and expected["eval_drift/chosen"] != 0.0  # the run moved the policy
     assert_figures_match(metrics["after"], expected)
+    assert "drift chosen +0.0000 -> " in result.stdout and "WARNING" not in result.stdout
+    manifest = json.loads((output_dir / "dpo_min_run.json").read_text())
+    assert manifest["complete"] and set(manifest["files"]) == {p.name for p in output_dir.iterdir()} - {
+        "dpo_min_run.json"}
+    assert manifest["data_settings"]["per_device_train_batch_size"] == 2
     assert "held-out before training: reward accuracy 0.0000, mean margin +0.0000, loss 0.6931" in result.stdout
     assert "held-out, before -> after training: reward accuracy 0.0000 -> " in result.stdout
 
@@ -119,6 +131,27 @@ def test_saved_model_loads_plainly_and_gives_the_printed_figures(tmp_path, tiny_
     expected = held_out_figures(policy, reference, held_out_pairs(output_dir, hh_file), tokenizer)
     assert expected["eval_rewards/margins"] != 0.0
     assert_figures_match(json.loads((output_dir / "metrics.json").read_text())["after"], expected)
+
+
+def test_a_collapsed_policy_is_reported_loudly(tmp_path, tiny_model_dir, hh_file, capsys):
+    # At this learning rate the tiny model's gradient is 0 from step 3 and its completions come out empty, while the
+    # held-out reward accuracy may still rise.
+    assert main(tiny_run_args(tiny_model_dir, hh_file, tmp_path / "run", "--learning_rate", "1000")) == 0
+    out = capsys.readouterr().out
+    assert "WARNING: 3 of 3 completions of the trained policy are empty" in out
+    metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    assert {"eval_drift/chosen", "eval_drift/rejected"} <= set(metrics["before"]) & set(metrics["after"])
+
+
+def test_zero_width_completions_are_empty_and_a_large_drift_is_an_alarm():
+    assert is_empty_completion("\u200b\u200d \ufeff\n") and is_empty_completion("")
+    assert not is_empty_completion("\u200bno")
+    assert collapse_warnings({"eval_drift/chosen": -0.02, "eval_drift/rejected": 0.3}, ["a", "b"]) == []
+    warnings = collapse_warnings({"eval_drift/chosen": -4.0, "eval_drift/rejected": float("nan")}, ["\u2060", "b"])
+    assert [w.split(":")[0] for w in warnings] == [
+        "1 of 2 completions of the trained policy are empty",
+        "the policy drifted -4.00 nats per token from the reference on chosen completions (alarm at 1.0)",
+        "the policy drifted +nan nats per token from the reference on rejected completions (alarm at 1.0)"]
 
 
 def test_yaml_recipe_then_flags_override_it(tmp_path):
