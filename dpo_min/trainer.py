@@ -11,6 +11,7 @@ import torch
 from accelerate.utils import broadcast_object_list
 from datasets import Dataset
 from torch.utils.data import DataLoader
+from tqdm.auto import tqdm
 from transformers import PreTrainedModel, Trainer, TrainerCallback, set_seed
 from transformers.trainer_utils import rotate_checkpoints
 
@@ -36,7 +37,12 @@ def _tokenized(dataset: Any, tokenizer: Any, args: DPOMinConfig) -> Any:
     """Raw rows -> tokenized pairs, with the config's truncation; None and tokenized data pass through."""
     if dataset is None or is_tokenized(dataset):
         return dataset
-    return tokenize_dataset(dataset, tokenizer, args.max_length, args.max_prompt_length, args.truncation_mode)
+    rows = dataset
+    if isinstance(dataset, Dataset) and "ref_chosen_logps" not in dataset.column_names:
+        # A bar on the main process for a large set (rows with precomputed log-probs stay a Dataset to keep them).
+        rows = tqdm(dataset, desc="tokenizing", unit="pair", leave=False,
+                    disable=args.disable_tqdm or args.local_process_index != 0)
+    return tokenize_dataset(rows, tokenizer, args.max_length, args.max_prompt_length, args.truncation_mode)
 
 
 def _is_peft(model: Any) -> bool:
@@ -260,7 +266,11 @@ class DPOMinTrainer(Trainer):
         chosen, rejected = [], []
         was_training = self.model.training
         self.model.eval()
-        for batch in self.accelerator.prepare(loader):
+        loader = self.accelerator.prepare(loader)
+        # The pass runs before the first step and can take minutes: a bar on the main process says how many.
+        bar = tqdm(loader, desc="reference log-probs", unit="batch", leave=False,
+                   disable=self.args.disable_tqdm or not self.is_local_process_zero())
+        for batch in bar:
             ref = self.reference_logps(batch).pair_logps(self.args.ld_alpha).chunk(2)
             ref = self.accelerator.gather_for_metrics(ref)
             chosen.append(ref[0].float().cpu())

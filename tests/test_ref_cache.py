@@ -90,3 +90,18 @@ def test_pairs_fingerprint_follows_the_selected_rows():
     # Non-contiguous selections keep the whole table underneath, with an index mapping on top.
     assert fingerprint_pairs(tokenized.select([0, 2])) == fingerprint_pairs(Dataset.from_list([rows[0], rows[2]]))
     assert fingerprint_pairs(tokenized.select([0, 2])) != fingerprint_pairs(tokenized.select([0, 3]))
+
+
+@pytest.mark.parametrize("disable_tqdm", [False, True], ids=["bar", "no-bar"])
+def test_tokenizing_and_the_reference_pass_show_a_progress_bar_unless_disabled(tmp_path, tokenizer, hh_pairs,
+                                                                                capsys, disable_tqdm):
+    args = DPOMinConfig(output_dir=str(tmp_path / "out"), report_to="none", use_cpu=True, disable_tqdm=disable_tqdm,
+                        precompute_ref_log_probs=True, per_device_eval_batch_size=2)
+    capsys.readouterr()
+    trainer = DPOMinTrainer(tiny_llama(), args, train_dataset=hh_pairs.select(range(4)), processing_class=tokenizer,
+                            ref_model=tiny_llama(seed=1))
+    shown = capsys.readouterr().err
+    assert ("tokenizing" in shown and "4/4" in shown) != disable_tqdm, shown
+    trainer.get_train_dataloader()
+    shown = capsys.readouterr().err
+    assert ("reference log-probs" in shown and "2/2" in shown) != disable_tqdm, shown
