@@ -11,16 +11,20 @@ import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from dpo_min.data import load_preference_dataset
-from dpo_min.models import convert_gguf, default_gguf_path
+from dpo_min.models import cache_dir, convert_gguf, default_gguf_path
 
 ROOT = Path(__file__).resolve().parent.parent
 HH_PATH = ROOT / "data" / "hh-rlhf-harmless-base-test.jsonl.gz"
 os.environ.setdefault("TQDM_DISABLE", "1")
+# Read before any test points DPO_MIN_CACHE elsewhere: converted models live here, and are converted once.
+USER_CACHE = cache_dir()
 
 
 @pytest.fixture(scope="session")
 def smollm_path() -> Path:
-    return convert_gguf(default_gguf_path())
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("DPO_MIN_CACHE", str(USER_CACHE))
+        return convert_gguf(default_gguf_path())
 
 
 @pytest.fixture
@@ -45,12 +49,21 @@ def hh_pairs():
 
 
 @pytest.fixture(autouse=True)
-def isolated_reference_cache(tmp_path_factory, monkeypatch):
-    """Precomputed reference log-probs go to a per-test folder, not the user's cache (the converted model stays)."""
-    import dpo_min.ref_cache
-
+def isolated_cache(tmp_path_factory, monkeypatch) -> Path:
+    """Each test, and every process it starts, gets its own empty DPO_MIN_CACHE: a reference cache left warm by an
+    earlier run would hide a broken reference pass. Converted models are linked in, not converted again."""
     folder = tmp_path_factory.mktemp("dpo_min_cache")
-    monkeypatch.setattr(dpo_min.ref_cache, "cache_dir", lambda: Path(os.environ.get("DPO_MIN_CACHE", folder)))
+    if USER_CACHE.is_dir():
+        for entry in USER_CACHE.iterdir():
+            if (entry / "config.json").is_file():
+                (folder / entry.name).symlink_to(entry, target_is_directory=True)
+    monkeypatch.setenv("DPO_MIN_CACHE", str(folder))
+    return folder
+
+
+def reference_cache_entries(cache: Path) -> list[Path]:
+    """The precomputed reference log-prob files a run wrote into `cache` (a DPO_MIN_CACHE folder)."""
+    return sorted((cache / "ref_logps").glob("*.pt"))
 
 
 @pytest.fixture(scope="session")

@@ -3,7 +3,8 @@
 Both trainers read their log-probs from the same fixed logit tables (a policy table and a reference table, float64),
 so they see identical per-token log-probs, lengths and distributions; everything downstream (LD-DPO weighting, WPO
 weights, length normalisation, sft, the combination of several losses) is each trainer's own code. Losses, gradients
-with respect to the policy's logits, and the reward/log-prob metrics must agree to 1e-6.
+with respect to the policy's logits, and the reward/log-prob metrics must agree to relative 1e-12: float64 rounding
+leaves about 1e-15, so any difference in the formula shows.
 """
 
 from types import SimpleNamespace
@@ -52,6 +53,10 @@ CASES = {
     # tensor and breaks hinge's backward (relu saved its output).
     "wpo_ld_alpha_mpo": {"loss_type": ["sigmoid", "bco_pair"], "use_weighting": True, "ld_alpha": 0.5},
 }
+# Relative tolerance per case: float64 throughout, except where TRL itself computes in float32 (exo_pair takes
+# log(label_smoothing) of a float32 tensor, a relative error near 1e-8 in the loss and its gradient).
+TOLERANCE = {"exo_pair": 1e-7}
+FLOAT64_TOLERANCE = 1e-12
 
 
 class LogitTable(torch.nn.Module):
@@ -102,9 +107,10 @@ def last_metrics(trainer):
     return {key: metrics[key][-1] for key in METRICS}
 
 
-@pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
-def test_loss_matches_trl(trainers, case):
+@pytest.mark.parametrize("name", CASES)
+def test_loss_matches_trl(trainers, name):
     ours, theirs, common = trainers
+    case, tolerance = CASES[name], TOLERANCE.get(name, FLOAT64_TOLERANCE)
     # use_configured_state: building these arguments must not reset the accelerator state TRL's trainer runs on.
     args = DPOMinConfig(**common, **case, accelerator_config={"use_configured_state": True})
     ours.args = args
@@ -126,10 +132,11 @@ def test_loss_matches_trl(trainers, case):
     our_loss.backward()
     their_loss.backward()
 
-    # float64 throughout: 1e-6 absolute as asked, and relative bounds so that small values (WPO) are held as tightly
-    # (TRL takes exo_pair's log(eps) in float32, hence 1e-6 relative on gradients).
-    assert our_loss.item() == pytest.approx(their_loss.item(), abs=1e-6, rel=1e-9)
-    assert their_policy.logits.grad.abs().max() > 0  # a loss that moves the policy
-    torch.testing.assert_close(our_policy.logits.grad, their_policy.logits.grad, atol=1e-12, rtol=1e-6)
+    assert our_loss.item() == pytest.approx(their_loss.item(), rel=tolerance)
+    their_grad = their_policy.logits.grad
+    assert their_grad.abs().max() > 0  # a loss that moves the policy
+    # Relative to the largest entry: single entries near zero are sums that cancel.
+    torch.testing.assert_close(our_policy.logits.grad, their_grad, rtol=tolerance,
+                               atol=tolerance * their_grad.abs().max().item())
     for key, value in last_metrics(ours).items():
-        assert value == pytest.approx(last_metrics(theirs)[key], abs=1e-6), key
+        assert value == pytest.approx(last_metrics(theirs)[key], rel=FLOAT64_TOLERANCE), key
