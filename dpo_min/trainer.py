@@ -15,7 +15,7 @@ from transformers import PreTrainedModel, Trainer, TrainerCallback, set_seed
 from transformers.trainer_utils import rotate_checkpoints
 
 from . import ref_cache
-from .attention import SEGMENTED_SDPA, use_segmented_attention
+from .attention import packed_attention, use_packed_attention
 from .collator import make_collator
 from .config import DPOMinConfig
 from .data import is_tokenized, tokenize_dataset
@@ -28,8 +28,6 @@ except ImportError:  # peft is a dependency, but keep the full fine-tuning path 
     PeftConfig = PeftModel = get_peft_model = None
 
 REF_ADAPTER = "ref"
-# Attention implementations that build the block-diagonal mask from position_ids and take a 4D additive mask.
-PACKED_ATTENTION = ("sdpa", "eager", SEGMENTED_SDPA)
 
 
 def _tokenized(dataset: Any, tokenizer: Any, args: DPOMinConfig) -> Any:
@@ -79,10 +77,7 @@ class _SyncReference(TrainerCallback):
 def _check_layout(model_config: Any, args: DPOMinConfig) -> None:
     if not (args.padding_free or args.share_prompt):
         return
-    attention = getattr(model_config, "_attn_implementation", None)
-    if attention not in PACKED_ATTENTION:
-        raise ValueError(f"padding_free and share_prompt need attention in {PACKED_ATTENTION} (the ones tested to "
-                         f"keep packed sequences apart), got {attention!r}")
+    packed_attention(getattr(model_config, "_attn_implementation", None))  # raises for one that cannot
     layer_types = getattr(model_config, "layer_types", None) or ["sliding_attention"]
     if args.share_prompt and getattr(model_config, "sliding_window", None) and "sliding_attention" in layer_types:
         raise ValueError("share_prompt's 4D attention mask has no sliding window, and this model uses one "
@@ -144,8 +139,8 @@ class DPOMinTrainer(Trainer):
         if ref_model is not None:
             ref_model.eval().requires_grad_(False)
         for module in [model] + ([ref_model] if ref_model is not None else []):
-            if args.padding_free:
-                use_segmented_attention(module)
+            if args.padding_free or args.share_prompt:
+                use_packed_attention(module)
             if args.disable_dropout:
                 for submodule in module.modules():
                     if isinstance(submodule, torch.nn.Dropout):
@@ -156,7 +151,10 @@ class DPOMinTrainer(Trainer):
             eval_dataset = {name: _tokenized(dataset, tokenizer, args) for name, dataset in eval_dataset.items()}
         else:
             eval_dataset = _tokenized(eval_dataset, tokenizer, args)
-        data_collator = data_collator or make_collator(tokenizer.pad_token_id, args.padding_free, args.share_prompt)
+        dense_mask = not (args.padding_free or args.share_prompt) or packed_attention(
+            model.config._attn_implementation).dense_mask
+        data_collator = data_collator or make_collator(tokenizer.pad_token_id, args.padding_free, args.share_prompt,
+                                                       dense_mask)
 
         super().__init__(model=model, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset,
                          processing_class=processing_class, data_collator=data_collator, **kwargs)
