@@ -78,6 +78,9 @@ class DPOMinConfig(TrainingArguments):
         self._check_reference()
         if self.beta <= 0:
             raise ValueError(f"beta must be > 0, got {self.beta}")
+        if self.use_liger_kernel:
+            raise ValueError("use_liger_kernel is not supported: Liger replaces the model's forward, which dpo_min "
+                             "asks for completion positions only (already no [2B, T, V] logits); leave it False")
         if self.truncation_mode not in TRUNCATION_MODES:
             raise ValueError(f"truncation_mode must be one of {TRUNCATION_MODES}, got {self.truncation_mode!r}")
         if self.max_length is not None and self.max_length < 2:
