@@ -67,6 +67,11 @@ class DPOMinConfig(TrainingArguments):
         metadata={"help": "Lay each pair out as prompt, chosen, rejected with a 4D attention mask, so the prompt is "
                           "computed once. Combines with padding_free. Needs sdpa or eager attention."},
     )
+    shard_with_fsdp2: bool = field(
+        default=False,
+        metadata={"help": "Shard policy and reference with FSDP2 (fully_shard) across the processes, applied by "
+                          "dpo_min: it shards on CPU/gloo too, where accelerate's FSDP falls back to DDP."},
+    )
     disable_dropout: bool = field(default=True, metadata={"help": "Turn dropout off in policy and reference."})
     remove_unused_columns: bool = field(
         default=False, metadata={"help": "Kept False: the collator picks the columns it needs."}

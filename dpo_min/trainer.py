@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader
 from transformers import PreTrainedModel, Trainer, TrainerCallback, set_seed
 from transformers.trainer_utils import rotate_checkpoints
 
-from . import ref_cache
+from . import ref_cache, sharding
 from .attention import packed_attention, use_packed_attention
 from .collator import make_collator
 from .config import DPOMinConfig
@@ -145,6 +145,8 @@ class DPOMinTrainer(Trainer):
                 for submodule in module.modules():
                     if isinstance(submodule, torch.nn.Dropout):
                         submodule.p = 0.0
+            if args.shard_with_fsdp2:
+                sharding.shard_model(module, args.device.type)
 
         train_dataset = _tokenized(train_dataset, tokenizer, args)
         if isinstance(eval_dataset, dict):
@@ -199,8 +201,10 @@ class DPOMinTrainer(Trainer):
         policy = self.accelerator.unwrap_model(self.model)
         if self.ref_model is not None:
             reference = self.accelerator.unwrap_model(self.ref_model)
+            sharding.reshard(policy, reference)
             _mix_into(dict(reference.named_parameters()), dict(policy.named_parameters()), alpha)
         elif self.ref_adapter_name is not None:
+            sharding.reshard(policy)
             _mix_into(_adapter_parameters(policy, self.ref_adapter_name),
                       _adapter_parameters(policy, policy.active_adapter), alpha)
         else:
@@ -269,10 +273,11 @@ class DPOMinTrainer(Trainer):
     def _reference_weights(self) -> list[tuple[str, torch.Tensor]]:
         """The tensors the reference log-probs depend on (for the precompute cache key)."""
         if self.ref_model is not None:
-            return list(self.accelerator.unwrap_model(self.ref_model).state_dict().items())
+            return sharding.gathered(self.accelerator.unwrap_model(self.ref_model).state_dict().items())
         model = self.accelerator.unwrap_model(self.model)
         trained = f".{model.active_adapter}." if _is_peft(model) else None
-        return [(name, tensor) for name, tensor in model.state_dict().items() if trained is None or trained not in name]
+        return sharding.gathered((name, tensor) for name, tensor in model.state_dict().items()
+                                 if trained is None or trained not in name)
 
     def _reference_settings(self) -> dict[str, Any]:
         args = self.args
@@ -409,6 +414,11 @@ class DPOMinTrainer(Trainer):
         if grad_norm is None:  # no clipping this run: the check has not happened yet
             self._check_finite_gradients(model)
         return super()._get_grad_norm(model, grad_norm=grad_norm)
+
+    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
+        if state_dict is None and sharding.is_sharded(self.model):
+            state_dict = sharding.full_state_dict(self.model)  # every rank joins the gather; rank 0 writes
+        super()._save(output_dir, state_dict=state_dict)
 
     def _save_checkpoint(self, model, trial):
         """Write checkpoint-N into a staging folder, then rename it: a kill mid-save leaves the previous checkpoints
