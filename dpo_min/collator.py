@@ -24,7 +24,8 @@ import torch
 
 IGNORE_INDEX = -100
 # Keys of a batch that are not model inputs.
-NON_MODEL_KEYS = ("labels", "sequence_index", "segment_bounds", "ref_chosen_logps", "ref_rejected_logps")
+NON_MODEL_KEYS = ("labels", "sequence_index", "segment_bounds", "segment_ids", "branch_ids", "ref_chosen_logps",
+                  "ref_rejected_logps")
 
 
 @dataclass
@@ -102,12 +103,16 @@ class PackedDPODataCollator:
         S independent segments (a sequence, or a pair with share_prompt) starts, then N: attention runs per segment.
     share_prompt: one segment per pair, the prompt computed once; adds a boolean 4D `attention_mask` [rows, 1, T, T]
         (True = may attend), which `sequence_logps` turns into the additive mask the model expects.
+    dense_mask: False skips that [rows, 1, T, T] mask, for an attention that builds its own (flex attention).
+    Every packed batch has `segment_ids` and `branch_ids` [rows, T]: a token may attend to an earlier token of its
+    segment whose branch is its own or 0 (the shared prompt); padding is -1 in both.
     """
 
     pad_token_id: int
     padding_free: bool = True
     share_prompt: bool = False
     pad_to_multiple_of: int | None = None
+    dense_mask: bool = True
 
     def __post_init__(self):
         if not (self.padding_free or self.share_prompt):
@@ -155,7 +160,8 @@ class PackedDPODataCollator:
         columns = {name: torch.tensor([getattr(row, name) + [pad] * (length - len(row.input_ids)) for row in rows])
                    for name, pad in pads.items()}
         group, branch = columns.pop("group"), columns.pop("branch")
-        if self.share_prompt:
+        columns["segment_ids"], columns["branch_ids"] = group, branch
+        if self.share_prompt and self.dense_mask:
             causal = torch.ones(length, length, dtype=torch.bool).tril()
             same_group = group[:, :, None] == group[:, None, :]
             visible_branch = (branch[:, None, :] == 0) | (branch[:, :, None] == branch[:, None, :])
@@ -163,9 +169,10 @@ class PackedDPODataCollator:
         return columns
 
 
-def make_collator(pad_token_id: int, padding_free: bool = False,
-                  share_prompt: bool = False) -> DPODataCollator | PackedDPODataCollator:
+def make_collator(pad_token_id: int, padding_free: bool = False, share_prompt: bool = False,
+                  dense_mask: bool = True) -> DPODataCollator | PackedDPODataCollator:
     """The collator of a layout: padded unless `padding_free` or `share_prompt`."""
     if padding_free or share_prompt:
-        return PackedDPODataCollator(pad_token_id, padding_free=padding_free, share_prompt=share_prompt)
+        return PackedDPODataCollator(pad_token_id, padding_free=padding_free, share_prompt=share_prompt,
+                                     dense_mask=dense_mask)
     return DPODataCollator(pad_token_id)

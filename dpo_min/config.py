@@ -67,6 +67,11 @@ class DPOMinConfig(TrainingArguments):
         metadata={"help": "Lay each pair out as prompt, chosen, rejected with a 4D attention mask, so the prompt is "
                           "computed once. Combines with padding_free. Needs sdpa or eager attention."},
     )
+    shard_with_fsdp2: bool = field(
+        default=False,
+        metadata={"help": "Shard policy and reference with FSDP2 (fully_shard) across the processes, applied by "
+                          "dpo_min: it shards on CPU/gloo too, where accelerate's FSDP falls back to DDP."},
+    )
     disable_dropout: bool = field(default=True, metadata={"help": "Turn dropout off in policy and reference."})
     remove_unused_columns: bool = field(
         default=False, metadata={"help": "Kept False: the collator picks the columns it needs."}
@@ -79,6 +84,9 @@ class DPOMinConfig(TrainingArguments):
         self._check_steps()
         if self.beta <= 0:
             raise ValueError(f"beta must be > 0, got {self.beta}")
+        if self.use_liger_kernel:
+            raise ValueError("use_liger_kernel is not supported: Liger replaces the model's forward, which dpo_min "
+                             "asks for completion positions only (already no [2B, T, V] logits); leave it False")
         if self.truncation_mode not in TRUNCATION_MODES:
             raise ValueError(f"truncation_mode must be one of {TRUNCATION_MODES}, got {self.truncation_mode!r}")
         if self.max_length is not None and self.max_length < 2:

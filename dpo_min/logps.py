@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .attention import segment_kwargs
+from .attention import packed_forward_kwargs
 from .collator import IGNORE_INDEX, NON_MODEL_KEYS
 
 CHUNK_TOKENS = 256
@@ -118,7 +118,8 @@ def sequence_logps(model: torch.nn.Module, batch: dict[str, torch.Tensor],
     # Position t predicts token t+1: keep the positions whose next token is a completion token.
     next_labels = labels[:, 1:]
     predicts_completion = F.pad(next_labels != IGNORE_INDEX, (0, 1), value=False)
-    model_inputs = _model_inputs(model, batch) | segment_kwargs(model, batch.get("segment_bounds"))
+    model_inputs = {key: value for key, value in batch.items() if key not in NON_MODEL_KEYS}
+    model_inputs |= packed_forward_kwargs(model, batch)
     # No cache: with one, transformers would not keep packed sequences apart.
     logits = model(**model_inputs, logits_to_keep=predicts_completion, use_cache=False).logits
     logits = logits.reshape(-1, logits.size(-1))  # [K, V], in row-major order of the mask
@@ -149,18 +150,6 @@ def _positions_in_sequence(token_sequence: torch.Tensor, counts: torch.Tensor) -
     positions = torch.empty_like(token_sequence)
     positions[order] = torch.arange(len(order), device=order.device) - starts[token_sequence[order]]
     return positions
-
-
-def _model_inputs(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    inputs = {key: value for key, value in batch.items() if key not in NON_MODEL_KEYS}
-    mask = inputs.get("attention_mask")
-    if mask is not None and mask.dim() == 4 and mask.dtype == torch.bool:
-        # transformers hands a 4D mask to attention as given, and eager attention adds it to the scores: it must be
-        # additive (0 where allowed, the dtype's min elsewhere) and in the dtype of the hidden states.
-        dtype = getattr(model, "module", model).get_input_embeddings().weight.dtype
-        additive = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
-        inputs["attention_mask"] = additive.masked_fill_(~mask, torch.finfo(dtype).min)
-    return inputs
 
 
 def _num_pairs(batch: dict[str, torch.Tensor]) -> int:

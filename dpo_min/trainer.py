@@ -15,8 +15,8 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel, Trainer, TrainerCallback, set_seed
 from transformers.trainer_utils import rotate_checkpoints
 
-from . import ref_cache
-from .attention import SEGMENTED_SDPA, use_segmented_attention
+from . import ref_cache, sharding
+from .attention import packed_attention, use_packed_attention
 from .collator import make_collator
 from .config import DPOMinConfig
 from .data import is_tokenized, tokenize_dataset
@@ -29,8 +29,6 @@ except ImportError:  # peft is a dependency, but keep the full fine-tuning path 
     PeftConfig = PeftModel = get_peft_model = None
 
 REF_ADAPTER = "ref"
-# Attention implementations that build the block-diagonal mask from position_ids and take a 4D additive mask.
-PACKED_ATTENTION = ("sdpa", "eager", SEGMENTED_SDPA)
 
 
 def _tokenized(dataset: Any, tokenizer: Any, args: DPOMinConfig) -> Any:
@@ -85,10 +83,7 @@ class _SyncReference(TrainerCallback):
 def _check_layout(model_config: Any, args: DPOMinConfig) -> None:
     if not (args.padding_free or args.share_prompt):
         return
-    attention = getattr(model_config, "_attn_implementation", None)
-    if attention not in PACKED_ATTENTION:
-        raise ValueError(f"padding_free and share_prompt need attention in {PACKED_ATTENTION} (the ones tested to "
-                         f"keep packed sequences apart), got {attention!r}")
+    packed_attention(getattr(model_config, "_attn_implementation", None))  # raises for one that cannot
     layer_types = getattr(model_config, "layer_types", None) or ["sliding_attention"]
     if args.share_prompt and getattr(model_config, "sliding_window", None) and "sliding_attention" in layer_types:
         raise ValueError("share_prompt's 4D attention mask has no sliding window, and this model uses one "
@@ -150,19 +145,24 @@ class DPOMinTrainer(Trainer):
         if ref_model is not None:
             ref_model.eval().requires_grad_(False)
         for module in [model] + ([ref_model] if ref_model is not None else []):
-            if args.padding_free:
-                use_segmented_attention(module)
+            if args.padding_free or args.share_prompt:
+                use_packed_attention(module)
             if args.disable_dropout:
                 for submodule in module.modules():
                     if isinstance(submodule, torch.nn.Dropout):
                         submodule.p = 0.0
+            if args.shard_with_fsdp2:
+                sharding.shard_model(module, args.device.type)
 
         train_dataset = _tokenized(train_dataset, tokenizer, args)
         if isinstance(eval_dataset, dict):
             eval_dataset = {name: _tokenized(dataset, tokenizer, args) for name, dataset in eval_dataset.items()}
         else:
             eval_dataset = _tokenized(eval_dataset, tokenizer, args)
-        data_collator = data_collator or make_collator(tokenizer.pad_token_id, args.padding_free, args.share_prompt)
+        dense_mask = not (args.padding_free or args.share_prompt) or packed_attention(
+            model.config._attn_implementation).dense_mask
+        data_collator = data_collator or make_collator(tokenizer.pad_token_id, args.padding_free, args.share_prompt,
+                                                       dense_mask)
 
         super().__init__(model=model, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset,
                          processing_class=processing_class, data_collator=data_collator, **kwargs)
@@ -207,8 +207,10 @@ class DPOMinTrainer(Trainer):
         policy = self.accelerator.unwrap_model(self.model)
         if self.ref_model is not None:
             reference = self.accelerator.unwrap_model(self.ref_model)
+            sharding.reshard(policy, reference)
             _mix_into(dict(reference.named_parameters()), dict(policy.named_parameters()), alpha)
         elif self.ref_adapter_name is not None:
+            sharding.reshard(policy)
             _mix_into(_adapter_parameters(policy, self.ref_adapter_name),
                       _adapter_parameters(policy, policy.active_adapter), alpha)
         else:
@@ -281,10 +283,11 @@ class DPOMinTrainer(Trainer):
     def _reference_weights(self) -> list[tuple[str, torch.Tensor]]:
         """The tensors the reference log-probs depend on (for the precompute cache key)."""
         if self.ref_model is not None:
-            return list(self.accelerator.unwrap_model(self.ref_model).state_dict().items())
+            return sharding.gathered(self.accelerator.unwrap_model(self.ref_model).state_dict().items())
         model = self.accelerator.unwrap_model(self.model)
         trained = f".{model.active_adapter}." if _is_peft(model) else None
-        return [(name, tensor) for name, tensor in model.state_dict().items() if trained is None or trained not in name]
+        return sharding.gathered((name, tensor) for name, tensor in model.state_dict().items()
+                                 if trained is None or trained not in name)
 
     def _reference_settings(self) -> dict[str, Any]:
         args = self.args
@@ -428,6 +431,11 @@ class DPOMinTrainer(Trainer):
         if grad_norm is None:  # no clipping this run: the check has not happened yet
             self._check_finite_gradients(model)
         return super()._get_grad_norm(model, grad_norm=grad_norm)
+
+    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
+        if state_dict is None and sharding.is_sharded(self.model):
+            state_dict = sharding.full_state_dict(self.model)  # every rank joins the gather; rank 0 writes
+        super()._save(output_dir, state_dict=state_dict)
 
     def _save_checkpoint(self, model, trial):
         """Write checkpoint-N into a staging folder, then rename it: a kill mid-save leaves the previous checkpoints

@@ -167,9 +167,10 @@ def test_trainer_runs_the_same_with_every_layout(tmp_path, tokenizer, hh_tokeniz
 
 
 def test_packed_layouts_refuse_attention_they_were_not_tested_with(tmp_path, tokenizer, hh_tokenized):
+    model = tiny_llama()
+    model.config._attn_implementation = "flash_attention_2"  # flex attention joined the table (test_flex_attention)
     with pytest.raises(ValueError, match="sdpa"):
-        DPOMinTrainer(tiny_llama(attn_implementation="flex_attention"),
-                      DPOMinConfig(**config(tmp_path, padding_free=True)), train_dataset=hh_tokenized,
+        DPOMinTrainer(model, DPOMinConfig(**config(tmp_path, padding_free=True)), train_dataset=hh_tokenized,
                       processing_class=tokenizer)
     with pytest.raises(ValueError, match="sliding window"):
         DPOMinTrainer(tiny_qwen2(use_sliding_window=True, sliding_window=8, max_window_layers=0),
