@@ -217,3 +217,76 @@ def test_tokenization_is_cached_by_fingerprint_and_parallel_gives_the_same_ids(t
     assert first.cache_files and again.cache_files[0]["filename"] == first.cache_files[0]["filename"]
     parallel = tokenize_dataset(pairs, tokenizer, max_length=32, num_proc=2)
     assert parallel["chosen_ids"] == first["chosen_ids"] and parallel["prompt_ids"] == first["prompt_ids"]
+
+
+# ---- datasets: mixtures, streaming, the command's data options (issue 9) -----------------------------------------
+ORCA_ROWS = [{"system": "", "question": f"What is {i}+1?", "chosen": str(i + 1), "rejected": str(i + 2)}
+             for i in range(8)]
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+def test_a_mixture_takes_fractions_names_each_source_and_names_the_dataset_of_a_bad_row(tmp_path):
+    from dpo_min.data import load_mixture
+
+    orca = write_jsonl(tmp_path / "orca.jsonl", ORCA_ROWS)
+    plain = write_jsonl(tmp_path / "plain.jsonl", [dict(STANDARD, prompt=f"Q{i}") for i in range(4)])
+    mixed = load_mixture([{"dataset": str(orca), "fraction": 0.5}, {"dataset": str(plain)}], seed=1)
+    assert len(mixed) == 8 and sorted(set(mixed["source_dataset"])) == sorted([str(orca), str(plain)])
+    assert {row["prompt"] for row in mixed if row["source_dataset"] == str(orca)} <= {
+        row["question"] for row in ORCA_ROWS}
+    broken = write_jsonl(tmp_path / "broken.jsonl", [STANDARD, dict(STANDARD, chosen=None)])
+    with pytest.raises(ValueError, match=r"broken\.jsonl: row 1: field 'chosen' is missing"):
+        load_mixture([{"dataset": str(orca)}, {"dataset": str(broken)}])
+
+
+def test_a_streamed_dataset_gives_the_same_token_ids_on_the_fly(tmp_path, tokenizer):
+    path = write_jsonl(tmp_path / "pairs.jsonl", ORCA_ROWS)
+    whole = tokenize_dataset(load_preference_dataset(str(path)), tokenizer, max_length=64)
+    streamed = tokenize_dataset(load_preference_dataset(str(path), streaming=True), tokenizer, max_length=64)
+    assert [row["prompt_ids"] for row in streamed] == whole["prompt_ids"]
+    assert [row["chosen_ids"] for row in streamed] == whole["chosen_ids"]
+
+
+def test_the_command_trains_orca_rows_on_their_question_and_reads_a_yaml_mixture(tmp_path, tiny_model_dir):
+    from dpo_min.train import main
+
+    orca = write_jsonl(tmp_path / "orca.jsonl", ORCA_ROWS)
+    renamed = write_jsonl(tmp_path / "mine.jsonl", [{"instruction": f"Name color {i}", "good": "red", "bad": "rd"}
+                                                    for i in range(4)])
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(f"""datasets:
+  - dataset: {orca}
+  - dataset: {renamed}
+    fraction: 0.5
+    columns: {{prompt: instruction, chosen: good, rejected: bad}}
+""")
+    output_dir = tmp_path / "run"
+    code = main([str(recipe), "--model", str(tiny_model_dir), "--output_dir", str(output_dir), "--max_steps", "2",
+                 "--per_device_train_batch_size", "2", "--eval_fraction", "0.3", "--num_samples", "3",
+                 "--max_new_tokens", "2", "--disable_tqdm", "true"])
+    assert code == 0
+    prompts = [json.loads(line)["prompt"] for line in (output_dir / "samples.jsonl").read_text().splitlines()]
+    questions = {row["question"] for row in ORCA_ROWS} | {f"Name color {i}" for i in range(4)}
+    assert prompts and set(prompts) <= questions  # never an empty or cut prompt
+    metrics = json.loads((output_dir / "metrics.json").read_text())
+    assert metrics["train_pairs"] + metrics["held_out_pairs"] <= 10
+
+
+def test_the_command_streams_with_max_steps(tmp_path, tiny_model_dir):
+    from dpo_min.train import main
+
+    path = write_jsonl(tmp_path / "orca.jsonl", ORCA_ROWS)
+    output_dir = tmp_path / "run"
+    code = main(["--model", str(tiny_model_dir), "--dataset", str(path), "--streaming", "--output_dir",
+                 str(output_dir), "--max_steps", "2", "--per_device_train_batch_size", "2", "--max_eval_samples", "2",
+                 "--precompute_ref_log_probs", "false", "--num_samples", "1", "--max_new_tokens", "2",
+                 "--disable_tqdm", "true"])
+    assert code == 0
+    metrics = json.loads((output_dir / "metrics.json").read_text())
+    assert metrics["train_pairs"] == "streamed" and metrics["held_out_pairs"] == 2
+    state = json.loads((output_dir / "trainer_state.json").read_text())
+    assert [entry["step"] for entry in state["log_history"] if "loss" in entry] == [1, 2]
