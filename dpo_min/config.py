@@ -1,5 +1,6 @@
 """DPOMinConfig: transformers.TrainingArguments plus the DPO knobs."""
 
+import json
 from dataclasses import dataclass, field
 
 from transformers import TrainingArguments
@@ -35,6 +36,14 @@ class DPOMinConfig(TrainingArguments):
     )
     use_weighting: bool = field(default=False, metadata={"help": "WPO: weight each pair by its policy probability."})
     discopop_tau: float = field(default=0.05, metadata={"help": "Temperature of the discopop loss."})
+    dataset_num_proc: int | None = field(
+        default=None, metadata={"help": "Processes that tokenize the data (datasets.map num_proc); None: one."}
+    )
+    chat_template_kwargs: dict | str | None = field(
+        default=None,
+        metadata={"help": "Extra chat template arguments for every row, as a dict or JSON text, e.g. "
+                          "'{\"enable_thinking\": false}'; a row's own chat_template_kwargs column wins."},
+    )
     max_length: int | None = field(
         default=1024, metadata={"help": "Most tokens of prompt+completion; completions are cut to fit."}
     )
@@ -79,6 +88,10 @@ class DPOMinConfig(TrainingArguments):
 
     def __post_init__(self):
         super().__post_init__()
+        if isinstance(self.chat_template_kwargs, str):
+            self.chat_template_kwargs = json.loads(self.chat_template_kwargs)
+        if self.dataset_num_proc is not None and self.dataset_num_proc < 1:
+            raise ValueError(f"dataset_num_proc must be >= 1 or None, got {self.dataset_num_proc}")
         self._check_losses()
         self._check_reference()
         self._check_steps()

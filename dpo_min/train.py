@@ -24,7 +24,8 @@ from peft import LoraConfig
 from transformers import HfArgumentParser, ProgressCallback
 
 from .config import DPOMinConfig
-from .data import load_preference_dataset
+from .data import load_mixture, load_preference_dataset
+from .layouts import PREFERENCE_LABELS
 from .models import load_model_and_tokenizer
 from .report import (
     HeldOutPrinter,
@@ -99,6 +100,25 @@ class DataArguments:
     num_samples: int = field(default=3, metadata={
         "help": "Held-out prompts completed greedily by the reference and the trained policy (samples.jsonl)."})
     max_new_tokens: int = field(default=48, metadata={"help": "Most new tokens in each of those completions."})
+    dataset_config: str | None = field(default=None, metadata={"help": "Subset (config) of a datasets name."})
+    prompt_column: str | None = field(default=None, metadata={"help": "Your column that holds the prompt."})
+    chosen_column: str | None = field(default=None, metadata={"help": "Your column that holds the chosen reply."})
+    rejected_column: str | None = field(default=None, metadata={
+        "help": "Your column that holds the rejected reply."})
+    system_column: str | None = field(default=None, metadata={
+        "help": "Your column that holds a system message (prepended to string prompts)."})
+    preference_label: str = field(default="better_response_id", metadata={
+        "help": "PKU-SafeRLHF: the label that picks the chosen response.", "choices": list(PREFERENCE_LABELS)})
+    no_prompt: bool = field(default=False, metadata={
+        "help": "The data has no prompts: string pairs without a prompt column train with an empty prompt."})
+    as_messages: bool = field(default=False, metadata={
+        "help": "String pairs become a user turn (after the system one) and assistant turns, for the chat template."})
+    streaming: bool = field(default=False, metadata={
+        "help": "Stream the dataset (an IterableDataset, tokenized on the fly); needs --max_steps, held-out pairs "
+                "from --eval_split or the stream's first --max_eval_samples."})
+    datasets: str | None = field(default=None, metadata={
+        "help": "A mixture, in the YAML recipe: a list of {dataset, config, split, columns, fraction} (or that list "
+                "as JSON here); replaces --dataset."})
 
 
 class UsageError(Exception):
@@ -211,20 +231,26 @@ def load_model(model_args: ModelArguments) -> tuple[Any, Any, LoraConfig | None]
 
 def load_pairs(data_args: DataArguments, args: DPOMinConfig) -> tuple[Dataset, Dataset | None]:
     """(train pairs, held-out pairs or None), validated."""
-    source = data_args.dataset or str(EMBEDDED_DATA)
-    is_file = os.path.exists(source)
-    stem = source[:-3] if source.endswith(".gz") else source
-    if not is_file and data_args.dataset is None:
-        raise InputError(f"the embedded pairs ({source}) come with a source checkout of dpo_min; pass --dataset")
-    if not is_file and stem.endswith(DATA_SUFFIXES):
-        raise UsageError(f"no such dataset file: {source}")
-    if data_args.eval_split and is_file:
-        raise UsageError("--eval_split picks a split of a datasets name; a file has one split, use --eval_fraction")
-    train = _load(source, data_args.split)
     seed = args.data_seed if args.data_seed is not None else args.seed
+    if data_args.datasets is not None:
+        train = _load_mixture(data_args, seed, args.dataset_num_proc)
+        source = "the mixture"
+    else:
+        source = data_args.dataset or str(EMBEDDED_DATA)
+        is_file = os.path.exists(source)
+        stem = source[:-3] if source.endswith(".gz") else source
+        if not is_file and data_args.dataset is None:
+            raise InputError(f"the embedded pairs ({source}) come with a source checkout of dpo_min; pass --dataset")
+        if not is_file and stem.endswith(DATA_SUFFIXES):
+            raise UsageError(f"no such dataset file: {source}")
+        if data_args.eval_split and is_file:
+            raise UsageError("--eval_split picks a split of a datasets name; a file has one split, use --eval_fraction")
+        train = _load(source, data_args.split, data_args, args)
     held_out = None
+    if data_args.streaming:
+        return _stream_pairs(train, source, data_args, args)
     if data_args.eval_split:
-        held_out = _load(source, data_args.eval_split)
+        held_out = _load(source, data_args.eval_split, data_args, args)
     elif data_args.eval_fraction > 0:
         if round(len(train) * data_args.eval_fraction) < 1 or len(train) < 2:
             raise UsageError(f"--eval_fraction {data_args.eval_fraction} of {len(train)} pairs holds out no pair")
@@ -243,13 +269,58 @@ def load_pairs(data_args: DataArguments, args: DPOMinConfig) -> tuple[Dataset, D
     return train, held_out
 
 
-def _load(source: str, split: str) -> Dataset:
+def _stream_pairs(train: Any, source: str, data_args: DataArguments, args: DPOMinConfig) -> tuple[Any, Any]:
+    if args.max_steps <= 0:
+        raise UsageError("--streaming needs --max_steps (a stream has no length to count epochs by)")
+    if args.precompute_ref_log_probs:
+        raise UsageError("--streaming computes the reference on the fly: pass --precompute_ref_log_probs false")
+    count = data_args.max_eval_samples or 0
+    if data_args.eval_split:
+        return train, Dataset.from_list(list(_load(source, data_args.eval_split, data_args, args).take(count or 100)))
+    if data_args.eval_fraction == 0 or count == 0:
+        return train, None
+    # A stream cannot be split by fraction: the first max_eval_samples pairs are held out, training skips them.
+    return train.skip(count), Dataset.from_list(list(train.take(count)))
+
+
+def _columns(data_args: DataArguments) -> dict[str, str] | None:
+    columns = {name: getattr(data_args, f"{name}_column") for name in ("prompt", "chosen", "rejected", "system")}
+    return {name: column for name, column in columns.items() if column} or None
+
+
+def _layout_options(data_args: DataArguments) -> dict[str, Any]:
+    return {"preference_label": data_args.preference_label, "no_prompt": data_args.no_prompt,
+            "as_messages": data_args.as_messages}
+
+
+def _load(source: str, split: str, data_args: DataArguments, args: DPOMinConfig) -> Any:
     try:
-        return load_preference_dataset(source, split=split)
+        return load_preference_dataset(source, split=split, config=data_args.dataset_config,
+                                       columns=_columns(data_args), streaming=data_args.streaming,
+                                       num_proc=args.dataset_num_proc, **_layout_options(data_args))
     except ValueError as error:  # a bad row or an unreadable file: the message names it
         raise InputError(f"{source}: {error}" if source not in str(error) else str(error)) from None
     except Exception as error:  # datasets' own errors for a name it cannot find or fetch
         raise InputError(f"cannot load dataset {source!r} (split {split!r}): {str(error).splitlines()[0]}") from None
+
+
+def _load_mixture(data_args: DataArguments, seed: int, num_proc: int | None) -> Dataset:
+    entries = data_args.datasets
+    if isinstance(entries, str):
+        try:
+            entries = json.loads(entries)
+        except json.JSONDecodeError as error:
+            raise UsageError(f"--datasets must be a JSON list of entries: {error}") from None
+    if not isinstance(entries, list):
+        raise UsageError("datasets: must be a list of {dataset, config, split, columns, fraction} entries")
+    if data_args.streaming:
+        raise UsageError("--streaming reads one dataset; a mixture of several is read whole")
+    try:
+        return load_mixture(entries, seed=seed, num_proc=num_proc, **_layout_options(data_args))
+    except ValueError as error:
+        raise InputError(str(error).splitlines()[0]) from None
+    except Exception as error:  # datasets' own errors for a name it cannot find or fetch
+        raise InputError(f"cannot load the mixture: {str(error).splitlines()[0]}") from None
 
 
 # ---- the run ----------------------------------------------------------------------------------------------------
@@ -315,7 +386,8 @@ def run(trainer: DPOMinTrainer, model_args: ModelArguments, data_args: DataArgum
     model = trainer.model
     prompts = held_out["prompt"][:data_args.num_samples] if held_out is not None else []
 
-    say(f"model {model.name_or_path} | {len(trainer.train_dataset)} train pairs, "
+    train_pairs = len(trainer.train_dataset) if hasattr(trainer.train_dataset, "__len__") else "streamed"
+    say(f"model {model.name_or_path} | {train_pairs} train pairs, "
         f"{0 if held_out is None else len(trainer.eval_dataset)} held-out | "
         f"{'LoRA r=' + str(model_args.lora_r) if model_args.use_peft else 'full fine-tuning'} | output {output_dir}")
     # The policy starts as the reference, so these are the reference's completions.
@@ -342,7 +414,7 @@ def run(trainer: DPOMinTrainer, model_args: ModelArguments, data_args: DataArgum
         return
 
     wall_time = time.perf_counter() - started
-    metrics = {"model": str(model.name_or_path), "train_pairs": len(trainer.train_dataset),
+    metrics = {"model": str(model.name_or_path), "train_pairs": train_pairs,
                "held_out_pairs": 0 if held_out is None else len(trainer.eval_dataset), "before": before,
                "after": after, "train": train_metrics, "wall_time_s": round(wall_time, 1)}
     (staging / "metrics.json").write_text(json.dumps(metrics, indent=2, allow_nan=True) + "\n")

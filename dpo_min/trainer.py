@@ -35,12 +35,10 @@ def _tokenized(dataset: Any, tokenizer: Any, args: DPOMinConfig) -> Any:
     """Raw rows -> tokenized pairs, with the config's truncation; None and tokenized data pass through."""
     if dataset is None or is_tokenized(dataset):
         return dataset
-    rows = dataset
-    if isinstance(dataset, Dataset) and "ref_chosen_logps" not in dataset.column_names:
-        # A bar on the main process for a large set (rows with precomputed log-probs stay a Dataset to keep them).
-        rows = tqdm(dataset, desc="tokenizing", unit="pair", leave=False,
-                    disable=args.disable_tqdm or args.local_process_index != 0)
-    return tokenize_dataset(rows, tokenizer, args.max_length, args.max_prompt_length, args.truncation_mode)
+    # The main process tokenizes first; the others then read its datasets cache instead of tokenizing again.
+    with args.main_process_first(desc="tokenizing the pairs"):
+        return tokenize_dataset(dataset, tokenizer, args.max_length, args.max_prompt_length, args.truncation_mode,
+                                num_proc=args.dataset_num_proc, chat_template_kwargs=args.chat_template_kwargs)
 
 
 def _is_peft(model: Any) -> bool:

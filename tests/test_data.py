@@ -33,8 +33,8 @@ def test_loads_every_file_type(tmp_path, fmt):
     path = tmp_path / f"pairs.{fmt}"
     write(path, [STANDARD, STANDARD], fmt)
     dataset = load_preference_dataset(str(path))
-    assert dataset.column_names == ["prompt", "chosen", "rejected"] and len(dataset) == 2
-    assert dataset[0] == STANDARD
+    assert dataset.column_names == ["prompt", "chosen", "rejected", "source_row"] and len(dataset) == 2
+    assert dataset[1] == dict(STANDARD, source_row=1)
 
 
 def test_hh_transcripts_become_conversations():
@@ -84,7 +84,7 @@ def test_implicit_prompt_is_the_longest_common_prefix():
         (dict(CONVERSATIONAL, chosen=[{"role": "user", "content": "no answer"}]), "chosen"),
         (dict(CONVERSATIONAL, rejected=[{"role": "wizard", "content": "x"}]), "rejected"),
         (dict(CONVERSATIONAL, rejected="a string"), "rejected"),
-        ({"chosen": "\n\nHuman: hi\n\nAssistant: a", "rejected": "\n\nHuman: yo\n\nAssistant: b"}, "rejected"),
+        ({"chosen": "\n\nHuman: hi\n\nAssistant: a", "rejected": "\n\nHuman: yo\n\nAssistant: b"}, "prompt"),
     ],
 )
 def test_bad_rows_name_the_row_and_field(row, field):
@@ -150,3 +150,143 @@ def test_a_chat_template_error_names_the_row(tokenizer):
     tokenizer.chat_template = "{{ raise_exception('roles must alternate') }}"
     with pytest.raises(ValueError, match=r"row 0: field 'prompt': the chat template refused it: roles must alternate"):
         tokenize_dataset([CONVERSATIONAL], tokenizer)
+
+
+# ---- input that must not be silently reinterpreted (issue 13) ----------------------------------------------------
+def test_a_null_prompt_is_an_error_not_an_implicit_prompt(tmp_path):
+    path = tmp_path / "pairs.jsonl"
+    rows = [STANDARD, {"prompt": None, "chosen": "I like red.", "rejected": "I like blue."}]
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    with pytest.raises(ValueError, match=r"row 1: field 'prompt' is missing"):
+        load_preference_dataset(str(path))
+
+
+def test_an_empty_csv_prompt_cell_is_an_error_naming_the_row(tmp_path):
+    path = tmp_path / "pairs.csv"
+    path.write_text('prompt,chosen,rejected\nThe sky is, blue., green.\n,I like red.,I like blue.\n')
+    with pytest.raises(ValueError, match=r"row 1: field 'prompt' is missing"):
+        load_preference_dataset(str(path))
+
+
+def test_string_pairs_with_an_empty_implicit_prompt_are_an_error_unless_the_data_has_no_prompts():
+    rows = [{"chosen": "Paris is the capital.", "rejected": "Lyon is the capital."}]
+    with pytest.raises(ValueError, match=r"row 0: field 'chosen' shares no prompt .*--no_prompt"):
+        to_preference_rows(rows)
+    from dpo_min.layouts import LayoutOptions
+
+    assert to_preference_rows(rows, options=LayoutOptions(no_prompt=True)) == [
+        {"prompt": "", "chosen": "Paris is the capital.", "rejected": "Lyon is the capital."}]
+
+
+def test_an_empty_jsonl_file_says_it_is_empty(tmp_path):
+    path = tmp_path / "empty.jsonl"
+    path.write_text("")
+    with pytest.raises(ValueError, match=r"empty\.jsonl: the file (is empty|holds no rows)$"):
+        load_preference_dataset(str(path))
+
+
+def test_standard_and_conversational_rows_mixed_in_one_file_name_the_row(tmp_path):
+    path = tmp_path / "mixed.jsonl"
+    rows = [STANDARD, STANDARD, CONVERSATIONAL]
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    with pytest.raises(ValueError, match=r"mixed\.jsonl: row 2: field 'prompt' is a message list but row 0's is a "
+                                         r"string"):
+        load_preference_dataset(str(path))
+
+
+def test_dropped_pair_warning_names_the_row_in_the_file_not_its_position_after_shuffling(tmp_path, tokenizer,
+                                                                                        caplog):
+    path = tmp_path / "pairs.jsonl"
+    rows = [dict(STANDARD, prompt=f"Question {i}?") for i in range(6)]
+    rows[4] = {"prompt": "word " * 50, "chosen": "a", "rejected": "b"}  # its prompt fills max_length
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    shuffled = load_preference_dataset(str(path)).shuffle(seed=0)
+    assert shuffled["source_row"].index(4) != 4  # the row sits elsewhere after shuffling
+    with caplog.at_level("WARNING"):
+        tokenize_dataset(shuffled, tokenizer, max_length=20)
+    assert "dropped 1 of 6 pairs" in caplog.text and "first source rows: 4" in caplog.text
+
+
+def test_tokenization_is_cached_by_fingerprint_and_parallel_gives_the_same_ids(tmp_path, tokenizer):
+    path = tmp_path / "pairs.jsonl"
+    rows = [dict(STANDARD, prompt=f"Question {i}?") for i in range(40)]
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    pairs = load_preference_dataset(str(path))
+    first = tokenize_dataset(pairs, tokenizer, max_length=64)
+    again = tokenize_dataset(pairs, tokenizer, max_length=64)
+    assert first.cache_files and again.cache_files[0]["filename"] == first.cache_files[0]["filename"]
+    parallel = tokenize_dataset(pairs, tokenizer, max_length=32, num_proc=2)
+    assert parallel["chosen_ids"] == first["chosen_ids"] and parallel["prompt_ids"] == first["prompt_ids"]
+
+
+# ---- datasets: mixtures, streaming, the command's data options (issue 9) -----------------------------------------
+ORCA_ROWS = [{"system": "", "question": f"What is {i}+1?", "chosen": str(i + 1), "rejected": str(i + 2)}
+             for i in range(8)]
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+def test_a_mixture_takes_fractions_names_each_source_and_names_the_dataset_of_a_bad_row(tmp_path):
+    from dpo_min.data import load_mixture
+
+    orca = write_jsonl(tmp_path / "orca.jsonl", ORCA_ROWS)
+    plain = write_jsonl(tmp_path / "plain.jsonl", [dict(STANDARD, prompt=f"Q{i}") for i in range(4)])
+    mixed = load_mixture([{"dataset": str(orca), "fraction": 0.5}, {"dataset": str(plain)}], seed=1)
+    assert len(mixed) == 8 and sorted(set(mixed["source_dataset"])) == sorted([str(orca), str(plain)])
+    assert {row["prompt"] for row in mixed if row["source_dataset"] == str(orca)} <= {
+        row["question"] for row in ORCA_ROWS}
+    broken = write_jsonl(tmp_path / "broken.jsonl", [STANDARD, dict(STANDARD, chosen=None)])
+    with pytest.raises(ValueError, match=r"broken\.jsonl: row 1: field 'chosen' is missing"):
+        load_mixture([{"dataset": str(orca)}, {"dataset": str(broken)}])
+
+
+def test_a_streamed_dataset_gives_the_same_token_ids_on_the_fly(tmp_path, tokenizer):
+    path = write_jsonl(tmp_path / "pairs.jsonl", ORCA_ROWS)
+    whole = tokenize_dataset(load_preference_dataset(str(path)), tokenizer, max_length=64)
+    streamed = tokenize_dataset(load_preference_dataset(str(path), streaming=True), tokenizer, max_length=64)
+    assert [row["prompt_ids"] for row in streamed] == whole["prompt_ids"]
+    assert [row["chosen_ids"] for row in streamed] == whole["chosen_ids"]
+
+
+def test_the_command_trains_orca_rows_on_their_question_and_reads_a_yaml_mixture(tmp_path, tiny_model_dir):
+    from dpo_min.train import main
+
+    orca = write_jsonl(tmp_path / "orca.jsonl", ORCA_ROWS)
+    renamed = write_jsonl(tmp_path / "mine.jsonl", [{"instruction": f"Name color {i}", "good": "red", "bad": "rd"}
+                                                    for i in range(4)])
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(f"""datasets:
+  - dataset: {orca}
+  - dataset: {renamed}
+    fraction: 0.5
+    columns: {{prompt: instruction, chosen: good, rejected: bad}}
+""")
+    output_dir = tmp_path / "run"
+    code = main([str(recipe), "--model", str(tiny_model_dir), "--output_dir", str(output_dir), "--max_steps", "2",
+                 "--per_device_train_batch_size", "2", "--eval_fraction", "0.3", "--num_samples", "3",
+                 "--max_new_tokens", "2", "--disable_tqdm", "true"])
+    assert code == 0
+    prompts = [json.loads(line)["prompt"] for line in (output_dir / "samples.jsonl").read_text().splitlines()]
+    questions = {row["question"] for row in ORCA_ROWS} | {f"Name color {i}" for i in range(4)}
+    assert prompts and set(prompts) <= questions  # never an empty or cut prompt
+    metrics = json.loads((output_dir / "metrics.json").read_text())
+    assert metrics["train_pairs"] + metrics["held_out_pairs"] <= 10
+
+
+def test_the_command_streams_with_max_steps(tmp_path, tiny_model_dir):
+    from dpo_min.train import main
+
+    path = write_jsonl(tmp_path / "orca.jsonl", ORCA_ROWS)
+    output_dir = tmp_path / "run"
+    code = main(["--model", str(tiny_model_dir), "--dataset", str(path), "--streaming", "--output_dir",
+                 str(output_dir), "--max_steps", "2", "--per_device_train_batch_size", "2", "--max_eval_samples", "2",
+                 "--precompute_ref_log_probs", "false", "--num_samples", "1", "--max_new_tokens", "2",
+                 "--disable_tqdm", "true"])
+    assert code == 0
+    metrics = json.loads((output_dir / "metrics.json").read_text())
+    assert metrics["train_pairs"] == "streamed" and metrics["held_out_pairs"] == 2
+    state = json.loads((output_dir / "trainer_state.json").read_text())
+    assert [entry["step"] for entry in state["log_history"] if "loss" in entry] == [1, 2]

@@ -14,7 +14,7 @@ from dpo_min import DPODataCollator
 from dpo_min.data import load_preference_dataset, tokenize_dataset
 
 MAX_LENGTH = 48
-ROW_FIELD_ERROR = re.compile(r"^row 0: field '(prompt|chosen|rejected|conversations)'")
+ROW_FIELD_ERROR = re.compile(r"^(row 0: field '(prompt|chosen|rejected|conversations)'|no known preference layout)")
 TRIED = {"examples": 0, "rejected": 0, "tokenized": 0}
 
 text = st.one_of(
@@ -60,7 +60,8 @@ def shared_tokenizer(smollm_path):
 
 
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(candidate=st.one_of(row, hh_row, plausible_row))
+# plausible rows twice: a string pair without a prompt is now an error, so fewer random rows get tokenized.
+@given(candidate=st.one_of(row, hh_row, plausible_row, plausible_row))
 def test_any_row_is_rejected_by_name_or_tokenized_correctly(shared_tokenizer, candidate):
     TRIED["examples"] += 1
     try:

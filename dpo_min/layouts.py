@@ -1,0 +1,341 @@
+"""Preference data as people publish it: one table of named layouts, each turning a row into prompt/chosen/rejected.
+
+A dataset's layout is detected once, from its columns and their kinds (text, message list, ...), never row by row.
+Adding a published layout is adding one `Layout` entry to `LAYOUTS`; the first entry whose `recognise` accepts
+the columns wins, so the more specific layouts come first. A row that does not fit the detected layout raises
+`ValueError("row N: field 'F' ...")`; nothing is guessed and no text is dropped.
+"""
+
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+# Columns carried from the source row to the pair: TRL hands both to the chat template.
+CARRIED_COLUMNS = ("tools", "chat_template_kwargs")
+MAPPABLE = ("prompt", "chosen", "rejected", "system")
+PREFERENCE_LABELS = ("better_response_id", "safer_response_id")
+_ROLES = ("system", "user", "assistant", "tool")
+_SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
+_HH_TURN = re.compile(r"\n\n(Human|Assistant):")
+MAPPING_HINT = ("name the columns with --prompt_column/--chosen_column/--rejected_column [--system_column] "
+                "(columns={'prompt': ..., 'chosen': ..., 'rejected': ...} in load_preference_dataset)")
+
+
+@dataclass(frozen=True)
+class LayoutOptions:
+    """What the data cannot say about itself: which label decides (PKU-SafeRLHF), whether string pairs have no
+    prompt, whether string pairs become one user and one assistant turn."""
+
+    preference_label: str = "better_response_id"
+    no_prompt: bool = False
+    as_messages: bool = False
+
+    def __post_init__(self):
+        if self.preference_label not in PREFERENCE_LABELS:
+            raise ValueError(f"preference_label must be one of {PREFERENCE_LABELS}, got {self.preference_label!r}")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A published layout: `recognise(kinds, first_row)` says whether the columns are this layout's (kinds maps
+    each column to 'text', 'messages', 'turn', 'null' or 'other'); `to_pair(row, index, options)` returns
+    {prompt, chosen, rejected}, or None for a row the layout itself says to skip (a tie)."""
+
+    name: str
+    example: str  # a dataset published in this layout, for the log line and README
+    recognise: Callable[[Mapping[str, str], Mapping[str, Any]], bool]
+    to_pair: Callable[[Mapping[str, Any], int, LayoutOptions], dict[str, Any] | None]
+
+
+def value_kind(value: Any) -> str:
+    if isinstance(value, str):
+        return "text"
+    if isinstance(value, list):
+        return "messages"
+    if isinstance(value, dict):
+        return "turn"
+    return "null" if value is None else "other"
+
+
+def feature_kind(feature: Any) -> str:
+    """The kind of a `datasets` feature, matching `value_kind` of the values it holds."""
+    dtype = getattr(feature, "dtype", None)
+    if dtype in ("string", "large_string"):
+        return "text"
+    if dtype == "null":
+        return "null"
+    if isinstance(feature, (list, tuple)) or type(feature).__name__ in ("List", "Sequence", "LargeList"):
+        return "messages"
+    return "turn" if isinstance(feature, dict) else "other"
+
+
+# ---- the adapters ---------------------------------------------------------------------------------------------
+def _missing(row: Mapping[str, Any], index: int, *names: str) -> None:
+    for name in names:
+        if row.get(name) is None:
+            raise ValueError(f"row {index}: field '{name}' is missing")
+
+
+def _with_system(prompt: Any, system: Any, index: int) -> Any:
+    if system is None or system == "":
+        return prompt
+    if not isinstance(system, str):
+        raise ValueError(f"row {index}: field 'system' must be a string, got {type(system).__name__}")
+    if isinstance(prompt, list):
+        return [{"role": "system", "content": system}, *prompt]
+    return f"{system}\n\n{prompt}" if isinstance(prompt, str) else prompt
+
+
+def _explicit(row: Mapping[str, Any], index: int, options: LayoutOptions, prompt_field: str = "prompt") -> dict:
+    # A null prompt (or an empty CSV cell) in data with a prompt column is an error, never an implicit prompt.
+    if row.get(prompt_field) is None:
+        raise ValueError(f"row {index}: field '{prompt_field}' is missing (the data has a '{prompt_field}' column)")
+    _missing(row, index, "chosen", "rejected")
+    return {"prompt": _with_system(row[prompt_field], row.get("system"), index), "chosen": row["chosen"],
+            "rejected": row["rejected"]}
+
+
+def _shared_prefix(chosen: Any, rejected: Any, index: int) -> dict[str, Any]:
+    """The implicit prompt: the longest common prefix of chosen and rejected (as TRL's `extract_prompt`)."""
+    if not isinstance(chosen, (str, list)):
+        raise ValueError(f"row {index}: field 'chosen' must be a string or a message list, got {type(chosen).__name__}")
+    if type(chosen) is not type(rejected):
+        raise ValueError(f"row {index}: field 'rejected' must be of the same kind as 'chosen' (string or messages)")
+    split = 0
+    for split in range(min(len(chosen), len(rejected))):
+        if chosen[split] != rejected[split]:
+            if isinstance(chosen, str) and split > 0 and chosen[split - 1] == " ":
+                split -= 1  # the space belongs to the completion, as TRL does
+            break
+    else:
+        split = min(len(chosen), len(rejected))
+    return {"prompt": chosen[:split], "chosen": chosen[split:], "rejected": rejected[split:]}
+
+
+def _implicit(row: Mapping[str, Any], index: int, options: LayoutOptions) -> dict:
+    _missing(row, index, "chosen", "rejected")
+    if options.no_prompt and isinstance(row["chosen"], str):
+        return {"prompt": "", "chosen": row["chosen"], "rejected": row["rejected"]}
+    pair = _shared_prefix(row["chosen"], row["rejected"], index)
+    if isinstance(pair["prompt"], str) and not pair["prompt"].strip():
+        raise ValueError(f"row {index}: field 'chosen' shares no prompt with 'rejected' (the implicit prompt is "
+                         f"empty): name the prompt column ({MAPPING_HINT.split(' (')[0]}), or say the data has "
+                         "no prompts (--no_prompt)")
+    return pair
+
+
+def _ultrafeedback_h4(row: Mapping[str, Any], index: int, options: LayoutOptions) -> dict:
+    pair = _implicit(row, index, options)
+    if not isinstance(row["prompt"], str):
+        raise ValueError(f"row {index}: field 'prompt' must be a string, got {type(row['prompt']).__name__}")
+    users = [turn.get("content") for turn in pair["prompt"] if isinstance(turn, dict) and turn.get("role") == "user"]
+    if not users or users[-1] is None or users[-1].strip() != row["prompt"].strip():
+        raise ValueError(f"row {index}: field 'prompt' differs from the user turn that chosen and rejected share")
+    return pair
+
+
+def _sharegpt(row: Mapping[str, Any], index: int, options: LayoutOptions) -> dict:
+    def message(turn: Any, field: str) -> dict[str, str]:
+        if not isinstance(turn, dict) or turn.get("from") not in _SHAREGPT_ROLES:
+            raise ValueError(f"row {index}: field '{field}' must be {{'from': human|gpt|system, 'value': str}}")
+        return {"role": _SHAREGPT_ROLES[turn["from"]], "content": turn.get("value")}
+
+    _missing(row, index, "chosen", "rejected")
+    if not isinstance(row["conversations"], list):
+        raise ValueError(f"row {index}: field 'conversations' must be a list of turns")
+    return {"prompt": [message(turn, "conversations") for turn in row["conversations"]],
+            "chosen": [message(row["chosen"], "chosen")], "rejected": [message(row["rejected"], "rejected")]}
+
+
+def _hh_messages(transcript: str) -> list[dict[str, str]]:
+    # re.split with one group gives ["", "Human", " text", "Assistant", " text", ...]
+    parts = _HH_TURN.split(transcript)[1:]
+    return [{"role": "user" if speaker == "Human" else "assistant", "content": text.strip()}
+            for speaker, text in zip(parts[::2], parts[1::2])]
+
+
+def _hh(row: Mapping[str, Any], index: int, options: LayoutOptions) -> dict:
+    _missing(row, index, "chosen", "rejected")
+    for name in ("chosen", "rejected"):
+        if not isinstance(row[name], str) or not row[name].startswith("\n\nHuman:"):
+            raise ValueError(f"row {index}: field '{name}' must be a transcript string starting '\\n\\nHuman:'")
+    chosen, rejected = _hh_messages(row["chosen"]), _hh_messages(row["rejected"])
+    for name, messages in (("chosen", chosen), ("rejected", rejected)):
+        if not messages or messages[-1]["role"] != "assistant":
+            raise ValueError(f"row {index}: field '{name}' does not end with an '\\n\\nAssistant:' turn")
+    if chosen[:-1] != rejected[:-1]:
+        raise ValueError(f"row {index}: field 'rejected' differs from 'chosen' before the last Assistant turn")
+    return {"prompt": chosen[:-1], "chosen": chosen[-1:], "rejected": rejected[-1:]}
+
+
+def _pku_saferlhf(row: Mapping[str, Any], index: int, options: LayoutOptions) -> dict:
+    label = options.preference_label
+    _missing(row, index, "prompt", "response_0", "response_1", label)
+    if row[label] not in (0, 1):
+        raise ValueError(f"row {index}: field '{label}' must be 0 or 1, got {row[label]!r}")
+    better = int(row[label])
+    return {"prompt": row["prompt"], "chosen": row[f"response_{better}"], "rejected": row[f"response_{1 - better}"]}
+
+
+def _shp(row: Mapping[str, Any], index: int, options: LayoutOptions) -> dict:
+    _missing(row, index, "history", "human_ref_A", "human_ref_B", "labels")
+    if row["labels"] not in (0, 1):
+        raise ValueError(f"row {index}: field 'labels' must be 0 or 1 (1: human_ref_A preferred), "
+                         f"got {row['labels']!r}")
+    a_preferred = row["labels"] == 1
+    return {"prompt": row["history"], "chosen": row["human_ref_A" if a_preferred else "human_ref_B"],
+            "rejected": row["human_ref_B" if a_preferred else "human_ref_A"]}
+
+
+def _helpsteer3(row: Mapping[str, Any], index: int, options: LayoutOptions) -> dict | None:
+    _missing(row, index, "context", "response1", "response2", "overall_preference")
+    preference = row["overall_preference"]
+    if not isinstance(preference, int) or not -3 <= preference <= 3:
+        raise ValueError(f"row {index}: field 'overall_preference' must be an integer in -3..3, got {preference!r}")
+    if preference == 0:
+        return None  # a tie says nothing about which is better
+    better, worse = ("response1", "response2") if preference < 0 else ("response2", "response1")
+    return {"prompt": row["context"], "chosen": [{"role": "assistant", "content": row[better]}],
+            "rejected": [{"role": "assistant", "content": row[worse]}]}
+
+
+def _has(*names: str, **kinds: str) -> Callable[[Mapping[str, str], Mapping[str, Any]], bool]:
+    """Recognise columns by name, and some by kind ('text', 'messages', or 'absent')."""
+    def recognise(columns: Mapping[str, str], first_row: Mapping[str, Any]) -> bool:
+        return set(names) <= set(columns) and all(
+            (name not in columns) if kind == "absent" else columns.get(name) in kind.split("|")
+            for name, kind in kinds.items())
+    return recognise
+
+
+def _is_hh(columns: Mapping[str, str], first_row: Mapping[str, Any]) -> bool:
+    chosen = first_row.get("chosen")
+    return "prompt" not in columns and isinstance(chosen, str) and chosen.startswith("\n\nHuman:")
+
+
+LAYOUTS: tuple[Layout, ...] = (
+    Layout("sharegpt", "LLaMA-Factory dpo_en_demo", _has("conversations", "chosen", "rejected"), _sharegpt),
+    Layout("pku_saferlhf", "PKU-Alignment/PKU-SafeRLHF",
+           _has("prompt", "response_0", "response_1", "better_response_id", "safer_response_id"), _pku_saferlhf),
+    Layout("shp", "stanfordnlp/SHP", _has("history", "human_ref_A", "human_ref_B", "labels"), _shp),
+    Layout("helpsteer3", "nvidia/HelpSteer3 (preference)",
+           _has("context", "response1", "response2", "overall_preference"), _helpsteer3),
+    Layout("orca", "Intel/orca_dpo_pairs", _has("question", "chosen", "rejected", prompt="absent"),
+           lambda row, index, options: _explicit(row, index, options, prompt_field="question")),
+    Layout("ultrafeedback_h4", "HuggingFaceH4/ultrafeedback_binarized",
+           _has("prompt", "chosen", "rejected", "messages", prompt="text", chosen="messages"), _ultrafeedback_h4),
+    Layout("implicit_conversational", "trl-lib/ultrafeedback_binarized, argilla/dpo-mix-7k, tulu-3 mixture",
+           _has("chosen", "rejected", chosen="messages", prompt="absent|text"), _implicit),
+    Layout("explicit_prompt", "standard or conversational prompt/chosen/rejected", _has("prompt", "chosen", "rejected"),
+           _explicit),
+    Layout("hh_transcripts", "Anthropic/hh-rlhf", _is_hh, _hh),
+    Layout("implicit_standard", "chosen/rejected strings sharing their prompt",
+           _has("chosen", "rejected", prompt="absent"), _implicit),
+)
+LAYOUT_NAMES = tuple(layout.name for layout in LAYOUTS)
+
+
+def detect_layout(kinds: Mapping[str, str], first_row: Mapping[str, Any] | None = None) -> Layout:
+    """The layout of a dataset with these column kinds. Raises ValueError naming the columns and the options."""
+    for layout in LAYOUTS:
+        if layout.recognise(kinds, first_row or {}):
+            return layout
+    raise ValueError(f"no known preference layout has the columns [{', '.join(kinds)}]: {MAPPING_HINT}")
+
+
+def layout_by_name(name: str) -> Layout:
+    for layout in LAYOUTS:
+        if layout.name == name:
+            return layout
+    raise ValueError(f"unknown layout {name!r}; known layouts: {', '.join(LAYOUT_NAMES)}")
+
+
+def rename_columns(row: Mapping[str, Any], columns: Mapping[str, str]) -> dict[str, Any]:
+    """A row with the user's columns under our names (columns maps ours -> theirs); the other columns stay."""
+    renamed = {key: value for key, value in row.items() if key not in columns.values() and key not in columns}
+    renamed.update({ours: row.get(theirs) for ours, theirs in columns.items()})
+    return renamed
+
+
+def check_mapping(columns: Mapping[str, str], found: list[str]) -> None:
+    unknown = sorted(set(columns) - set(MAPPABLE))
+    if unknown:
+        raise ValueError(f"columns: unknown key(s) {unknown}; map {', '.join(MAPPABLE)} to your column names")
+    missing = [theirs for theirs in columns.values() if theirs not in found]
+    if missing:
+        raise ValueError(f"columns: no column named {', '.join(map(repr, missing))} in [{', '.join(found)}]")
+
+
+# ---- validation of the result -----------------------------------------------------------------------------------
+def to_pair(layout: Layout, row: Mapping[str, Any], index: int, options: LayoutOptions) -> dict[str, Any] | None:
+    """Row -> validated {prompt, chosen, rejected, carried columns}, or None for a row the layout skips."""
+    if not isinstance(row, Mapping):
+        raise ValueError(f"row {index}: expected an object with chosen/rejected fields, got {type(row).__name__}")
+    pair = layout.to_pair(row, index, options)
+    if pair is None:
+        return None
+    if options.as_messages and isinstance(pair["prompt"], str):
+        pair = _as_messages(pair, row.get("system") if layout.name in ("orca", "explicit_prompt") else None, index)
+    validate_pair(pair, index)
+    pair.update({name: row[name] for name in CARRIED_COLUMNS if row.get(name) is not None})
+    return pair
+
+
+def _as_messages(pair: dict[str, Any], system: Any, index: int) -> dict[str, Any]:
+    # The system text was prepended to the prompt string; as messages it becomes the system turn instead.
+    prompt = pair["prompt"]
+    if system and isinstance(prompt, str) and prompt.startswith(f"{system}\n\n"):
+        prompt = prompt[len(system) + 2:]
+    messages = [{"role": "user", "content": prompt}] if prompt else []
+    return {"prompt": _with_system(messages, system, index) if system else messages,
+            "chosen": [{"role": "assistant", "content": pair["chosen"]}],
+            "rejected": [{"role": "assistant", "content": pair["rejected"]}]}
+
+
+def validate_pair(pair: dict[str, Any], index: int) -> None:
+    conversational = isinstance(pair["prompt"], list)
+    for name in ("prompt", "chosen", "rejected"):
+        value = pair[name]
+        if conversational:
+            _validate_messages(value, index, name, need_assistant=name != "prompt")
+        elif not isinstance(value, str):
+            raise ValueError(f"row {index}: field '{name}' must be a string, got {type(value).__name__}")
+        else:
+            _validate_text(value, index, name)
+            if name != "prompt" and not value.strip():
+                raise ValueError(f"row {index}: field '{name}' is an empty completion")
+    if pair["chosen"] == pair["rejected"]:
+        raise ValueError(f"row {index}: field 'rejected' is identical to 'chosen'")
+
+
+def _validate_text(text: str, index: int, name: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:  # lone surrogates: no tokenizer can encode them
+        raise ValueError(f"row {index}: field '{name}' is not valid unicode ({error.reason})") from None
+
+
+def _validate_messages(messages: Any, index: int, name: str, need_assistant: bool) -> None:
+    if not isinstance(messages, list) or not messages:
+        raise ValueError(f"row {index}: field '{name}' must be a non-empty list of messages")
+    for position, turn in enumerate(messages):
+        # An assistant turn that calls tools may have no text.
+        calls_tools = isinstance(turn, dict) and turn.get("role") == "assistant" and turn.get("tool_calls")
+        if not isinstance(turn, dict) or turn.get("role") not in _ROLES or not (
+                isinstance(turn.get("content"), str) or (calls_tools and turn.get("content") is None)):
+            raise ValueError(f"row {index}: field '{name}' has a message that is not {{'role': "
+                             f"{'|'.join(_ROLES)}, 'content': str}}: {str(turn)[:80]}")
+        if turn["content"] is not None:
+            _validate_text(turn["content"], index, name)
+        if turn["role"] == "system" and (position > 0 or name != "prompt"):
+            raise ValueError(f"row {index}: field '{name}' has a system message that is not the prompt's first")
+    if need_assistant:
+        if messages[0]["role"] != "assistant":
+            raise ValueError(f"row {index}: field '{name}' must start with an assistant turn, "
+                             f"not {messages[0]['role']!r}")
+        if not any((turn["content"] or "").strip() or turn.get("tool_calls")
+                   for turn in messages if turn["role"] == "assistant"):
+            raise ValueError(f"row {index}: field '{name}' is an empty completion")
+    elif messages[-1]["role"] == "assistant":
+        raise ValueError(f"row {index}: field 'prompt' ends with an assistant turn; the completion goes in chosen")
