@@ -145,12 +145,13 @@ def _simpo(t: PairTerms) -> torch.Tensor:  # SimPO, arXiv 2405.14734: per-token 
 
 @dataclass(frozen=True)
 class LossEntry:
-    """One loss type. `rewards` gives the (chosen, rejected) implicit rewards before beta, when they are not the
-    log-ratios; `f_divergence` says the loss is built on the chosen-rejected score difference, where f-DPO's
-    reparameterisation holds (TRL's list)."""
+    """One loss type. `needs_reference`: None for a loss that reads no reference but leaves the choice to the others
+    (sft: alone, it keeps the reference for the reward metrics, as TRL). `rewards` gives the (chosen, rejected)
+    implicit rewards before beta, when they are not the log-ratios; `f_divergence` says the loss is built on the
+    chosen-rejected score difference, where f-DPO's reparameterisation holds (TRL's list)."""
 
     loss: Callable[[PairTerms], torch.Tensor]
-    needs_reference: bool = True
+    needs_reference: bool | None = True
     needs_lengths: bool = False
     f_divergence: bool = False
     rewards: Callable[[PairTerms], tuple[torch.Tensor, torch.Tensor]] | None = None
@@ -162,7 +163,7 @@ LOSSES: dict[str, LossEntry] = {
     "hinge": LossEntry(_hinge, f_divergence=True),
     "ipo": LossEntry(_ipo, needs_lengths=True, f_divergence=True),
     "sigmoid_norm": LossEntry(_sigmoid_norm, needs_lengths=True, f_divergence=True),
-    "sft": LossEntry(_sft, needs_reference=False, needs_lengths=True, f_divergence=True),
+    "sft": LossEntry(_sft, needs_reference=None, needs_lengths=True, f_divergence=True),
     "bco_pair": LossEntry(_bco_pair),
     "sppo_hard": LossEntry(_sppo_hard),
     "nca_pair": LossEntry(_nca_pair),
@@ -200,7 +201,8 @@ F_DIVERGENCES: dict[str, Callable[[torch.Tensor, float], torch.Tensor]] = {
 def needs_reference(loss_types: str | Sequence[str], reference_free: bool = False) -> bool:
     """Whether any of the loss types reads the reference log-probs."""
     names = [loss_types] if isinstance(loss_types, str) else loss_types
-    return not reference_free and any(LOSSES[name].needs_reference for name in names)
+    wants = [LOSSES[name].needs_reference for name in names]
+    return not reference_free and (any(wants) or all(want is None for want in wants))
 
 
 def dpo_loss(
@@ -229,8 +231,8 @@ def dpo_loss(
     Args:
         policy_chosen_logps: [B] summed log-probs of the chosen completions under the policy.
         policy_rejected_logps: [B] the same for the rejected completions.
-        ref_chosen_logps: [B] summed log-probs of the chosen completions under the reference (unread by
-            reference-free losses: cpo, simpo, sft).
+        ref_chosen_logps: [B] summed log-probs of the chosen completions under the reference (unread by cpo, simpo
+            and sft).
         ref_rejected_logps: [B] the same for the rejected completions.
         beta: inverse temperature of the implicit reward (tau, the regulariser, for ipo).
         label_smoothing: eps. For sigmoid, aot, cpo and simpo, the probability that a label is flipped (conservative
