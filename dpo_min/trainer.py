@@ -191,6 +191,9 @@ class DPOMinTrainer(Trainer):
         if args.sync_ref_model:
             self.add_callback(_SyncReference(self))
         self.router_aux_loss_coef = _router_aux_loss_coef(model.config, args.router_aux_loss_coef)
+        if self.router_aux_loss_coef and args.share_prompt:
+            raise ValueError("share_prompt's 4D attention mask cannot go into the router load-balancing loss: set "
+                             "router_aux_loss_coef=0 or drop share_prompt")
         self._total_train_tokens = 0
 
     @staticmethod
