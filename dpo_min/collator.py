@@ -170,9 +170,10 @@ class PackedDPODataCollator:
 
 
 def make_collator(pad_token_id: int, padding_free: bool = False, share_prompt: bool = False,
-                  dense_mask: bool = True) -> DPODataCollator | PackedDPODataCollator:
+                  dense_mask: bool = True, pad_to_multiple_of: int | None = None
+                  ) -> DPODataCollator | PackedDPODataCollator:
     """The collator of a layout: padded unless `padding_free` or `share_prompt`."""
     if padding_free or share_prompt:
         return PackedDPODataCollator(pad_token_id, padding_free=padding_free, share_prompt=share_prompt,
-                                     dense_mask=dense_mask)
-    return DPODataCollator(pad_token_id)
+                                     dense_mask=dense_mask, pad_to_multiple_of=pad_to_multiple_of)
+    return DPODataCollator(pad_token_id, pad_to_multiple_of=pad_to_multiple_of)

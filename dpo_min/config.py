@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 
 from transformers import TrainingArguments
 
-from .losses import LOSS_TYPES
+from .losses import ALPHAPO_LOSSES, F_DIVERGENCES, LOSS_TYPES, LOSSES, needs_reference
 
 TRUNCATION_MODES = ("keep_end", "keep_start")
 
@@ -44,6 +44,26 @@ class DPOMinConfig(TrainingArguments):
         metadata={"help": "Extra chat template arguments for every row, as a dict or JSON text, e.g. "
                           "'{\"enable_thinking\": false}'; a row's own chat_template_kwargs column wins."},
     )
+    f_divergence_type: str = field(
+        default="reverse_kl",
+        metadata={"help": f"f-DPO regulariser, one of {', '.join(F_DIVERGENCES)}; other than reverse_kl only for "
+                          f"{', '.join(name for name, entry in LOSSES.items() if entry.f_divergence)}."},
+    )
+    f_alpha_divergence_coef: float = field(default=0.5, metadata={"help": "The alpha of alpha_divergence."})
+    simpo_gamma: float = field(default=0.5, metadata={"help": "SimPO's target reward margin (loss_type simpo)."})
+    alpha: float = field(
+        default=0.0, metadata={"help": "AlphaPO: rewards (1 - p^-alpha) / alpha for cpo and simpo; 0 keeps log p."}
+    )
+    cpo_alpha: float = field(
+        default=0.0,
+        metadata={"help": "Weight of the mean NLL of the chosen tokens added to the loss (CPO's behaviour cloning; "
+                          "the CPO paper and TRL's CPOConfig use 1.0)."},
+    )
+    router_aux_loss_coef: float | None = field(
+        default=None,
+        metadata={"help": "Weight of a mixture-of-experts model's load-balancing loss; None: the model config's "
+                          "own; 0 turns it off."},
+    )
     max_length: int | None = field(
         default=1024, metadata={"help": "Most tokens of prompt+completion; completions are cut to fit."}
     )
@@ -54,6 +74,9 @@ class DPOMinConfig(TrainingArguments):
     )
     precompute_ref_log_probs: bool = field(
         default=False, metadata={"help": "Compute every pair's reference log-probs once, before training."}
+    )
+    precompute_ref_batch_size: int | None = field(
+        default=None, metadata={"help": "Batch size of the precomputing pass (default per_device_eval_batch_size)."}
     )
     model_adapter_name: str | None = field(
         default=None, metadata={"help": "PeftModel: the adapter to train (default: the active one)."}
@@ -81,6 +104,12 @@ class DPOMinConfig(TrainingArguments):
         metadata={"help": "Shard policy and reference with FSDP2 (fully_shard) across the processes, applied by "
                           "dpo_min: it shards on CPU/gloo too, where accelerate's FSDP falls back to DDP."},
     )
+    pad_to_multiple_of: int | None = field(
+        default=None, metadata={"help": "Pad each batch's length to a multiple of this (not with padding_free)."}
+    )
+    activation_offloading: bool = field(
+        default=False, metadata={"help": "Keep the activations saved for backward in CPU memory until needed."}
+    )
     disable_dropout: bool = field(default=True, metadata={"help": "Turn dropout off in policy and reference."})
     remove_unused_columns: bool = field(
         default=False, metadata={"help": "Kept False: the collator picks the columns it needs."}
@@ -106,6 +135,11 @@ class DPOMinConfig(TrainingArguments):
             raise ValueError(f"max_length must be >= 2 or None, got {self.max_length}")
         if self.max_prompt_length is not None and self.max_prompt_length < 1:
             raise ValueError(f"max_prompt_length must be >= 1 or None, got {self.max_prompt_length}")
+        for name in ("precompute_ref_batch_size", "pad_to_multiple_of"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1 or None, got {getattr(self, name)}")
+        if self.router_aux_loss_coef is not None and self.router_aux_loss_coef < 0:
+            raise ValueError(f"router_aux_loss_coef must be >= 0 or None, got {self.router_aux_loss_coef}")
 
     def _check_steps(self) -> None:
         # Trainer takes any max_steps <= 0 as "use num_train_epochs", and trains zero steps for 0 epochs: both hide
@@ -144,6 +178,18 @@ class DPOMinConfig(TrainingArguments):
             raise ValueError("use_weighting (WPO) cannot weight aot/aot_unpaired: they sort pairs across the batch")
         if self.discopop_tau <= 0:
             raise ValueError(f"discopop_tau must be > 0, got {self.discopop_tau}")
+        if self.f_divergence_type not in F_DIVERGENCES:
+            raise ValueError(f"f_divergence_type must be one of {', '.join(F_DIVERGENCES)}, got "
+                             f"{self.f_divergence_type!r}")
+        f_losses = [name for name, entry in LOSSES.items() if entry.f_divergence]
+        if self.f_divergence_type != "reverse_kl" and not set(self.loss_type) <= set(f_losses):
+            raise ValueError(f"f_divergence_type {self.f_divergence_type!r} needs every loss_type among {f_losses} "
+                             f"(the others have no f-divergence form), got {self.loss_type}")
+        if self.alpha != 0 and not set(self.loss_type) & set(ALPHAPO_LOSSES):
+            raise ValueError(f"alpha (AlphaPO) reshapes the rewards of loss_type {ALPHAPO_LOSSES}, got "
+                             f"{self.loss_type}")
+        if self.cpo_alpha < 0:
+            raise ValueError(f"cpo_alpha must be >= 0, got {self.cpo_alpha}")
 
     def _check_reference(self) -> None:
         if self.sync_ref_model:
@@ -156,6 +202,9 @@ class DPOMinConfig(TrainingArguments):
                                  "precompute_ref_log_probs or reference_free")
         if self.reference_free and self.precompute_ref_log_probs:
             raise ValueError("reference_free needs no reference log-probs: drop precompute_ref_log_probs")
+        if not needs_reference(self.loss_type) and (self.precompute_ref_log_probs or self.sync_ref_model):
+            raise ValueError(f"loss_type {self.loss_type} reads no reference: drop precompute_ref_log_probs and "
+                             "sync_ref_model")
         if self.ref_adapter_name is not None and self.ref_adapter_name == self.model_adapter_name:
             raise ValueError(f"ref_adapter_name and model_adapter_name are both {self.ref_adapter_name!r}: the "
                              "reference must be another adapter than the trained one")

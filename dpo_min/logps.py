@@ -29,6 +29,9 @@ class SequenceLogps:
     token_sequence:  [K]  which sequence each of those tokens belongs to.
     token_positions: [K]  index of each token inside its completion (0 = first completion token).
     token_log_sum_sq_probs: [K] log sum_v p(v)^2 of each token's distribution (no grad), only when asked for (WPO).
+    entropy_sums:    [2B] sum over completion tokens of the entropy of the predicted distribution (no grad).
+    top1_counts:     [2B] completion tokens whose label is the argmax of the predicted distribution (no grad).
+    aux_loss:        the model's router load-balancing loss (a scalar), when asked for (mixture-of-experts).
     """
 
     logps: torch.Tensor
@@ -38,6 +41,9 @@ class SequenceLogps:
     token_sequence: torch.Tensor
     token_positions: torch.Tensor
     token_log_sum_sq_probs: torch.Tensor | None = None
+    entropy_sums: torch.Tensor | None = None
+    top1_counts: torch.Tensor | None = None
+    aux_loss: torch.Tensor | None = None
 
     def _per_sequence(self, values: torch.Tensor) -> torch.Tensor:
         return values.new_zeros(self.logps.shape).index_add(0, self.token_sequence, values)
@@ -64,7 +70,8 @@ class SequenceLogps:
 class _LabelLogProbs(torch.autograd.Function):
     """log_softmax(logits)[label] for [K, V] logits, in float32 chunks; saves only the logits and a [K] logsumexp.
 
-    Also returns, without gradient, the mean logit of each row and (when asked) log sum_v p(v)^2 for WPO."""
+    Also returns, without gradient, the mean logit of each row, its entropy, whether its argmax is the label, and
+    (when asked) log sum_v p(v)^2 for WPO."""
 
     @staticmethod
     def forward(ctx, logits: torch.Tensor, labels: torch.Tensor, with_sum_sq_probs: bool):
@@ -72,6 +79,8 @@ class _LabelLogProbs(torch.autograd.Function):
         token_logps = logits.new_empty(labels.shape, dtype=dtype)
         logsumexp = torch.empty_like(token_logps)
         mean_logits = torch.empty_like(token_logps)
+        entropy = torch.empty_like(token_logps)
+        is_top1 = torch.empty_like(token_logps)
         log_sum_sq_probs = torch.empty_like(token_logps) if with_sum_sq_probs else None
         for start in range(0, logits.size(0), CHUNK_TOKENS):
             rows = slice(start, start + CHUNK_TOKENS)
@@ -79,12 +88,15 @@ class _LabelLogProbs(torch.autograd.Function):
             logsumexp[rows] = torch.logsumexp(chunk, dim=-1)
             token_logps[rows] = chunk.gather(-1, labels[rows, None]).squeeze(-1) - logsumexp[rows]
             mean_logits[rows] = chunk.mean(dim=-1)
+            # H = lse - sum_v p(v) z_v: one exp of the chunk, no log of a probability that may underflow
+            entropy[rows] = logsumexp[rows] - (chunk - logsumexp[rows, None]).exp_().mul_(chunk).sum(dim=-1)
+            is_top1[rows] = (chunk.argmax(dim=-1) == labels[rows]).to(dtype)
             if with_sum_sq_probs:
                 # log sum exp(2 z - 2 lse) without forming the probabilities
                 log_sum_sq_probs[rows] = torch.logsumexp(2 * chunk, dim=-1) - 2 * logsumexp[rows]
         ctx.save_for_backward(logits, labels, logsumexp)
-        ctx.mark_non_differentiable(*(t for t in (mean_logits, log_sum_sq_probs) if t is not None))
-        return token_logps, mean_logits, log_sum_sq_probs
+        ctx.mark_non_differentiable(*(t for t in (mean_logits, entropy, is_top1, log_sum_sq_probs) if t is not None))
+        return token_logps, mean_logits, entropy, is_top1, log_sum_sq_probs
 
     @staticmethod
     def backward(ctx, grad_token_logps: torch.Tensor, *_grads_without_use):
@@ -103,16 +115,16 @@ class _LabelLogProbs(torch.autograd.Function):
 
 def label_logps(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(log p(label), mean logit) per row of [K, V] logits, both [K] in float32 (float64 for float64 logits)."""
-    token_logps, mean_logits, _ = _LabelLogProbs.apply(logits, labels, False)
+    token_logps, mean_logits, *_ = _LabelLogProbs.apply(logits, labels, False)
     return token_logps, mean_logits
 
 
 def sequence_logps(model: torch.nn.Module, batch: dict[str, torch.Tensor],
-                   with_sum_sq_probs: bool = False) -> SequenceLogps:
+                   with_sum_sq_probs: bool = False, with_aux_loss: bool = False) -> SequenceLogps:
     """One forward of `model` over a collated batch -> log-probs of each of its sequences.
 
     `with_sum_sq_probs` also fills `token_log_sum_sq_probs` (for WPO weights), at the cost of one more pass over
-    each chunk of logits."""
+    each chunk of logits; `with_aux_loss` asks a mixture-of-experts model for its router load-balancing loss."""
     labels, sequence_index = batch["labels"], batch["sequence_index"]
     num_sequences = 2 * _num_pairs(batch)
     # Position t predicts token t+1: keep the positions whose next token is a completion token.
@@ -121,12 +133,16 @@ def sequence_logps(model: torch.nn.Module, batch: dict[str, torch.Tensor],
     model_inputs = {key: value for key, value in batch.items() if key not in NON_MODEL_KEYS}
     model_inputs |= packed_forward_kwargs(model, batch)
     # No cache: with one, transformers would not keep packed sequences apart.
-    logits = model(**model_inputs, logits_to_keep=predicts_completion, use_cache=False).logits
+    if with_aux_loss:
+        model_inputs["output_router_logits"] = True
+    outputs = model(**model_inputs, logits_to_keep=predicts_completion, use_cache=False)
+    logits = outputs.logits
     logits = logits.reshape(-1, logits.size(-1))  # [K, V], in row-major order of the mask
     keep = predicts_completion[:, :-1]
     token_labels = next_labels[keep]
     token_sequence = sequence_index[:, 1:][keep]
-    token_logps, mean_logits, log_sum_sq_probs = _LabelLogProbs.apply(logits, token_labels, with_sum_sq_probs)
+    token_logps, mean_logits, entropy, is_top1, log_sum_sq_probs = _LabelLogProbs.apply(logits, token_labels,
+                                                                                         with_sum_sq_probs)
 
     def per_sequence(values: torch.Tensor) -> torch.Tensor:
         return values.new_zeros(num_sequences).index_add(0, token_sequence, values)
@@ -140,6 +156,9 @@ def sequence_logps(model: torch.nn.Module, batch: dict[str, torch.Tensor],
         token_sequence=token_sequence,
         token_positions=_positions_in_sequence(token_sequence, token_counts.long()),
         token_log_sum_sq_probs=log_sum_sq_probs,
+        entropy_sums=per_sequence(entropy),
+        top1_counts=per_sequence(is_top1),
+        aux_loss=outputs.aux_loss if with_aux_loss else None,
     )
 
 

@@ -17,11 +17,12 @@ from transformers.trainer_utils import rotate_checkpoints
 
 from . import ref_cache, sharding
 from .attention import packed_attention, use_packed_attention
-from .collator import make_collator
+from .collator import IGNORE_INDEX, make_collator
 from .config import DPOMinConfig
 from .data import is_tokenized, tokenize_dataset
 from .logps import SequenceLogps, sequence_logps
-from .losses import dpo_loss
+from .losses import dpo_loss, needs_reference
+from .offload import OffloadActivations
 
 try:
     from peft import PeftConfig, PeftModel, get_peft_model
@@ -78,6 +79,26 @@ class _SyncReference(TrainerCallback):
             self.trainer.sync_reference()
 
 
+def _router_aux_loss_coef(model_config: Any, coef: float | None) -> float:
+    """The weight of the router load-balancing loss: the config's own unless given; 0 for a model without routers."""
+    text_config = model_config.get_text_config()
+    is_moe = hasattr(text_config, "output_router_logits")
+    if coef and not is_moe:
+        raise ValueError(f"router_aux_loss_coef is {coef}, but the model ({type(model_config).__name__}) is not a "
+                         "mixture-of-experts model with router logits")
+    if not is_moe:
+        return 0.0
+    return getattr(text_config, "router_aux_loss_coef", 0.0) if coef is None else coef
+
+
+def _computed_tokens(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """[1] tokens the forward computes, padding excluded: every row ends with its last completion token, so a row's
+    length is the position of its last label + 1 (TRL counts attention_mask.sum(), the same in the padded layout)."""
+    labels = batch["labels"]
+    positions = torch.arange(1, labels.size(1) + 1, device=labels.device)
+    return torch.where(labels != IGNORE_INDEX, positions, 0).amax(dim=1).sum().reshape(1)
+
+
 def _check_layout(model_config: Any, args: DPOMinConfig) -> None:
     if not (args.padding_free or args.share_prompt):
         return
@@ -126,9 +147,11 @@ class DPOMinTrainer(Trainer):
 
         # The adapter's random init must depend on the seed alone, as in TRL.
         set_seed(args.seed)
-        model, self.ref_adapter_name = self._set_up_adapters(model, args, ref_model, peft_config)
-        needs_reference = not (args.reference_free or args.precompute_ref_log_probs)
-        if ref_model is None and not _is_peft(model) and needs_reference:
+        # A loss that reads no reference gets none: no copy of the model or adapter, no reference forward.
+        uses_reference = needs_reference(args.loss_type, args.reference_free)
+        ref_model = ref_model if uses_reference else None
+        model, self.ref_adapter_name = self._set_up_adapters(model, args, ref_model, peft_config, uses_reference)
+        if ref_model is None and not _is_peft(model) and uses_reference and not args.precompute_ref_log_probs:
             ref_model = copy.deepcopy(model)
         if args.sync_ref_model:
             if ref_model is not None and _is_peft(model):
@@ -160,7 +183,7 @@ class DPOMinTrainer(Trainer):
         dense_mask = not (args.padding_free or args.share_prompt) or packed_attention(
             model.config._attn_implementation).dense_mask
         data_collator = data_collator or make_collator(tokenizer.pad_token_id, args.padding_free, args.share_prompt,
-                                                       dense_mask)
+                                                       dense_mask, args.pad_to_multiple_of)
 
         super().__init__(model=model, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset,
                          processing_class=processing_class, data_collator=data_collator, **kwargs)
@@ -170,10 +193,15 @@ class DPOMinTrainer(Trainer):
         self._metrics: dict[str, dict[str, list[float]]] = {"train": defaultdict(list), "eval": defaultdict(list)}
         if args.sync_ref_model:
             self.add_callback(_SyncReference(self))
+        self.router_aux_loss_coef = _router_aux_loss_coef(model.config, args.router_aux_loss_coef)
+        if self.router_aux_loss_coef and args.share_prompt:
+            raise ValueError("share_prompt's 4D attention mask cannot go into the router load-balancing loss: set "
+                             "router_aux_loss_coef=0 or drop share_prompt")
+        self._total_train_tokens = 0
 
     @staticmethod
-    def _set_up_adapters(model: Any, args: DPOMinConfig, ref_model: Any,
-                         peft_config: "PeftConfig | None") -> tuple[Any, str | None]:
+    def _set_up_adapters(model: Any, args: DPOMinConfig, ref_model: Any, peft_config: "PeftConfig | None",
+                         uses_reference: bool = True) -> tuple[Any, str | None]:
         """Wrap or pick the trained adapter; return the model and the name of the reference adapter, if any."""
         named = [name for name in (args.model_adapter_name, args.ref_adapter_name) if name is not None]
         if named and (not _is_peft(model) or ref_model is not None):
@@ -193,6 +221,8 @@ class DPOMinTrainer(Trainer):
                 raise ValueError(f"no adapter named {name!r} in the model; it has {sorted(model.peft_config)}")
         if args.model_adapter_name is not None:
             model.set_adapter(args.model_adapter_name)  # also freezes every other adapter
+        if not uses_reference:
+            return model, None
         if args.ref_adapter_name is not None:
             return model, args.ref_adapter_name
         # An adapter may arrive already trained: the reference is that adapter as it starts, kept frozen.
@@ -261,7 +291,8 @@ class DPOMinTrainer(Trainer):
         return dataset.add_column("ref_rejected_logps", cached[1].tolist())
 
     def _reference_pass(self, dataset: Dataset) -> tuple[torch.Tensor, torch.Tensor]:
-        loader = DataLoader(dataset, batch_size=self.args.per_device_eval_batch_size, shuffle=False,
+        batch_size = self.args.precompute_ref_batch_size or self.args.per_device_eval_batch_size
+        loader = DataLoader(dataset, batch_size=batch_size, shuffle=False,
                             collate_fn=self.data_collator, num_workers=self.args.dataloader_num_workers)
         chosen, rejected = [], []
         was_training = self.model.training
@@ -334,10 +365,13 @@ class DPOMinTrainer(Trainer):
     # ---- loss ---------------------------------------------------------------------------------------------------
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         args = self.args
-        policy = sequence_logps(model, inputs, with_sum_sq_probs=args.use_weighting)
+        offload = args.activation_offloading and model.training and torch.is_grad_enabled()
+        with OffloadActivations(model) if offload else contextlib.nullcontext():
+            policy = sequence_logps(model, inputs, with_sum_sq_probs=args.use_weighting,
+                                    with_aux_loss=self.router_aux_loss_coef != 0.0)
         pair_logps = policy.pair_logps(args.ld_alpha)
         chosen_logps, rejected_logps = pair_logps.chunk(2)
-        if args.reference_free:
+        if not needs_reference(args.loss_type, args.reference_free):
             ref_chosen_logps, ref_rejected_logps = torch.zeros_like(chosen_logps), torch.zeros_like(rejected_logps)
         elif "ref_chosen_logps" in inputs:
             ref_chosen_logps, ref_rejected_logps = inputs["ref_chosen_logps"], inputs["ref_rejected_logps"]
@@ -349,29 +383,48 @@ class DPOMinTrainer(Trainer):
             label_smoothing=args.label_smoothing, reference_free=args.reference_free, loss_type=args.loss_type,
             loss_weights=args.loss_weights, chosen_lengths=chosen_lengths, rejected_lengths=rejected_lengths,
             chosen_nll=-policy.logps.chunk(2)[0], pair_weights=policy.wpo_weights() if args.use_weighting else None,
-            discopop_tau=args.discopop_tau,
+            discopop_tau=args.discopop_tau, f_divergence_type=args.f_divergence_type,
+            f_alpha_divergence_coef=args.f_alpha_divergence_coef, simpo_gamma=args.simpo_gamma, alpha=args.alpha,
+            cpo_alpha=args.cpo_alpha,
         )
         loss = losses.mean()
+        if policy.aux_loss is not None:
+            loss = loss + self.router_aux_loss_coef * policy.aux_loss
         if not torch.isfinite(loss):
             self._raise_non_finite(loss, chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps)
-        reference = None if args.reference_free else torch.cat([ref_chosen_logps, ref_rejected_logps])
-        self._record_metrics(policy, pair_logps, chosen_rewards, rejected_rewards, reference)
+        reference = (torch.cat([ref_chosen_logps, ref_rejected_logps])
+                     if needs_reference(args.loss_type, args.reference_free) else None)
+        self._record_metrics(policy, pair_logps, chosen_rewards, rejected_rewards, reference, inputs)
         if return_outputs:
             return loss, {"chosen_rewards": chosen_rewards, "rejected_rewards": rejected_rewards}
         return loss
 
     def _record_metrics(self, policy: SequenceLogps, pair_logps: torch.Tensor, chosen_rewards: torch.Tensor,
-                        rejected_rewards: torch.Tensor, reference_logps: torch.Tensor | None = None) -> None:
+                        rejected_rewards: torch.Tensor, reference_logps: torch.Tensor | None = None,
+                        inputs: dict[str, torch.Tensor] | None = None) -> None:
         mode = "train" if self.model.training else "eval"
         # Only per-pair [B] tensors go through gather_for_metrics: it trims the last batch to the dataset's length.
         chosen_logps, rejected_logps = pair_logps.detach().chunk(2)
         chosen_logits, rejected_logits = policy.logits_sums.chunk(2)
         chosen_tokens, rejected_tokens = policy.token_counts.chunk(2)
+        chosen_entropy, rejected_entropy = policy.entropy_sums.chunk(2)
+        chosen_top1 = policy.top1_counts.chunk(2)[0]
         (chosen_rewards, rejected_rewards, chosen_logps, rejected_logps, chosen_logits, rejected_logits,
-         chosen_tokens, rejected_tokens) = self.accelerator.gather_for_metrics(
-            (chosen_rewards, rejected_rewards, chosen_logps, rejected_logps, chosen_logits, rejected_logits,
-             chosen_tokens, rejected_tokens))
+         chosen_tokens, rejected_tokens, chosen_entropy, rejected_entropy, chosen_top1) = \
+            self.accelerator.gather_for_metrics(
+                (chosen_rewards, rejected_rewards, chosen_logps, rejected_logps, chosen_logits, rejected_logits,
+                 chosen_tokens, rejected_tokens, chosen_entropy, rejected_entropy, chosen_top1))
         metrics = self._metrics[mode]
+        # TRL's definitions: entropy over every completion token; token accuracy (argmax = label) over the chosen
+        # ones; num_tokens the running count of training tokens computed, padding excluded.
+        metrics["entropy"].append(((chosen_entropy.sum() + rejected_entropy.sum())
+                                   / (chosen_tokens.sum() + rejected_tokens.sum())).item())
+        metrics["mean_token_accuracy"].append((chosen_top1.sum() / chosen_tokens.sum()).item())
+        if mode == "train":
+            self._total_train_tokens += int(self.accelerator.gather(_computed_tokens(inputs)).sum())
+        metrics["num_tokens"] = [self._total_train_tokens]
+        if policy.aux_loss is not None:
+            metrics["aux_loss"].append(self.accelerator.gather_for_metrics(policy.aux_loss.detach()).mean().item())
         metrics["rewards/chosen"].append(chosen_rewards.mean().item())
         metrics["rewards/rejected"].append(rejected_rewards.mean().item())
         metrics["rewards/accuracies"].append((chosen_rewards > rejected_rewards).float().mean().item())
