@@ -1,22 +1,35 @@
 """DPOMinConfig: transformers.TrainingArguments plus the DPO knobs."""
 
 from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
 from transformers import TrainingArguments
 
+from .compat import TRLOnlyFields, check_trl_fields
 from .losses import LOSS_TYPES
 
 TRUNCATION_MODES = ("keep_end", "keep_start")
 
 
 @dataclass
-class DPOMinConfig(TrainingArguments):
+class DPOMinConfig(TRLOnlyFields, TrainingArguments):
     """Training arguments for `DPOMinTrainer`.
 
-    Defaults follow TRL's `DPOConfig` where both have the option, so that the same numbers come out.
+    Defaults follow TRL's `DPOConfig` where both have the option, so that the same numbers come out. Every other
+    field of TRL's `DPOConfig` is accepted too: see `compat.TRL_FIELDS` for what each does.
     """
 
+    _VALID_DICT_FIELDS: ClassVar[list[str]] = [*TrainingArguments._VALID_DICT_FIELDS, "model_init_kwargs"]
+
     learning_rate: float = field(default=1e-6, metadata={"help": "AdamW learning rate (TRL's DPO default)."})
+    model_init_kwargs: dict[str, Any] | str | None = field(
+        default=None,
+        metadata={"help": "from_pretrained keyword arguments (dtype, attn_implementation, revision...) for a model "
+                          "or ref_model given as an id or a path, as TRL. dtype defaults to float32."},
+    )
+    trust_remote_code: bool = field(
+        default=False, metadata={"help": "Allow hub code for a model and tokenizer loaded from an id, as TRL."}
+    )
     beta: float = field(default=0.1, metadata={"help": "Strength of the implicit KL penalty towards the reference."})
     loss_type: list[str] = field(
         default_factory=lambda: ["sigmoid"],
@@ -74,6 +87,7 @@ class DPOMinConfig(TrainingArguments):
 
     def __post_init__(self):
         super().__post_init__()
+        check_trl_fields(self)
         self._check_losses()
         self._check_reference()
         if self.beta <= 0:

@@ -2,31 +2,36 @@
 
 import contextlib
 import copy
+import logging
 import os
 import shutil
 from collections import defaultdict
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from accelerate.utils import broadcast_object_list
-from datasets import Dataset
+from datasets import Dataset, IterableDataset
 from torch.utils.data import DataLoader
-from transformers import PreTrainedModel, Trainer, TrainerCallback, set_seed
+from transformers import EvalPrediction, PreTrainedModel, Trainer, TrainerCallback, TrainingArguments, set_seed
 from transformers.trainer_utils import rotate_checkpoints
 
 from . import ref_cache
 from .attention import SEGMENTED_SDPA, use_segmented_attention
-from .collator import make_collator
+from .collator import NON_MODEL_KEYS, make_collator
+from .compat import trl_hub_tags
 from .config import DPOMinConfig
 from .data import is_tokenized, tokenize_dataset
 from .logps import SequenceLogps, sequence_logps
 from .losses import dpo_loss
+from .models import load_causal_lm, load_tokenizer
 
 try:
     from peft import PeftConfig, PeftModel, get_peft_model
 except ImportError:  # peft is a dependency, but keep the full fine-tuning path importable without it
     PeftConfig = PeftModel = get_peft_model = None
 
+logger = logging.getLogger(__name__)
 REF_ADAPTER = "ref"
 # Attention implementations that build the block-diagonal mask from position_ids and take a 4D additive mask.
 PACKED_ATTENTION = ("sdpa", "eager", SEGMENTED_SDPA)
@@ -76,6 +81,23 @@ class _SyncReference(TrainerCallback):
             self.trainer.sync_reference()
 
 
+def _from_pretrained_kwargs(args: DPOMinConfig, quantization_config: Any, **defaults: Any) -> dict[str, Any]:
+    """`args.model_init_kwargs` completed as TRL completes them for a model it loads from an id."""
+    kwargs = dict(args.model_init_kwargs or {})
+    if quantization_config is not None:
+        if "quantization_config" in kwargs:
+            raise ValueError("quantization_config is set both as a trainer argument and in model_init_kwargs: set "
+                             "it once")
+        kwargs["quantization_config"] = quantization_config
+    if args.distributed_state.distributed_type in ("MULTI_GPU", "DEEPSPEED"):  # where device_map="auto" fails
+        kwargs["device_map"] = None
+    kwargs.setdefault("device_map", None if args.device.type in ("cpu", "mps") else "auto")
+    kwargs.setdefault("trust_remote_code", args.trust_remote_code)
+    for key, value in defaults.items():
+        kwargs.setdefault(key, value)
+    return kwargs
+
+
 def _check_layout(model_config: Any, args: DPOMinConfig) -> None:
     if not (args.padding_free or args.share_prompt):
         return
@@ -100,23 +122,56 @@ class DPOMinTrainer(Trainer):
 
     def __init__(
         self,
-        model: PreTrainedModel,
+        model: "str | PreTrainedModel | PeftModel",
+        ref_model: "str | PreTrainedModel | None" = None,
         args: DPOMinConfig | None = None,
-        train_dataset: Dataset | None = None,
-        eval_dataset: Dataset | dict[str, Dataset] | None = None,
+        data_collator: Callable | None = None,
+        train_dataset: Dataset | IterableDataset | None = None,
+        eval_dataset: Dataset | IterableDataset | dict[str, Dataset | IterableDataset] | None = None,
         processing_class: Any = None,
-        ref_model: PreTrainedModel | None = None,
+        compute_metrics: Callable[[EvalPrediction], dict] | None = None,
+        callbacks: list[TrainerCallback] | None = None,
+        optimizers: tuple[torch.optim.Optimizer | None, torch.optim.lr_scheduler.LambdaLR | None] = (None, None),
+        quantization_config: Any = None,
         peft_config: "PeftConfig | None" = None,
-        data_collator: Any = None,
-        **kwargs: Any,
     ):
-        args = args if args is not None else DPOMinConfig(output_dir="dpo_min_output")
+        # TRL 1.16's signature, positional order included. `model` and `ref_model` may be hub ids or paths.
+        if isinstance(ref_model, TrainingArguments):
+            raise TypeError("the second positional argument is ref_model, as in TRL's DPOTrainer: pass the config "
+                            "as args=...")
+        if args is None:
+            name = model if isinstance(model, str) else model.config._name_or_path
+            args = DPOMinConfig(output_dir=f"{name.split('/')[-1]}-DPO")  # TRL's default folder
         if not isinstance(args, DPOMinConfig):
             raise TypeError(f"args must be a DPOMinConfig, got {type(args).__name__}")
         if train_dataset is None:
             raise ValueError("train_dataset is required")
+        evals = eval_dataset.values() if isinstance(eval_dataset, dict) else [eval_dataset]
+        if args.precompute_ref_log_probs and any(isinstance(d, IterableDataset) for d in (train_dataset, *evals)):
+            raise ValueError("precompute_ref_log_probs=True is not supported with an IterableDataset (as TRL): use "
+                             "a map-style Dataset or set precompute_ref_log_probs=False")
+        if compute_metrics is not None and (args.padding_free or args.share_prompt):
+            raise ValueError("compute_metrics receives [2B, T] logits (as TRL), which the padding_free and "
+                             "share_prompt layouts do not compute: turn them off to use compute_metrics")
+        # The adapter's random init (and any weight a checkpoint lacks) must depend on the seed alone, as in TRL.
+        set_seed(args.seed)
+        if isinstance(model, str):
+            model = load_causal_lm(model, **_from_pretrained_kwargs(args, quantization_config))
+        elif quantization_config is not None:
+            raise ValueError("quantization_config applies to a model loaded from an id or a path; this model is "
+                             "already loaded")
+        elif args.model_init_kwargs is not None:
+            logger.warning("model_init_kwargs is ignored: the model is already loaded (as TRL)")
+        if isinstance(ref_model, str):
+            ref_model = load_causal_lm(ref_model, **_from_pretrained_kwargs(
+                args, quantization_config, dtype=model.dtype, attn_implementation=model.config._attn_implementation))
         if processing_class is None:
-            raise ValueError("processing_class (the tokenizer) is required to tokenize the pairs")
+            source = model.config._name_or_path
+            if not source:
+                raise ValueError("processing_class (the tokenizer) is required: the model has no id or path to load "
+                                 "one from")
+            revision = (args.model_init_kwargs or {}).get("revision")
+            processing_class = load_tokenizer(source, revision=revision, trust_remote_code=args.trust_remote_code)
         if ref_model is not None and ref_model is model:
             raise ValueError("ref_model must be another object than model (omit it to get a frozen copy)")
         _check_layout(model.config, args)
@@ -125,8 +180,10 @@ class DPOMinTrainer(Trainer):
             # Padding never reaches the loss (labels are -100 there), so any token id serves; EOS is the usual one.
             tokenizer.pad_token = tokenizer.eos_token
 
-        # The adapter's random init must depend on the seed alone, as in TRL.
-        set_seed(args.seed)
+        # As TRL: the model's config agrees with the tokenizer on the pad token (it is saved with the model).
+        model.config.get_text_config().pad_token_id = tokenizer.pad_token_id
+        if getattr(model, "generation_config", None) is not None:
+            model.generation_config.pad_token_id = tokenizer.pad_token_id
         model, self.ref_adapter_name = self._set_up_adapters(model, args, ref_model, peft_config)
         needs_reference = not (args.reference_free or args.precompute_ref_log_probs)
         if ref_model is None and not _is_peft(model) and needs_reference:
@@ -158,8 +215,11 @@ class DPOMinTrainer(Trainer):
             eval_dataset = _tokenized(eval_dataset, tokenizer, args)
         data_collator = data_collator or make_collator(tokenizer.pad_token_id, args.padding_free, args.share_prompt)
 
-        super().__init__(model=model, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset,
-                         processing_class=processing_class, data_collator=data_collator, **kwargs)
+        super().__init__(model=model, args=args, data_collator=data_collator, train_dataset=train_dataset,
+                         eval_dataset=eval_dataset, processing_class=processing_class,
+                         compute_metrics=compute_metrics, callbacks=callbacks, optimizers=optimizers)
+        if hasattr(self.model, "add_model_tags"):  # Trainer puts the model's tags on the card it pushes
+            self.model.add_model_tags(trl_hub_tags(model, os.environ))
         # The loss is a mean over pairs; Trainer must divide it by the accumulation steps itself.
         self.model_accepts_loss_kwargs = False
         self.ref_model = None if ref_model is None else self.accelerator.prepare_model(ref_model, evaluation_mode=True)
@@ -371,10 +431,22 @@ class DPOMinTrainer(Trainer):
         metrics["logits/rejected"].append((rejected_logits.sum() / rejected_tokens.sum()).item())
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        """The loss; with `compute_metrics`, also what TRL 1.16 passes it: the logits of a plain forward of the
+        [2B, T] batch (chosen rows, then rejected) as predictions, and its `input_ids` as label_ids."""
         inputs = self._prepare_inputs(inputs)
         with torch.no_grad(), self.compute_loss_context_manager():
-            loss = self.compute_loss(model, inputs)
-        return loss.detach(), None, None
+            loss = self.compute_loss(model, inputs).detach()
+            if prediction_loss_only or self.compute_metrics is None:
+                return loss, None, None
+            model_inputs = {name: value for name, value in inputs.items() if name not in NON_MODEL_KEYS}
+            logits = model(**model_inputs, use_cache=False).logits
+        return loss, logits, inputs["input_ids"]
+
+    def create_model_card(self, *args: Any, tags: str | list[str] | None = None, **kwargs: Any) -> None:
+        """Trainer's card, with the model's tags (TRL's `trl`, `dpo` among them) added, as TRL's card has them."""
+        tags = [tags] if isinstance(tags, str) else list(tags or [])
+        tags += [tag for tag in getattr(self.model, "model_tags", None) or [] if tag not in tags]
+        super().create_model_card(*args, tags=tags, **kwargs)
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         # Every micro-batch since the last log counts, not only the last one.

@@ -25,7 +25,8 @@ def precompute(tmp_path, monkeypatch, tokenizer, hh_pairs):
         args = DPOMinConfig(output_dir=str(tmp_path / "out"), report_to="none", use_cpu=True, seed=seed,
                             precompute_ref_log_probs=True, max_length=max_length, per_device_eval_batch_size=2)
         peft_config = LoraConfig(r=4, target_modules=["q_proj"]) if lora else None
-        trainer = DPOMinTrainer(tiny_llama(), args, train_dataset=hh_pairs.select(rows), processing_class=tokenizer,
+        trainer = DPOMinTrainer(tiny_llama(), args=args, train_dataset=hh_pairs.select(rows),
+                                processing_class=tokenizer,
                                 ref_model=None if lora else tiny_llama(seed=ref_seed), peft_config=peft_config)
         calls.clear()
         trainer.get_train_dataloader()
