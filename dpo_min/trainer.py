@@ -442,11 +442,16 @@ class DPOMinTrainer(Trainer):
             logits = model(**model_inputs, use_cache=False).logits
         return loss, logits, inputs["input_ids"]
 
-    def create_model_card(self, *args: Any, tags: str | list[str] | None = None, **kwargs: Any) -> None:
-        """Trainer's card, with the model's tags (TRL's `trl`, `dpo` among them) added, as TRL's card has them."""
+    def create_model_card(self, model_name: str | None = None, dataset_name: str | None = None,
+                          tags: str | list[str] | None = None, **kwargs: Any) -> None:
+        """Trainer's card, called as TRL's (model_name, dataset_name, tags), with the model's tags (TRL's `trl`,
+        `dpo` among them) added as TRL's card has them; Trainer's other keyword arguments pass through."""
         tags = [tags] if isinstance(tags, str) else list(tags or [])
         tags += [tag for tag in getattr(self.model, "model_tags", None) or [] if tag not in tags]
-        super().create_model_card(*args, tags=tags, **kwargs)
+        if dataset_name is not None:  # TRL's card lists it under `datasets`, which Trainer fills from dataset_tags
+            kwargs.setdefault("dataset_tags", dataset_name)
+            kwargs.setdefault("dataset", dataset_name)
+        super().create_model_card(model_name=model_name, tags=tags, **kwargs)
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         # Every micro-batch since the last log counts, not only the last one.
