@@ -118,6 +118,7 @@ class DPOMinTrainer(Trainer):
     model with its adapter disabled (`peft_config`), or a frozen copy of the adapter it arrives with; `ref_model`;
     precomputed log-probs (`precompute_ref_log_probs=True`, cached on disk); otherwise a frozen copy of `model`.
     `sync_ref_model` (TR-DPO) moves the reference model or reference adapter towards the policy during training.
+    The constructor is TRL 1.16 `DPOTrainer`'s (see README, "Coming from TRL").
     """
 
     def __init__(
