@@ -443,6 +443,12 @@ class DPOMinTrainer(Trainer):
             logits = model(**model_inputs, use_cache=False).logits
         return loss, logits, inputs["input_ids"]
 
+    def _set_signature_columns_if_needed(self) -> None:
+        # The columns the collator reads, so that remove_unused_columns=True (TRL's default) keeps them, as TRL does.
+        if self._signature_columns is None:
+            self._signature_columns = ["prompt_ids", "chosen_ids", "rejected_ids", "ref_chosen_logps",
+                                       "ref_rejected_logps"]
+
     def create_model_card(self, model_name: str | None = None, dataset_name: str | None = None,
                           tags: str | list[str] | None = None, **kwargs: Any) -> None:
         """Trainer's card, called as TRL's (model_name, dataset_name, tags), with the model's tags (TRL's `trl`,

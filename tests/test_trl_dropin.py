@@ -3,6 +3,7 @@ against both (only the classes passed in differ) and log the same numbers."""
 
 import dataclasses
 import inspect
+import math
 
 import numpy as np
 import pytest
@@ -206,6 +207,14 @@ def test_every_trl_config_field_is_accepted_or_refused_by_name(tmp_path):
             with pytest.raises(ValueError, match=f"^{name}=.*: .+"):
                 DPOMinConfig(output_dir=str(tmp_path), **{name: non_default[name]})
     DPOMinConfig(output_dir=str(tmp_path), pad_to_multiple_of=None)  # TRL's "auto" off Neuron
+
+
+def test_remove_unused_columns_true_keeps_the_pair_columns_as_trl(tmp_path, tiny_model_dir, hh_pairs):
+    # TRL's default; Trainer would drop prompt_ids/chosen_ids/rejected_ids, which the model's forward does not name.
+    args = DPOMinConfig(output_dir=str(tmp_path), remove_unused_columns=True, **{**NEUTRAL, "max_steps": 1})
+    trainer = DPOMinTrainer(str(tiny_model_dir), args=args, train_dataset=hh_pairs.select(range(2)))
+    trainer.train()
+    assert trainer.state.log_history[0]["loss"] == pytest.approx(math.log(2), rel=1e-6)
 
 
 def test_model_init_kwargs_load_model_and_reference_as_trl(tmp_path, tiny_model_dir, ref_model_dir, hh_pairs):
