@@ -1,7 +1,7 @@
 """DPOMinConfig: transformers.TrainingArguments plus the DPO knobs."""
 
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any
 
 from transformers import TrainingArguments
 
@@ -19,7 +19,9 @@ class DPOMinConfig(TRLOnlyFields, TrainingArguments):
     field of TRL's `DPOConfig` is accepted too: see `compat.TRL_FIELDS` for what each does.
     """
 
-    _VALID_DICT_FIELDS: ClassVar[list[str]] = [*TrainingArguments._VALID_DICT_FIELDS, "model_init_kwargs"]
+    # Fields whose JSON string (from the command line) TrainingArguments parses into a dict. Not annotated: a
+    # ClassVar would still appear among the dataclass fields that --help lists.
+    _VALID_DICT_FIELDS = [*TrainingArguments._VALID_DICT_FIELDS, "model_init_kwargs"]  # noqa: RUF012
 
     learning_rate: float = field(default=1e-6, metadata={"help": "AdamW learning rate (TRL's DPO default)."})
     model_init_kwargs: dict[str, Any] | str | None = field(
