@@ -80,7 +80,7 @@ def run_config(config: str, model_path: str, batch_size: int, warmup: int, steps
         trainer = DPOTrainer(model=model, args=DPOConfig(**settings), train_dataset=pairs, processing_class=tokenizer,
                              peft_config=peft_config)
     elif trainer_kind == "dpo_min":
-        trainer = DPOMinTrainer(model, DPOMinConfig(**settings, **overrides), train_dataset=tokenized,
+        trainer = DPOMinTrainer(model, args=DPOMinConfig(**settings, **overrides), train_dataset=tokenized,
                                 processing_class=tokenizer, peft_config=peft_config)
     else:
         if peft_config is not None:

@@ -2,22 +2,37 @@
 
 import json
 from dataclasses import dataclass, field
+from typing import Any
 
 from transformers import TrainingArguments
 
+from .compat import TRLOnlyFields, check_trl_fields
 from .losses import ALPHAPO_LOSSES, F_DIVERGENCES, LOSS_TYPES, LOSSES, needs_reference
 
 TRUNCATION_MODES = ("keep_end", "keep_start")
 
 
 @dataclass
-class DPOMinConfig(TrainingArguments):
+class DPOMinConfig(TRLOnlyFields, TrainingArguments):
     """Training arguments for `DPOMinTrainer`.
 
-    Defaults follow TRL's `DPOConfig` where both have the option, so that the same numbers come out.
+    Defaults follow TRL's `DPOConfig` where both have the option, so that the same numbers come out. Every other
+    field of TRL's `DPOConfig` is accepted too: see `compat.TRL_FIELDS` for what each does.
     """
 
+    # Fields whose JSON string (from the command line) TrainingArguments parses into a dict. Not annotated: a
+    # ClassVar would still appear among the dataclass fields that --help lists.
+    _VALID_DICT_FIELDS = [*TrainingArguments._VALID_DICT_FIELDS, "model_init_kwargs"]  # noqa: RUF012
+
     learning_rate: float = field(default=1e-6, metadata={"help": "AdamW learning rate (TRL's DPO default)."})
+    model_init_kwargs: dict[str, Any] | str | None = field(
+        default=None,
+        metadata={"help": "from_pretrained keyword arguments (dtype, attn_implementation, revision...) for a model "
+                          "or ref_model given as an id or a path, as TRL. dtype defaults to float32."},
+    )
+    trust_remote_code: bool = field(
+        default=False, metadata={"help": "Allow hub code for a model and tokenizer loaded from an id, as TRL."}
+    )
     beta: float = field(default=0.1, metadata={"help": "Strength of the implicit KL penalty towards the reference."})
     loss_type: list[str] = field(
         default_factory=lambda: ["sigmoid"],
@@ -117,6 +132,7 @@ class DPOMinConfig(TrainingArguments):
 
     def __post_init__(self):
         super().__post_init__()
+        check_trl_fields(self)
         if isinstance(self.chat_template_kwargs, str):
             self.chat_template_kwargs = json.loads(self.chat_template_kwargs)
         if self.dataset_num_proc is not None and self.dataset_num_proc < 1:

@@ -6,6 +6,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
@@ -71,12 +72,35 @@ def resolve_model_path(model: str | None) -> str:
     return model
 
 
+# TRL's `create_model_from_path` names: a dtype given as a string must be one of these, or "auto".
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def load_causal_lm(model: str, **init_kwargs: Any) -> PreTrainedModel:
+    """Load a causal LM from a hub id, a local folder or a .gguf file, with `from_pretrained` keyword arguments as
+    TRL's `model_init_kwargs`: `dtype` defaults to float32 (not the checkpoint's dtype, as TRL) and may be "auto",
+    a torch.dtype or one of `DTYPES`."""
+    kwargs = dict(init_kwargs)
+    dtype = kwargs.get("dtype", "float32")
+    if isinstance(dtype, str) and dtype != "auto":
+        if dtype not in DTYPES:
+            raise ValueError(f"model_init_kwargs: dtype must be 'auto', a torch.dtype or one of {sorted(DTYPES)}, "
+                             f"got {dtype!r}")
+        dtype = DTYPES[dtype]
+    kwargs["dtype"] = dtype
+    return AutoModelForCausalLM.from_pretrained(resolve_model_path(model), **kwargs)
+
+
+def load_tokenizer(model: str | None, **kwargs: Any) -> PreTrainedTokenizerBase:
+    """The tokenizer saved with a model (hub id, folder or .gguf), with EOS as pad token when it has none."""
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(model), **kwargs)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
 def load_model_and_tokenizer(model: str | None = None, dtype: str | torch.dtype = "float32",
                              ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load a causal LM and its tokenizer from a hub id, a local folder or a .gguf file (None: the default)."""
     path = resolve_model_path(model)
-    dtype = getattr(torch, dtype) if isinstance(dtype, str) and dtype != "auto" else dtype
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype), tokenizer
+    return load_causal_lm(path, dtype=dtype), load_tokenizer(path)

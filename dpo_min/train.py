@@ -354,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
         # A resumed run keeps the first run's step-0 evaluation in the restored log history.
         args.eval_on_start = args.eval_on_start and held_out is not None and not args.resume_from_checkpoint
         try:  # tokenization happens here: a pair the tokenizer cannot render is an input error
-            trainer = DPOMinTrainer(model, args, train_dataset=train_pairs, eval_dataset=held_out,
+            trainer = DPOMinTrainer(model, args=args, train_dataset=train_pairs, eval_dataset=held_out,
                                     processing_class=tokenizer, peft_config=peft_config)
         except ValueError as error:
             raise InputError(str(error).splitlines()[0]) from None

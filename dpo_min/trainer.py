@@ -2,26 +2,30 @@
 
 import contextlib
 import copy
+import logging
 import os
 import shutil
 from collections import defaultdict
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from accelerate.utils import broadcast_object_list
-from datasets import Dataset
+from datasets import Dataset, IterableDataset
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
-from transformers import PreTrainedModel, Trainer, TrainerCallback, set_seed
+from transformers import EvalPrediction, PreTrainedModel, Trainer, TrainerCallback, TrainingArguments, set_seed
 from transformers.trainer_utils import rotate_checkpoints
 
 from . import ref_cache, sharding
 from .attention import packed_attention, use_packed_attention
-from .collator import IGNORE_INDEX, make_collator
+from .collator import IGNORE_INDEX, NON_MODEL_KEYS, make_collator
+from .compat import trl_hub_tags
 from .config import DPOMinConfig
 from .data import is_tokenized, tokenize_dataset
 from .logps import SequenceLogps, sequence_logps
 from .losses import dpo_loss, needs_reference
+from .models import load_causal_lm, load_tokenizer
 from .offload import OffloadActivations
 
 try:
@@ -29,6 +33,7 @@ try:
 except ImportError:  # peft is a dependency, but keep the full fine-tuning path importable without it
     PeftConfig = PeftModel = get_peft_model = None
 
+logger = logging.getLogger(__name__)
 REF_ADAPTER = "ref"
 
 
@@ -99,6 +104,23 @@ def _computed_tokens(batch: dict[str, torch.Tensor]) -> torch.Tensor:
     return torch.where(labels != IGNORE_INDEX, positions, 0).amax(dim=1).sum().reshape(1)
 
 
+def _from_pretrained_kwargs(args: DPOMinConfig, quantization_config: Any, **defaults: Any) -> dict[str, Any]:
+    """`args.model_init_kwargs` completed as TRL completes them for a model it loads from an id."""
+    kwargs = dict(args.model_init_kwargs or {})
+    if quantization_config is not None:
+        if "quantization_config" in kwargs:
+            raise ValueError("quantization_config is set both as a trainer argument and in model_init_kwargs: set "
+                             "it once")
+        kwargs["quantization_config"] = quantization_config
+    if args.distributed_state.distributed_type in ("MULTI_GPU", "DEEPSPEED"):  # where device_map="auto" fails
+        kwargs["device_map"] = None
+    kwargs.setdefault("device_map", None if args.device.type in ("cpu", "mps") else "auto")
+    kwargs.setdefault("trust_remote_code", args.trust_remote_code)
+    for key, value in defaults.items():
+        kwargs.setdefault(key, value)
+    return kwargs
+
+
 def _check_layout(model_config: Any, args: DPOMinConfig) -> None:
     if not (args.padding_free or args.share_prompt):
         return
@@ -116,27 +138,61 @@ class DPOMinTrainer(Trainer):
     model with its adapter disabled (`peft_config`), or a frozen copy of the adapter it arrives with; `ref_model`;
     precomputed log-probs (`precompute_ref_log_probs=True`, cached on disk); otherwise a frozen copy of `model`.
     `sync_ref_model` (TR-DPO) moves the reference model or reference adapter towards the policy during training.
+    The constructor is TRL 1.16 `DPOTrainer`'s (see README, "Coming from TRL").
     """
 
     def __init__(
         self,
-        model: PreTrainedModel,
+        model: "str | PreTrainedModel | PeftModel",
+        ref_model: "str | PreTrainedModel | None" = None,
         args: DPOMinConfig | None = None,
-        train_dataset: Dataset | None = None,
-        eval_dataset: Dataset | dict[str, Dataset] | None = None,
+        data_collator: Callable | None = None,
+        train_dataset: Dataset | IterableDataset | None = None,
+        eval_dataset: Dataset | IterableDataset | dict[str, Dataset | IterableDataset] | None = None,
         processing_class: Any = None,
-        ref_model: PreTrainedModel | None = None,
+        compute_metrics: Callable[[EvalPrediction], dict] | None = None,
+        callbacks: list[TrainerCallback] | None = None,
+        optimizers: tuple[torch.optim.Optimizer | None, torch.optim.lr_scheduler.LambdaLR | None] = (None, None),
+        quantization_config: Any = None,
         peft_config: "PeftConfig | None" = None,
-        data_collator: Any = None,
-        **kwargs: Any,
     ):
-        args = args if args is not None else DPOMinConfig(output_dir="dpo_min_output")
+        # TRL 1.16's signature, positional order included. `model` and `ref_model` may be hub ids or paths.
+        if isinstance(ref_model, TrainingArguments):
+            raise TypeError("the second positional argument is ref_model, as in TRL's DPOTrainer: pass the config "
+                            "as args=...")
+        if args is None:
+            name = model if isinstance(model, str) else model.config._name_or_path
+            args = DPOMinConfig(output_dir=f"{name.split('/')[-1]}-DPO")  # TRL's default folder
         if not isinstance(args, DPOMinConfig):
             raise TypeError(f"args must be a DPOMinConfig, got {type(args).__name__}")
         if train_dataset is None:
             raise ValueError("train_dataset is required")
+        evals = eval_dataset.values() if isinstance(eval_dataset, dict) else [eval_dataset]
+        if args.precompute_ref_log_probs and any(isinstance(d, IterableDataset) for d in (train_dataset, *evals)):
+            raise ValueError("precompute_ref_log_probs=True is not supported with an IterableDataset (as TRL): use "
+                             "a map-style Dataset or set precompute_ref_log_probs=False")
+        if compute_metrics is not None and (args.padding_free or args.share_prompt):
+            raise ValueError("compute_metrics receives [2B, T] logits (as TRL), which the padding_free and "
+                             "share_prompt layouts do not compute: turn them off to use compute_metrics")
+        # The adapter's random init (and any weight a checkpoint lacks) must depend on the seed alone, as in TRL.
+        set_seed(args.seed)
+        if isinstance(model, str):
+            model = load_causal_lm(model, **_from_pretrained_kwargs(args, quantization_config))
+        elif quantization_config is not None:
+            raise ValueError("quantization_config applies to a model loaded from an id or a path; this model is "
+                             "already loaded")
+        elif args.model_init_kwargs is not None:
+            logger.warning("model_init_kwargs is ignored: the model is already loaded (as TRL)")
+        if isinstance(ref_model, str):
+            ref_model = load_causal_lm(ref_model, **_from_pretrained_kwargs(
+                args, quantization_config, dtype=model.dtype, attn_implementation=model.config._attn_implementation))
         if processing_class is None:
-            raise ValueError("processing_class (the tokenizer) is required to tokenize the pairs")
+            source = model.config._name_or_path
+            if not source:
+                raise ValueError("processing_class (the tokenizer) is required: the model has no id or path to load "
+                                 "one from")
+            revision = (args.model_init_kwargs or {}).get("revision")
+            processing_class = load_tokenizer(source, revision=revision, trust_remote_code=args.trust_remote_code)
         if ref_model is not None and ref_model is model:
             raise ValueError("ref_model must be another object than model (omit it to get a frozen copy)")
         _check_layout(model.config, args)
@@ -145,8 +201,10 @@ class DPOMinTrainer(Trainer):
             # Padding never reaches the loss (labels are -100 there), so any token id serves; EOS is the usual one.
             tokenizer.pad_token = tokenizer.eos_token
 
-        # The adapter's random init must depend on the seed alone, as in TRL.
-        set_seed(args.seed)
+        # As TRL: the model's config agrees with the tokenizer on the pad token (it is saved with the model).
+        model.config.get_text_config().pad_token_id = tokenizer.pad_token_id
+        if getattr(model, "generation_config", None) is not None:
+            model.generation_config.pad_token_id = tokenizer.pad_token_id
         # A loss that reads no reference gets none: no copy of the model or adapter, no reference forward.
         uses_reference = needs_reference(args.loss_type, args.reference_free)
         ref_model = ref_model if uses_reference else None
@@ -185,8 +243,11 @@ class DPOMinTrainer(Trainer):
         data_collator = data_collator or make_collator(tokenizer.pad_token_id, args.padding_free, args.share_prompt,
                                                        dense_mask, args.pad_to_multiple_of)
 
-        super().__init__(model=model, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset,
-                         processing_class=processing_class, data_collator=data_collator, **kwargs)
+        super().__init__(model=model, args=args, data_collator=data_collator, train_dataset=train_dataset,
+                         eval_dataset=eval_dataset, processing_class=processing_class,
+                         compute_metrics=compute_metrics, callbacks=callbacks, optimizers=optimizers)
+        if hasattr(self.model, "add_model_tags"):  # Trainer puts the model's tags on the card it pushes
+            self.model.add_model_tags(trl_hub_tags(model, os.environ))
         # The loss is a mean over pairs; Trainer must divide it by the accumulation steps itself.
         self.model_accepts_loss_kwargs = False
         self.ref_model = None if ref_model is None else self.accelerator.prepare_model(ref_model, evaluation_mode=True)
@@ -442,10 +503,33 @@ class DPOMinTrainer(Trainer):
             metrics["drift/rejected"].append((drift[1].sum() / rejected_tokens.sum()).item())
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        """The loss; with `compute_metrics`, also what TRL 1.16 passes it: the logits of a plain forward of the
+        [2B, T] batch (chosen rows, then rejected) as predictions, and its `input_ids` as label_ids."""
         inputs = self._prepare_inputs(inputs)
         with torch.no_grad(), self.compute_loss_context_manager():
-            loss = self.compute_loss(model, inputs)
-        return loss.detach(), None, None
+            loss = self.compute_loss(model, inputs).detach()
+            if prediction_loss_only or self.compute_metrics is None:
+                return loss, None, None
+            model_inputs = {name: value for name, value in inputs.items() if name not in NON_MODEL_KEYS}
+            logits = model(**model_inputs, use_cache=False).logits
+        return loss, logits, inputs["input_ids"]
+
+    def _set_signature_columns_if_needed(self) -> None:
+        # The columns the collator reads, so that remove_unused_columns=True (TRL's default) keeps them, as TRL does.
+        if self._signature_columns is None:
+            self._signature_columns = ["prompt_ids", "chosen_ids", "rejected_ids", "ref_chosen_logps",
+                                       "ref_rejected_logps"]
+
+    def create_model_card(self, model_name: str | None = None, dataset_name: str | None = None,
+                          tags: str | list[str] | None = None, **kwargs: Any) -> None:
+        """Trainer's card, called as TRL's (model_name, dataset_name, tags), with the model's tags (TRL's `trl`,
+        `dpo` among them) added as TRL's card has them; Trainer's other keyword arguments pass through."""
+        tags = [tags] if isinstance(tags, str) else list(tags or [])
+        tags += [tag for tag in getattr(self.model, "model_tags", None) or [] if tag not in tags]
+        if dataset_name is not None:  # TRL's card lists it under `datasets`, which Trainer fills from dataset_tags
+            kwargs.setdefault("dataset_tags", dataset_name)
+            kwargs.setdefault("dataset", dataset_name)
+        super().create_model_card(model_name=model_name, tags=tags, **kwargs)
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         # Every micro-batch since the last log counts, not only the last one.

@@ -63,7 +63,7 @@ CELLS = [
         "    warmup_steps=1, beta=0.1, max_length=128, max_prompt_length=96, logging_steps=1,\n"
         "    eval_strategy=\"steps\", eval_steps=4, eval_on_start=True, save_strategy=\"no\", report_to=\"none\",\n"
         ")\n"
-        "trainer = DPOMinTrainer(model, args, train_dataset=train_pairs, eval_dataset=held_out,\n"
+        "trainer = DPOMinTrainer(model, args=args, train_dataset=train_pairs, eval_dataset=held_out,\n"
         "                        processing_class=tokenizer,\n"
         "                        peft_config=LoraConfig(r=16, lora_alpha=32, target_modules=\"all-linear\"))\n"
         "trainer.train()  # eval_on_start: the held-out figures at step 0, when the policy is the reference\n"

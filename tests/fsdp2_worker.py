@@ -36,7 +36,7 @@ def main(output_dir: str, case: str) -> None:
                         **CASES[case])
     tokenizer = AutoTokenizer.from_pretrained(str(convert_gguf(default_gguf_path())))
     lora = LoraConfig(r=4, target_modules=["q_proj", "v_proj", "up_proj"], init_lora_weights=False)
-    trainer = DPOMinTrainer(tiny_llama(vocab_size=64), args, train_dataset=Dataset.from_list(random_pairs(12)),
+    trainer = DPOMinTrainer(tiny_llama(vocab_size=64), args=args, train_dataset=Dataset.from_list(random_pairs(12)),
                             processing_class=tokenizer, peft_config=lora if case == "lora" else None)
     trainable = [p for p in trainer.model.parameters() if p.requires_grad]
     reference = [] if trainer.ref_model is None else list(trainer.ref_model.parameters())

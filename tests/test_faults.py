@@ -29,7 +29,7 @@ def test_non_finite_loss_names_the_step_and_quantity_and_keeps_the_checkpoint(tm
 
     monkeypatch.setattr(trainer_module, "sequence_logps", logps_with_an_inf_in_the_third_policy_forward)
     args = DPOMinConfig(**config(tmp_path, max_steps=4, save_strategy="steps", save_steps=1))
-    trainer = DPOMinTrainer(tiny_llama(), args, train_dataset=hh_pairs, processing_class=tokenizer,
+    trainer = DPOMinTrainer(tiny_llama(), args=args, train_dataset=hh_pairs, processing_class=tokenizer,
                             peft_config=lora())
     with pytest.raises(FloatingPointError, match=r"step 3: .*policy chosen logps"):
         trainer.train()
@@ -42,7 +42,7 @@ def test_non_finite_loss_names_the_step_and_quantity_and_keeps_the_checkpoint(tm
 def test_non_finite_gradient_stops_before_the_optimizer_step(tmp_path, tokenizer, hh_pairs, max_grad_norm):
     model = tiny_llama()
     args = DPOMinConfig(**config(tmp_path, max_steps=3, max_grad_norm=max_grad_norm))
-    trainer = DPOMinTrainer(model, args, train_dataset=hh_pairs,
+    trainer = DPOMinTrainer(model, args=args, train_dataset=hh_pairs,
                             processing_class=tokenizer, ref_model=tiny_llama())
     target = model.model.layers[1].mlp.down_proj.weight
     target.register_hook(lambda grad: grad * float("nan") if trainer.state.global_step == 1 else grad)
@@ -54,7 +54,7 @@ def test_non_finite_gradient_stops_before_the_optimizer_step(tmp_path, tokenizer
 def test_same_seed_gives_bit_identical_losses(tmp_path, tokenizer, hh_pairs):
     runs = []
     for _ in range(2):
-        trainer = DPOMinTrainer(tiny_llama(), DPOMinConfig(**config(tmp_path)), train_dataset=hh_pairs,
+        trainer = DPOMinTrainer(tiny_llama(), args=DPOMinConfig(**config(tmp_path)), train_dataset=hh_pairs,
                                 processing_class=tokenizer, peft_config=lora())
         trainer.train()
         runs.append([(entry["loss"], entry["rewards/margins"], entry["grad_norm"]) for entry in step_logs(trainer)])
@@ -62,7 +62,7 @@ def test_same_seed_gives_bit_identical_losses(tmp_path, tokenizer, hh_pairs):
 
 
 def test_bf16_model_keeps_log_probs_and_loss_in_float32(tmp_path, tokenizer, hh_pairs):
-    trainer = DPOMinTrainer(tiny_llama().to(torch.bfloat16), DPOMinConfig(**config(tmp_path)),
+    trainer = DPOMinTrainer(tiny_llama().to(torch.bfloat16), args=DPOMinConfig(**config(tmp_path)),
                             train_dataset=hh_pairs, processing_class=tokenizer, peft_config=lora())
     batch = trainer.data_collator([trainer.train_dataset[i] for i in range(2)])
     loss = trainer.compute_loss(trainer.model, batch)
@@ -89,7 +89,7 @@ KILL_DURING_SAVE = textwrap.dedent('''
     pairs = load_preference_dataset(str(HH_PATH)).select(range(8))
     args = DPOMinConfig(output_dir=sys.argv[1], per_device_train_batch_size=2, max_steps=4, save_steps=1,
                         report_to="none", max_length=128, use_cpu=True, disable_tqdm=True)
-    DPOMinTrainer(tiny_llama(), args, train_dataset=pairs, processing_class=tokenizer).train()
+    DPOMinTrainer(tiny_llama(), args=args, train_dataset=pairs, processing_class=tokenizer).train()
 ''')
 
 

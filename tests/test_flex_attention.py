@@ -86,7 +86,7 @@ def test_trainer_with_flex_attention_computes_the_padded_loss(tmp_path, tokenize
     losses = {}
     for attention, share_prompt in (("sdpa", False), ("flex_attention", True)):
         model = tiny_llama(vocab_size=64, attn_implementation=attention)
-        trainer = DPOMinTrainer(model, DPOMinConfig(**config(tmp_path, padding_free=share_prompt,
+        trainer = DPOMinTrainer(model, args=DPOMinConfig(**config(tmp_path, padding_free=share_prompt,
                                                              share_prompt=share_prompt)),
                                 train_dataset=Dataset.from_list(pairs), processing_class=tokenizer,
                                 ref_model=tiny_llama(1, 64, attn_implementation=attention))
@@ -103,7 +103,7 @@ def test_an_attention_that_cannot_keep_segments_apart_is_refused(tmp_path, token
     model = tiny_llama(vocab_size=64)
     model.config._attn_implementation = attention
     with pytest.raises(ValueError, match=f"keeps packed sequences apart.*got '{attention}'"):
-        DPOMinTrainer(model, DPOMinConfig(**config(tmp_path, padding_free=True)),
+        DPOMinTrainer(model, args=DPOMinConfig(**config(tmp_path, padding_free=True)),
                       train_dataset=Dataset.from_list(random_pairs(2)), processing_class=tokenizer)
     assert attention not in PACKED_ATTENTION
     with pytest.raises(ValueError, match="keeps packed sequences apart"):

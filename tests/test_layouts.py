@@ -129,7 +129,7 @@ def test_layouts_give_the_same_loss_and_gradients(tmp_path, tokenizer, use_lora,
         # init_lora_weights=False: a non-zero adapter, so policy and reference (adapter off) differ.
         peft_config = LoraConfig(r=4, target_modules=["q_proj", "v_proj", "up_proj"], init_lora_weights=False)
         trainer = DPOMinTrainer(
-            tiny_llama(vocab_size=64), DPOMinConfig(**config(tmp_path, padding_free=padding_free,
+            tiny_llama(vocab_size=64), args=DPOMinConfig(**config(tmp_path, padding_free=padding_free,
                                                              share_prompt=share_prompt, **loss_options)),
             train_dataset=Dataset.from_list(pairs), processing_class=tokenizer,
             peft_config=peft_config if use_lora else None, ref_model=None if use_lora else tiny_llama(1, 64))
@@ -152,7 +152,7 @@ def test_trainer_runs_the_same_with_every_layout(tmp_path, tokenizer, hh_tokeniz
                          "shared_packed_precomputed": (True, True)}.items():
         args = DPOMinConfig(**config(tmp_path, max_steps=2, padding_free=layout[0], share_prompt=layout[1],
                                      precompute_ref_log_probs=name.endswith("precomputed")))
-        trainer = DPOMinTrainer(tiny_llama(), args, train_dataset=hh_tokenized, processing_class=tokenizer,
+        trainer = DPOMinTrainer(tiny_llama(), args=args, train_dataset=hh_tokenized, processing_class=tokenizer,
                                 peft_config=LoraConfig(r=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0))
         trainer.train()
         runs[name] = step_logs(trainer)
@@ -170,11 +170,11 @@ def test_packed_layouts_refuse_attention_they_were_not_tested_with(tmp_path, tok
     model = tiny_llama()
     model.config._attn_implementation = "flash_attention_2"  # flex attention joined the table (test_flex_attention)
     with pytest.raises(ValueError, match="sdpa"):
-        DPOMinTrainer(model, DPOMinConfig(**config(tmp_path, padding_free=True)), train_dataset=hh_tokenized,
+        DPOMinTrainer(model, args=DPOMinConfig(**config(tmp_path, padding_free=True)), train_dataset=hh_tokenized,
                       processing_class=tokenizer)
     with pytest.raises(ValueError, match="sliding window"):
         DPOMinTrainer(tiny_qwen2(use_sliding_window=True, sliding_window=8, max_window_layers=0),
-                      DPOMinConfig(**config(tmp_path, share_prompt=True)), train_dataset=hh_tokenized,
+                      args=DPOMinConfig(**config(tmp_path, share_prompt=True)), train_dataset=hh_tokenized,
                       processing_class=tokenizer)
 
 

@@ -97,8 +97,9 @@ def trainers(smollm_path, tmp_path_factory):
     theirs = trl.DPOTrainer(model=tiny_llama(vocab_size=VOCAB), ref_model=tiny_llama(seed=1, vocab_size=VOCAB),
                             args=trl.DPOConfig(**common, use_weighting=True), processing_class=tokenizer,
                             train_dataset=Dataset.from_list([{"prompt": "Hi", "chosen": " yes", "rejected": " no"}]))
-    ours = DPOMinTrainer(tiny_llama(vocab_size=VOCAB), DPOMinConfig(**common), train_dataset=Dataset.from_list(PAIRS),
-                         processing_class=tokenizer, ref_model=tiny_llama(seed=1, vocab_size=VOCAB))
+    ours = DPOMinTrainer(tiny_llama(vocab_size=VOCAB), args=DPOMinConfig(**common),
+                         train_dataset=Dataset.from_list(PAIRS), processing_class=tokenizer,
+                         ref_model=tiny_llama(seed=1, vocab_size=VOCAB))
     return ours, theirs, common
 
 

@@ -16,7 +16,7 @@ def loss_and_gradients(tmp_path, tokenizer, layout, use_lora, checkpointing):
     pairs = random_pairs(4)
     peft_config = LoraConfig(r=4, target_modules=["q_proj", "v_proj", "up_proj"], init_lora_weights=False)
     trainer = DPOMinTrainer(
-        tiny_llama(vocab_size=64), DPOMinConfig(**config(tmp_path, padding_free=padding_free,
+        tiny_llama(vocab_size=64), args=DPOMinConfig(**config(tmp_path, padding_free=padding_free,
                                                          share_prompt=share_prompt)),
         train_dataset=Dataset.from_list(pairs), processing_class=tokenizer,
         peft_config=peft_config if use_lora else None, ref_model=None if use_lora else tiny_llama(1, 64))
@@ -55,7 +55,7 @@ def test_trainer_with_gradient_checkpointing_trains_as_without(tmp_path, tokeniz
     runs = {}
     for checkpointing in (False, True):
         trainer = DPOMinTrainer(
-            tiny_llama(vocab_size=64), DPOMinConfig(**config(tmp_path, padding_free=True, share_prompt=True,
+            tiny_llama(vocab_size=64), args=DPOMinConfig(**config(tmp_path, padding_free=True, share_prompt=True,
                                                              gradient_checkpointing=checkpointing, max_steps=2)),
             train_dataset=Dataset.from_list(random_pairs(4)), processing_class=tokenizer,
             peft_config=LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))

@@ -28,7 +28,8 @@ def precompute(tmp_path, monkeypatch, tokenizer, hh_pairs):
         args = DPOMinConfig(output_dir=str(tmp_path / "out"), report_to="none", use_cpu=True, seed=seed,
                             precompute_ref_log_probs=True, max_length=max_length, per_device_eval_batch_size=2)
         peft_config = LoraConfig(r=4, target_modules=["q_proj"]) if lora else None
-        trainer = DPOMinTrainer(tiny_llama(), args, train_dataset=hh_pairs.select(rows), processing_class=tokenizer,
+        trainer = DPOMinTrainer(tiny_llama(), args=args, train_dataset=hh_pairs.select(rows),
+                                processing_class=tokenizer,
                                 ref_model=None if lora else tiny_llama(seed=ref_seed), peft_config=peft_config)
         calls.clear()
         trainer.get_train_dataloader()
@@ -98,8 +99,8 @@ def test_tokenizing_and_the_reference_pass_show_a_progress_bar_unless_disabled(t
     args = DPOMinConfig(output_dir=str(tmp_path / "out"), report_to="none", use_cpu=True, disable_tqdm=disable_tqdm,
                         precompute_ref_log_probs=True, per_device_eval_batch_size=2)
     capsys.readouterr()
-    trainer = DPOMinTrainer(tiny_llama(), args, train_dataset=hh_pairs.select(range(4)), processing_class=tokenizer,
-                            ref_model=tiny_llama(seed=1))
+    trainer = DPOMinTrainer(tiny_llama(), args=args, train_dataset=hh_pairs.select(range(4)),
+                            processing_class=tokenizer, ref_model=tiny_llama(seed=1))
     shown = capsys.readouterr().err
     assert ("tokenizing" in shown and "4/4" in shown) != disable_tqdm, shown
     trainer.get_train_dataloader()

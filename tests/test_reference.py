@@ -61,7 +61,7 @@ def test_named_reference_adapter_stays_frozen_while_the_model_adapter_trains(tmp
     model.set_adapter("reference")  # model_adapter_name, not the active adapter, picks what trains
     snapshot = copy.deepcopy(model)
     policy_before, reference_before = adapter_weights(model, "policy"), adapter_weights(model, "reference")
-    trainer = DPOMinTrainer(model, config(tmp_path, model_adapter_name="policy", ref_adapter_name="reference"),
+    trainer = DPOMinTrainer(model, args=config(tmp_path, model_adapter_name="policy", ref_adapter_name="reference"),
                             train_dataset=pairs(), processing_class=tokenizer)
     trainer.train()
 
@@ -84,7 +84,7 @@ def test_named_reference_adapter_stays_frozen_while_the_model_adapter_trains(tmp
 def test_reference_adapter_must_exist(tmp_path, tokenizer):
     model = get_peft_model(tiny_llama(vocab_size=VOCAB), lora())
     with pytest.raises(ValueError, match="no adapter named 'ref_typo'"):
-        DPOMinTrainer(model, config(tmp_path, ref_adapter_name="ref_typo"), train_dataset=pairs(),
+        DPOMinTrainer(model, args=config(tmp_path, ref_adapter_name="ref_typo"), train_dataset=pairs(),
                       processing_class=tokenizer)
 
 
@@ -118,7 +118,7 @@ def check_sync(recorder, alpha, sync_steps):
 @pytest.mark.parametrize("alpha", [1.0, 0.5])
 def test_sync_moves_a_reference_model_every_n_steps(tmp_path, tokenizer, alpha):
     model, ref_model = tiny_llama(vocab_size=VOCAB), tiny_llama(seed=5, vocab_size=VOCAB)
-    trainer = DPOMinTrainer(model, config(tmp_path, sync_ref_model=True, ref_model_mixup_alpha=alpha,
+    trainer = DPOMinTrainer(model, args=config(tmp_path, sync_ref_model=True, ref_model_mixup_alpha=alpha,
                                           ref_model_sync_steps=2, max_steps=3),
                             train_dataset=pairs(), processing_class=tokenizer, ref_model=ref_model)
 
@@ -143,7 +143,7 @@ def test_sync_copies_the_trained_adapter_into_the_reference_adapter(tmp_path, to
         model.add_adapter("reference", lora())
         randomise_lora_b(model, "reference", seed=2)
         names = {"model_adapter_name": "policy", "ref_adapter_name": "reference"}
-    trainer = DPOMinTrainer(model, config(tmp_path, sync_ref_model=True, ref_model_mixup_alpha=1.0,
+    trainer = DPOMinTrainer(model, args=config(tmp_path, sync_ref_model=True, ref_model_mixup_alpha=1.0,
                                           ref_model_sync_steps=2, max_steps=3, **names),
                             train_dataset=pairs(), processing_class=tokenizer, peft_config=peft_config)
     peft_model = trainer.model
@@ -164,7 +164,7 @@ def test_sync_copies_the_trained_adapter_into_the_reference_adapter(tmp_path, to
 def test_reference_free_needs_no_reference(tmp_path, tokenizer, monkeypatch):
     model = tiny_llama(vocab_size=VOCAB)
     # Two pairs, one batch: the logged loss is the mean over both, whatever order the sampler picks.
-    trainer = DPOMinTrainer(model, config(tmp_path, reference_free=True, max_steps=1), train_dataset=pairs(2),
+    trainer = DPOMinTrainer(model, args=config(tmp_path, reference_free=True, max_steps=1), train_dataset=pairs(2),
                             processing_class=tokenizer)
     assert trainer.ref_model is None
 
@@ -186,5 +186,5 @@ def test_sync_needs_a_reference_adapter_shaped_like_the_trained_one(tmp_path, to
     model = get_peft_model(tiny_llama(vocab_size=VOCAB), lora(), adapter_name="policy")
     model.add_adapter("reference", LoraConfig(r=2, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
     with pytest.raises(ValueError, match="policy's parameters"):
-        DPOMinTrainer(model, config(tmp_path, sync_ref_model=True, model_adapter_name="policy",
+        DPOMinTrainer(model, args=config(tmp_path, sync_ref_model=True, model_adapter_name="policy",
                                     ref_adapter_name="reference"), train_dataset=pairs(), processing_class=tokenizer)

@@ -50,7 +50,7 @@ NO_REFERENCE = {"simpo": {"loss_type": "simpo"}, "cpo": {"loss_type": "cpo", "cp
 @pytest.mark.parametrize("options", NO_REFERENCE.values(), ids=NO_REFERENCE.keys())
 def test_no_reference_is_built_or_run(tmp_path, tokenizer, hh_pairs, forward_calls, monkeypatch, model_kind, options):
     model, peft_config = MODELS[model_kind]()
-    trainer = DPOMinTrainer(model, DPOMinConfig(**settings(tmp_path, **options)), train_dataset=hh_pairs,
+    trainer = DPOMinTrainer(model, args=DPOMinConfig(**settings(tmp_path, **options)), train_dataset=hh_pairs,
                             processing_class=tokenizer, peft_config=peft_config)
     assert trainer.ref_model is None and trainer.ref_adapter_name is None
     if model_kind != "full":
@@ -65,7 +65,7 @@ def test_no_reference_is_built_or_run(tmp_path, tokenizer, hh_pairs, forward_cal
 def test_control_a_reference_loss_runs_one_reference_forward_per_step(tmp_path, tokenizer, hh_pairs, forward_calls,
                                                                       model_kind):
     model, peft_config = MODELS[model_kind]()
-    trainer = DPOMinTrainer(model, DPOMinConfig(**settings(tmp_path)), train_dataset=hh_pairs,
+    trainer = DPOMinTrainer(model, args=DPOMinConfig(**settings(tmp_path)), train_dataset=hh_pairs,
                             processing_class=tokenizer, peft_config=peft_config)
     assert trainer.ref_model is not None or trainer.ref_adapter_name is not None or model_kind == "lora"
     trainer.train()
@@ -73,7 +73,7 @@ def test_control_a_reference_loss_runs_one_reference_forward_per_step(tmp_path, 
 
 
 def test_a_ref_model_given_to_a_reference_free_loss_is_not_kept(tmp_path, tokenizer, hh_pairs):
-    trainer = DPOMinTrainer(tiny_llama(), DPOMinConfig(**settings(tmp_path, loss_type="simpo")),
+    trainer = DPOMinTrainer(tiny_llama(), args=DPOMinConfig(**settings(tmp_path, loss_type="simpo")),
                             train_dataset=hh_pairs, processing_class=tokenizer, ref_model=tiny_llama(seed=1))
     assert trainer.ref_model is None
 

@@ -69,5 +69,5 @@ def test_two_sharded_processes_train_as_one_unsharded_process(runs, case):
 
 def test_shard_with_fsdp2_in_one_process_is_refused(tmp_path, tokenizer):
     with pytest.raises(ValueError, match="shard_with_fsdp2 needs several processes"):
-        DPOMinTrainer(tiny_llama(vocab_size=64), DPOMinConfig(**config(tmp_path, shard_with_fsdp2=True)),
+        DPOMinTrainer(tiny_llama(vocab_size=64), args=DPOMinConfig(**config(tmp_path, shard_with_fsdp2=True)),
                       train_dataset=Dataset.from_list(random_pairs(2)), processing_class=tokenizer)

@@ -34,8 +34,8 @@ def test_matches_trl_dpo_trainer_step_by_step(tmp_path, tokenizer, hh_pairs, use
     # SGD, so that a gradient off by a constant factor also changes the steps (Adam would normalise it away), and
     # short pairs so that the rewards move far more than the rounding of the log-probs they are differences of.
     settings = config(tmp_path, max_length=64, optim="sgd", learning_rate=2.0 if use_lora else 5.0)
-    ours = DPOMinTrainer(tiny_llama(), DPOMinConfig(**settings), train_dataset=hh_pairs, processing_class=tokenizer,
-                         peft_config=lora() if use_lora else None)
+    ours = DPOMinTrainer(tiny_llama(), args=DPOMinConfig(**settings), train_dataset=hh_pairs,
+                         processing_class=tokenizer, peft_config=lora() if use_lora else None)
     ours.train()
     theirs_model = tiny_llama()
     theirs = trl.DPOTrainer(
@@ -62,7 +62,7 @@ def test_matches_trl_dpo_trainer_step_by_step(tmp_path, tokenizer, hh_pairs, use
 
 
 def test_untrained_adapter_gives_ln2_and_zero_rewards(tmp_path, tokenizer, hh_pairs):
-    trainer = DPOMinTrainer(tiny_llama(), DPOMinConfig(**config(tmp_path, max_steps=1)), train_dataset=hh_pairs,
+    trainer = DPOMinTrainer(tiny_llama(), args=DPOMinConfig(**config(tmp_path, max_steps=1)), train_dataset=hh_pairs,
                             processing_class=tokenizer, peft_config=lora())
     trainer.train()
     first = step_logs(trainer)[0]
@@ -75,7 +75,7 @@ def _grads_after_one_step(tmp_path, tokenizer, pairs, batch, accumulation, use_l
     args = DPOMinConfig(**config(tmp_path, per_device_train_batch_size=batch, gradient_accumulation_steps=accumulation,
                                  max_steps=1, learning_rate=1.0, optim="sgd", max_grad_norm=0.0,
                                  lr_scheduler_type="constant", weight_decay=0.0))
-    trainer = DPOMinTrainer(tiny_llama(), args, train_dataset=pairs, processing_class=tokenizer,
+    trainer = DPOMinTrainer(tiny_llama(), args=args, train_dataset=pairs, processing_class=tokenizer,
                             peft_config=lora() if use_lora else None)
     if model_accepts_loss_kwargs:  # the control: Trainer then leaves the division by the accumulation steps to us
         trainer.model_accepts_loss_kwargs = True
@@ -113,8 +113,9 @@ def test_gradient_accumulation_equals_one_big_batch(tmp_path, tokenizer, hh_pair
 def test_precomputed_reference_gives_the_same_run(tmp_path, tokenizer, hh_pairs):
     runs = []
     for precompute in (False, True):
-        trainer = DPOMinTrainer(tiny_llama(), DPOMinConfig(**config(tmp_path, precompute_ref_log_probs=precompute)),
-                                train_dataset=hh_pairs, processing_class=tokenizer, peft_config=lora())
+        args = DPOMinConfig(**config(tmp_path, precompute_ref_log_probs=precompute))
+        trainer = DPOMinTrainer(tiny_llama(), args=args, train_dataset=hh_pairs, processing_class=tokenizer,
+                                peft_config=lora())
         trainer.train()
         runs.append(step_logs(trainer))
     assert "ref_chosen_logps" in trainer.train_dataset.column_names
@@ -124,7 +125,7 @@ def test_precomputed_reference_gives_the_same_run(tmp_path, tokenizer, hh_pairs)
 
 
 def test_full_finetune_precompute_without_ref_model_keeps_no_reference_copy(tmp_path, tokenizer, hh_pairs):
-    trainer = DPOMinTrainer(tiny_llama(), DPOMinConfig(**config(tmp_path, precompute_ref_log_probs=True)),
+    trainer = DPOMinTrainer(tiny_llama(), args=DPOMinConfig(**config(tmp_path, precompute_ref_log_probs=True)),
                             train_dataset=hh_pairs, eval_dataset=hh_pairs.select(range(2)),
                             processing_class=tokenizer)
     assert trainer.ref_model is None
@@ -137,7 +138,7 @@ def test_full_finetune_precompute_without_ref_model_keeps_no_reference_copy(tmp_
 def test_ref_model_stays_frozen(tmp_path, tokenizer, hh_pairs):
     ref_model = tiny_llama(seed=3)
     before = {name: p.detach().clone() for name, p in ref_model.named_parameters()}
-    trainer = DPOMinTrainer(tiny_llama(), DPOMinConfig(**config(tmp_path)), train_dataset=hh_pairs,
+    trainer = DPOMinTrainer(tiny_llama(), args=DPOMinConfig(**config(tmp_path)), train_dataset=hh_pairs,
                             processing_class=tokenizer, ref_model=ref_model)
     trainer.train()
     assert not ref_model.training
@@ -155,7 +156,7 @@ def test_reference_of_a_trained_adapter_is_that_adapter_not_the_base_model(tmp_p
         for name, param in peft_model.named_parameters():
             if "lora_B" in name:
                 param.normal_(std=0.5)
-    trainer = DPOMinTrainer(peft_model, DPOMinConfig(**config(tmp_path, max_steps=1)), train_dataset=hh_pairs,
+    trainer = DPOMinTrainer(peft_model, args=DPOMinConfig(**config(tmp_path, max_steps=1)), train_dataset=hh_pairs,
                             processing_class=tokenizer)
     batch = trainer.data_collator([trainer.train_dataset[i] for i in range(2)])
     policy = trainer.reference_logps(batch).logps  # reference before any step
@@ -175,7 +176,7 @@ def test_reference_of_a_trained_adapter_is_that_adapter_not_the_base_model(tmp_p
 
 
 def test_eval_metrics_carry_the_eval_prefix(tmp_path, tokenizer, hh_pairs):
-    trainer = DPOMinTrainer(tiny_llama(), DPOMinConfig(**config(tmp_path)), train_dataset=hh_pairs,
+    trainer = DPOMinTrainer(tiny_llama(), args=DPOMinConfig(**config(tmp_path)), train_dataset=hh_pairs,
                             eval_dataset=hh_pairs.select(range(4)), processing_class=tokenizer, peft_config=lora())
     metrics = trainer.evaluate()
     for key in METRICS:
@@ -184,8 +185,8 @@ def test_eval_metrics_carry_the_eval_prefix(tmp_path, tokenizer, hh_pairs):
 
 
 def test_metrics_average_every_micro_batch_of_the_interval(tmp_path, tokenizer, hh_pairs):
-    trainer = DPOMinTrainer(tiny_llama(), DPOMinConfig(**config(tmp_path, max_steps=1, gradient_accumulation_steps=4,
-                                                                  per_device_train_batch_size=2)),
+    args = DPOMinConfig(**config(tmp_path, max_steps=1, gradient_accumulation_steps=4, per_device_train_batch_size=2))
+    trainer = DPOMinTrainer(tiny_llama(), args=args,
                             train_dataset=hh_pairs, processing_class=tokenizer, peft_config=lora())
     trainer.train()
     logged = step_logs(trainer)[0]["logps/chosen"]
@@ -198,7 +199,7 @@ def test_metrics_average_every_micro_batch_of_the_interval(tmp_path, tokenizer, 
 
 
 def test_a_last_batch_of_one_pair_is_logged_whole(tmp_path, tokenizer, hh_pairs):
-    trainer = DPOMinTrainer(tiny_llama(), DPOMinConfig(**config(tmp_path, max_steps=2)),
+    trainer = DPOMinTrainer(tiny_llama(), args=DPOMinConfig(**config(tmp_path, max_steps=2)),
                             train_dataset=hh_pairs.select(range(3)), processing_class=tokenizer, peft_config=lora())
     trainer.train()
     last = step_logs(trainer)[1]  # 3 pairs in batches of 2: the second batch holds one pair
@@ -208,7 +209,7 @@ def test_a_last_batch_of_one_pair_is_logged_whole(tmp_path, tokenizer, hh_pairs)
 
 def test_a_tokenizer_without_pad_token_pads_with_eos(tmp_path, tokenizer, hh_pairs):
     tokenizer.pad_token = None
-    trainer = DPOMinTrainer(tiny_llama(), DPOMinConfig(**config(tmp_path, max_steps=1)), train_dataset=hh_pairs,
+    trainer = DPOMinTrainer(tiny_llama(), args=DPOMinConfig(**config(tmp_path, max_steps=1)), train_dataset=hh_pairs,
                             processing_class=tokenizer, peft_config=lora())
     assert tokenizer.pad_token == tokenizer.eos_token
     assert trainer.data_collator.pad_token_id == tokenizer.eos_token_id
