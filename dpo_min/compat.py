@@ -26,18 +26,6 @@ class TRLField:
 
 
 TRL_FIELDS: dict[str, TRLField] = {
-    # native: family helper (issue 12) implements these as DPOMinConfig fields; delete the entries at merge.
-    "f_divergence_type": TRLField(str, "reverse_kl", "f-DPO divergences other than reverse_kl are not implemented"),
-    "f_alpha_divergence_coef": TRLField(float, 0.5, "it only weights f_divergence_type='alpha_divergence', which "
-                                                    "is not implemented"),
-    "router_aux_loss_coef": TRLField(float | None, None, "the MoE load-balancing loss is not added to the DPO "
-                                                         "loss"),
-    "precompute_ref_batch_size": TRLField(int | None, None, "the reference pass runs at per_device_eval_batch_size"),
-    "pad_to_multiple_of": TRLField(int | str | None, "auto", "batches are padded to their longest sequence only",
-                                   same_as_default=(None, "none", "null")),  # "auto" is None off AWS Neuron
-    "activation_offloading": TRLField(bool, False, "activations are not offloaded to the CPU"),
-    # native: data helper (issue 9) implements this as a DPOMinConfig field; delete the entry at merge.
-    "dataset_num_proc": TRLField(int | None, None, "tokenization runs in one process"),
     # TRL-internal.
     "pad_token": TRLField(str | None, None, "it is deprecated in TRL; set tokenizer.pad_token on the "
                                             "processing_class instead"),
