@@ -10,9 +10,13 @@ checkpointing. The first `--warmup` steps are not timed. Figures are medians ove
 Counting:
 - tokens: the non-pad tokens of the batch's 2B sequences (prompt+chosen, prompt+rejected), the same DPO work for
   every config whatever it computes;
-- model FLOPs of a DPO step: 6 * P * U for the policy's forward and backward plus 2 * P * U for the reference forward
-  (0 when precomputed), P = all parameters of the model (the tied embedding counted once, as the output layer),
-  U = each pair's unique tokens (prompt + chosen + rejected);
+- model FLOPs of a DPO step: the matmuls a step must do, layer kind by layer kind (`step_flops`), for each pair's
+  unique tokens U = prompt + chosen + rejected (the prompt counted once, whether or not a layout shares it):
+  transformer linears 2 * W per token forward; backward 2 * W for the input gradient, plus 2 * W for the weight
+  gradient only when W trains (full fine-tuning; LoRA's frozen weights take none, its adapters do); the output layer
+  only on the C = chosen + rejected completion positions (the log-probs need no other logits), the same way;
+  attention's QK^T and AV over the causal (query, key) pairs, backward twice the forward; the reference a forward
+  only (0 when precomputed). Norms, activations and the loss are left out (under 1%);
 - matmul FLOP/s: torch.mm of [1024, hidden] x [hidden, intermediate] in float32, best of before and after the configs;
 - sft: a supervised step (mean NLL of the completion tokens) over the 2B sequences packed without padding, through
   the same lean log-probs: the work of a DPO step with no reference pass and no prompt sharing.
@@ -48,6 +52,34 @@ CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
+def step_flops(shape: dict, pairs: list[tuple[int, int, int]], full: bool, lora_r: int, reference: bool) -> float:
+    """Model FLOPs of one DPO step over `pairs` of (prompt, chosen, rejected) token counts, for a Llama-shaped model
+    (`shape`: a config's fields) with every linear of its blocks adapted by LoRA of rank `lora_r` unless `full`."""
+    hidden, inter, layers = shape["hidden_size"], shape["intermediate_size"], shape["num_hidden_layers"]
+    heads, kv_heads = shape["num_attention_heads"], shape["num_key_value_heads"]
+    head_dim = shape.get("head_dim") or hidden // heads
+    q_dim, kv_dim = heads * head_dim, kv_heads * head_dim
+    linears = [(hidden, q_dim), (hidden, kv_dim), (hidden, kv_dim), (q_dim, hidden),  # q, k, v, o
+               (hidden, inter), (hidden, inter), (inter, hidden)]  # gate, up, down
+    block = layers * sum(n_in * n_out for n_in, n_out in linears)
+    adapters = 0 if full else layers * sum(lora_r * (n_in + n_out) for n_in, n_out in linears)
+    head = shape["vocab_size"] * hidden
+    # With LoRA the embedding takes no gradient, so nothing asks for the input gradient of layer 0's q, k, v.
+    no_input_grad = 0 if full else hidden * (q_dim + 2 * kv_dim) + 3 * lora_r * hidden
+    total = 0.0
+    for prompt, chosen, rejected in pairs:
+        unique, completions = prompt + chosen + rejected, chosen + rejected
+        # (query, key) pairs under the causal mask: the prompt with itself, each completion with the prompt and itself.
+        attended = prompt * (prompt + 1) / 2 + sum(n * prompt + n * (n + 1) / 2 for n in (chosen, rejected))
+        attention = 4 * q_dim * layers * attended  # QK^T and AV, 2 FLOPs per multiply-add
+        forward = 2 * (block + adapters) * unique + 2 * head * completions + attention
+        input_grads = 2 * (block + adapters - no_input_grad) * unique + 2 * head * completions + 2 * attention
+        weight_grads = 2 * (block * unique + head * completions) if full else 2 * adapters * unique
+        total += forward + input_grads + weight_grads + (2 * block * unique + 2 * head * completions + attention
+                                                         if reference else 0)
+    return total
+
+
 # ---- worker: one config in this process ---------------------------------------------------------------------------
 def run_config(config: str, model_path: str, batch_size: int, warmup: int, steps: int, output_dir: str) -> dict:
     import torch
@@ -63,6 +95,7 @@ def run_config(config: str, model_path: str, batch_size: int, warmup: int, steps
     mode, method = config.split("/")
     trainer_kind, overrides = METHODS[method]
     model, tokenizer = load_model_and_tokenizer(model_path)
+    shape = model.config.to_dict()
     num_params = sum(p.numel() for p in model.parameters())
     pairs = load_preference_dataset(str(HH_PATH)).select(range(batch_size * (warmup + steps)))
     tokenized = tokenize_dataset(pairs, tokenizer, max_length=1024)
@@ -119,14 +152,19 @@ def run_config(config: str, model_path: str, batch_size: int, warmup: int, steps
               for batch in batches]
     unique = [sum(len(ex["prompt_ids"]) + len(ex["chosen_ids"]) + len(ex["rejected_ids"]) for ex in batch)
               for batch in batches]
-    flops_per_token = 0 if trainer_kind == "sft" else 6 + (0 if overrides.get("precompute_ref_log_probs") else 2)
+    lengths = [[(len(ex["prompt_ids"]), len(ex["chosen_ids"]), len(ex["rejected_ids"])) for ex in batch]
+               for batch in batches]
+    flops = [0.0 if trainer_kind == "sft" else step_flops(shape, pairs, full=mode == "full", lora_r=lora.r,
+                                                          reference=not overrides.get("precompute_ref_log_probs"))
+             for pairs in lengths]
     times = step_times[warmup:]
     return {
         "config": config,
         "step_s": statistics.median(times),
         "step_cpu_s": statistics.median(cpu_times[warmup:]),
         "tokens_per_s": statistics.median(t / s for t, s in zip(tokens, times)),
-        "model_flops": statistics.median(flops_per_token * num_params * u / s for u, s in zip(unique, times)),
+        "model_flops": statistics.median(f / s for f, s in zip(flops, times)),
+        "flops_per_step": statistics.mean(flops),
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "peak_cuda_mb": torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available() else None,
         "tokens_per_step": statistics.mean(tokens),
@@ -259,7 +297,7 @@ def main() -> None:
           f"({first['unique_tokens_per_step']:.0f} unique) per step on average, torch threads "
           f"{__import__('torch').get_num_threads()}")
     print(f"matmul: {max(matmul) / 1e9:.1f} GFLOP/s (before {matmul[0] / 1e9:.1f}, after {matmul[1] / 1e9:.1f})")
-    print("model FLOPs: (6 policy + 2 reference, 0 when precomputed) x parameters x unique tokens\n")
+    print("model FLOPs: the matmuls of a step per layer kind (see the docstring), over each pair's unique tokens\n")
     print_table(results, max(matmul))
     if args.json:
         Path(args.json).write_text(json.dumps({"matmul_flops": matmul, "results": results}, indent=1))

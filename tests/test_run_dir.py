@@ -19,6 +19,9 @@ from dpo_min.run_dir import MANIFEST, OutputDirError, RunFolder, checkpoint_prob
 from dpo_min.train import main
 
 FORK = multiprocessing.get_context("fork")
+# Options with which a run on 12 pairs goes through (so that, without the checks, it would reach the replace).
+RUNNABLE = ["--max_steps", "2", "--per_device_train_batch_size", "2", "--eval_fraction", "0.25", "--num_samples", "0",
+            "--disable_tqdm", "true"]
 
 
 def write_run(folder: Path, files: dict[str, str]) -> Path:
@@ -48,9 +51,8 @@ def test_a_folder_with_a_metrics_file_and_other_files_is_refused_and_kept(tmp_pa
     (folder / "s").mkdir(parents=True)
     (folder / "metrics.json").write_text("{}")
     (folder / "keep.txt").write_text("k")
-    data = write_hh_rows(tmp_path / "pairs.jsonl", 8)
-    code = main(["--model", str(tiny_model_dir), "--dataset", str(data), "--output_dir", str(folder),
-                 "--max_steps", "2"])
+    data = write_hh_rows(tmp_path / "pairs.jsonl", 12)
+    code = main(["--model", str(tiny_model_dir), "--dataset", str(data), "--output_dir", str(folder), *RUNNABLE])
     assert code == 2
     assert "holds files that are not a dpo_min run's (keep.txt, metrics.json)" in one_error_line(capsys)
     assert tree(folder) == {"keep.txt": "k", "metrics.json": "{}"} and (folder / "s").is_dir()
@@ -64,8 +66,8 @@ def test_the_working_folder_or_above_is_a_usage_error(tmp_path, capsys, monkeypa
     monkeypatch.chdir(work)
     for folder in (work, tmp_path):
         (folder / "metrics.json").write_text("{}")
-    data = write_hh_rows(work / "pairs.jsonl", 8)
-    code = main(["--model", str(tiny_model_dir), "--dataset", str(data), "--output_dir", name, "--max_steps", "2"])
+    data = write_hh_rows(work / "pairs.jsonl", 12)
+    code = main(["--model", str(tiny_model_dir), "--dataset", str(data), "--output_dir", name, *RUNNABLE])
     assert code == 2
     assert f"--output_dir {name} is the working folder or above it" in one_error_line(capsys)
     assert sorted(os.listdir(work)) == ["metrics.json", "pairs.jsonl"]
