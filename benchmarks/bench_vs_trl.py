@@ -11,7 +11,8 @@ Counting:
 - tokens: the non-pad tokens of the batch's 2B sequences (prompt+chosen, prompt+rejected), the same DPO work for
   every config whatever it computes;
 - model FLOPs of a DPO step: 6 * P * U for the policy's forward and backward plus 2 * P * U for the reference forward
-  (0 when precomputed), P = all parameters of the model (the tied embedding counted once, as the output layer),
+  (0 when precomputed or when the loss reads no reference, as simpo), P = all parameters of the model (the tied
+  embedding counted once, as the output layer),
   U = each pair's unique tokens (prompt + chosen + rejected);
 - matmul FLOP/s: torch.mm of [1024, hidden] x [hidden, intermediate] in float32, best of before and after the configs;
 - sft: a supervised step (mean NLL of the completion tokens) over the 2B sequences packed without padding, through
@@ -38,6 +39,8 @@ METHODS = {
     "padding_free": ("dpo_min", {"padding_free": True}),
     "shared": ("dpo_min", {"padding_free": True, "share_prompt": True}),
     "shared+precomputed": ("dpo_min", {"padding_free": True, "share_prompt": True, "precompute_ref_log_probs": True}),
+    # No loss type reads a reference, so none is built or run: the same tokens as sft, plus the DPO bookkeeping.
+    "simpo": ("dpo_min", {"padding_free": True, "loss_type": ["simpo"], "beta": 2.0}),
     "sft": ("sft", {}),
 }
 CONFIGS = [f"{mode}/{method}" for mode in ("lora", "full") for method in METHODS]
@@ -59,6 +62,7 @@ def run_config(config: str, model_path: str, batch_size: int, warmup: int, steps
     from dpo_min.collator import PackedDPODataCollator
     from dpo_min.data import tokenize_dataset
     from dpo_min.logps import sequence_logps
+    from dpo_min.losses import needs_reference
 
     mode, method = config.split("/")
     trainer_kind, overrides = METHODS[method]
@@ -119,7 +123,9 @@ def run_config(config: str, model_path: str, batch_size: int, warmup: int, steps
               for batch in batches]
     unique = [sum(len(ex["prompt_ids"]) + len(ex["chosen_ids"]) + len(ex["rejected_ids"]) for ex in batch)
               for batch in batches]
-    flops_per_token = 0 if trainer_kind == "sft" else 6 + (0 if overrides.get("precompute_ref_log_probs") else 2)
+    uses_reference = needs_reference(overrides.get("loss_type", "sigmoid"), overrides.get("reference_free", False))
+    flops_per_token = 0 if trainer_kind == "sft" else 6 + (2 if uses_reference and not overrides.get(
+        "precompute_ref_log_probs") else 0)
     times = step_times[warmup:]
     return {
         "config": config,
