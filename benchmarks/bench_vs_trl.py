@@ -16,7 +16,8 @@ Counting:
   gradient only when W trains (full fine-tuning; LoRA's frozen weights take none, its adapters do); the output layer
   only on the C = chosen + rejected completion positions (the log-probs need no other logits), the same way;
   attention's QK^T and AV over the causal (query, key) pairs, backward twice the forward; the reference a forward
-  only (0 when precomputed). Norms, activations and the loss are left out (under 1%);
+  only (0 when precomputed or when the loss reads no reference, as simpo). Norms, activations and the loss are left
+  out (under 1%);
 - matmul FLOP/s: torch.mm of [1024, hidden] x [hidden, intermediate] in float32, best of before and after the configs;
 - sft: a supervised step (mean NLL of the completion tokens) over the 2B sequences packed without padding, through
   the same lean log-probs: the work of a DPO step with no reference pass and no prompt sharing.
@@ -42,6 +43,8 @@ METHODS = {
     "padding_free": ("dpo_min", {"padding_free": True}),
     "shared": ("dpo_min", {"padding_free": True, "share_prompt": True}),
     "shared+precomputed": ("dpo_min", {"padding_free": True, "share_prompt": True, "precompute_ref_log_probs": True}),
+    # No loss type reads a reference, so none is built or run: the same tokens as sft, plus the DPO bookkeeping.
+    "simpo": ("dpo_min", {"padding_free": True, "loss_type": ["simpo"], "beta": 2.0}),
     "sft": ("sft", {}),
 }
 CONFIGS = [f"{mode}/{method}" for mode in ("lora", "full") for method in METHODS]
@@ -91,6 +94,7 @@ def run_config(config: str, model_path: str, batch_size: int, warmup: int, steps
     from dpo_min.collator import PackedDPODataCollator
     from dpo_min.data import tokenize_dataset
     from dpo_min.logps import sequence_logps
+    from dpo_min.losses import needs_reference
 
     mode, method = config.split("/")
     trainer_kind, overrides = METHODS[method]
@@ -152,10 +156,12 @@ def run_config(config: str, model_path: str, batch_size: int, warmup: int, steps
               for batch in batches]
     unique = [sum(len(ex["prompt_ids"]) + len(ex["chosen_ids"]) + len(ex["rejected_ids"]) for ex in batch)
               for batch in batches]
+    uses_reference = needs_reference(overrides.get("loss_type", "sigmoid"), overrides.get("reference_free", False))
     lengths = [[(len(ex["prompt_ids"]), len(ex["chosen_ids"]), len(ex["rejected_ids"])) for ex in batch]
                for batch in batches]
     flops = [0.0 if trainer_kind == "sft" else step_flops(shape, pairs, full=mode == "full", lora_r=lora.r,
-                                                          reference=not overrides.get("precompute_ref_log_probs"))
+                                                          reference=uses_reference and not overrides.get(
+                                                              "precompute_ref_log_probs"))
              for pairs in lengths]
     times = step_times[warmup:]
     return {
