@@ -163,7 +163,7 @@ def not_a_run_folder(tmp_path):
     (lambda tmp_path: ["--bogus_flag", "1"], 2, "unknown argument(s): --bogus_flag 1"),
     (lambda tmp_path: ["--dataset", str(tmp_path / "missing.jsonl")], 2, "no such dataset file"),
     (lambda tmp_path: ["--beta", "-1"], 2, "beta must be > 0"),
-    (wrong_columns_file, 1, "row 0: field 'chosen' is missing"),
+    (wrong_columns_file, 1, "no known preference layout has the columns [question, answer]"),
     (not_a_run_folder, 2, "holds files that are not a dpo_min run"),
 ], ids=["unknown-flag", "missing-dataset", "bad-value", "wrong-columns", "foreign-output-dir"])
 def test_user_errors_give_one_line_and_no_output_folder(tmp_path, capsys, tiny_model_dir, make_args, exit_code,
