@@ -2,7 +2,7 @@
 
 from .collator import DPODataCollator, PackedDPODataCollator
 from .config import DPOMinConfig
-from .data import load_preference_dataset, tokenize_dataset
+from .data import load_mixture, load_preference_dataset, tokenize_dataset
 from .logps import sequence_logps
 from .losses import dpo_loss
 from .models import load_model_and_tokenizer
@@ -14,6 +14,7 @@ __all__ = [
     "DPOMinTrainer",
     "PackedDPODataCollator",
     "dpo_loss",
+    "load_mixture",
     "load_model_and_tokenizer",
     "load_preference_dataset",
     "sequence_logps",

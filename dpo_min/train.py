@@ -6,6 +6,7 @@ parse -> data -> model -> trainer -> samples and evaluation before -> train -> e
 """
 
 import json
+import logging
 import math
 import os
 import signal
@@ -231,6 +232,7 @@ def load_model(model_args: ModelArguments) -> tuple[Any, Any, LoraConfig | None]
 
 def load_pairs(data_args: DataArguments, args: DPOMinConfig) -> tuple[Dataset, Dataset | None]:
     """(train pairs, held-out pairs or None), validated."""
+    _show_data_log(args.process_index == 0)
     seed = args.data_seed if args.data_seed is not None else args.seed
     if data_args.datasets is not None:
         train = _load_mixture(data_args, seed, args.dataset_num_proc)
@@ -267,6 +269,16 @@ def load_pairs(data_args: DataArguments, args: DPOMinConfig) -> tuple[Dataset, D
         if len(train) > reach:
             train = train.shuffle(seed=seed).select(range(reach))
     return train, held_out
+
+
+def _show_data_log(is_main: bool) -> None:
+    """The data module's one line naming each dataset's layout, and its warnings, on stdout."""
+    data_logger = logging.getLogger("dpo_min.data")
+    if not data_logger.handlers:
+        handler = logging.StreamHandler(sys.stdout)
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        data_logger.addHandler(handler)
+    data_logger.setLevel(logging.INFO if is_main else logging.WARNING)
 
 
 def _stream_pairs(train: Any, source: str, data_args: DataArguments, args: DPOMinConfig) -> tuple[Any, Any]:

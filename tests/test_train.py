@@ -205,7 +205,7 @@ def not_a_run_folder(tmp_path):
     (lambda tmp_path: ["--bogus_flag", "1"], 2, "unknown argument(s): --bogus_flag 1"),
     (lambda tmp_path: ["--dataset", str(tmp_path / "missing.jsonl")], 2, "no such dataset file"),
     (lambda tmp_path: ["--beta", "-1"], 2, "beta must be > 0"),
-    (wrong_columns_file, 1, "row 0: field 'chosen' is missing"),
+    (wrong_columns_file, 1, "no known preference layout has the columns [question, answer]"),
     (not_a_run_folder, 2, "holds files that are not a dpo_min run"),
     (lambda tmp_path: ["--learning_rate", "-0.0001"], 2, "learning_rate must be >= 0, got -0.0001"),
     (lambda tmp_path: ["--dataset", str(write_hh_rows(tmp_path / "p.jsonl", 12)), "--eval_fraction", "0.99"], 2,
