@@ -249,6 +249,12 @@ def main() -> None:
     matmul = matmul_rate(args.device, dtype, 512 if args.tiny else 8192)
     print(f"\n2. speed: measured {dtype} matmul rate {matmul / 1e12:.2f} TFLOP/s", flush=True)
     configs = [c for c in args.configs if not (args.device == "cpu" and CONFIGS[c][1] == "flex_attention")]
+    if "trl" in configs:
+        try:
+            import trl  # noqa: F401
+        except Exception as error:  # a TRL that does not import with this transformers must not cost the whole run
+            print(f"   TRL left out, it does not import here: {type(error).__name__}: {error}")
+            configs.remove("trl")
     if len(configs) < len(args.configs):
         print("   flex configs skipped on CPU: torch has no flex attention backward there (forward checked in 1.)")
     results = []
