@@ -178,7 +178,7 @@ def run_config(name: str, model_name: str, args, pairs, tokenizer) -> dict:
         trainer = DPOTrainer(model=model, ref_model=copy.deepcopy(model), args=DPOConfig(**settings),
                              train_dataset=pairs, processing_class=tokenizer)
     else:
-        trainer = DPOMinTrainer(model, DPOMinConfig(**settings, **overrides), train_dataset=tokenized,
+        trainer = DPOMinTrainer(model, args=DPOMinConfig(**settings, **overrides), train_dataset=tokenized,
                                 processing_class=tokenizer)
     step_times = []
 

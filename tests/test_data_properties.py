@@ -59,7 +59,9 @@ def shared_tokenizer(smollm_path):
     return AutoTokenizer.from_pretrained(str(smollm_path))
 
 
-@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+# derandomize: the same 400 rows on every run, so that a failure seen once reproduces.
+@settings(max_examples=400, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
 # plausible rows twice: a string pair without a prompt is now an error, so fewer random rows get tokenized.
 @given(candidate=st.one_of(row, hh_row, plausible_row, plausible_row))
 def test_any_row_is_rejected_by_name_or_tokenized_correctly(shared_tokenizer, candidate):

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import ROOT, write_hh_rows
+from conftest import ROOT, reference_cache_entries, write_hh_rows
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from dpo_min import DPOMinTrainer, models
@@ -81,10 +81,12 @@ def run_command(*args):
                           text=True, timeout=600)
 
 
-def test_command_end_to_end_on_a_tiny_model(tmp_path, tiny_model_dir, hh_file):
+def test_command_end_to_end_on_a_tiny_model(tmp_path, tiny_model_dir, hh_file, isolated_cache):
     output_dir = tmp_path / "run"
     result = run_command(*tiny_run_args(tiny_model_dir, hh_file, output_dir))
     assert result.returncode == 0, result.stderr[-3000:]
+    # The test's cache started empty: the command scored the reference itself (train and held-out pairs).
+    assert len(reference_cache_entries(isolated_cache)) == 2
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]  # no staging folder left
     for name in OUTPUT_FILES:
         assert (output_dir / name).stat().st_size > 0, name

@@ -6,7 +6,7 @@ import torch
 from conftest import tiny_llama
 from peft import LoraConfig, get_peft_model
 
-from dpo_min import DPOMinConfig, DPOMinTrainer
+from dpo_min import DPODataCollator, DPOMinConfig, DPOMinTrainer
 
 METRICS = ("loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
            "logps/rejected", "logits/chosen", "logits/rejected")
@@ -22,6 +22,12 @@ def config(tmp_path, **overrides):
 
 def lora():
     return LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "up_proj"], lora_dropout=0.0)
+
+
+def adapter_weights(model, adapter):
+    """One adapter's weights, copied, keyed by name without the adapter's name."""
+    return {name.replace(f".{adapter}.", "."): p.detach().clone() for name, p in model.named_parameters()
+            if f".{adapter}." in name}
 
 
 def step_logs(trainer):
@@ -156,6 +162,7 @@ def test_reference_of_a_trained_adapter_is_that_adapter_not_the_base_model(tmp_p
         for name, param in peft_model.named_parameters():
             if "lora_B" in name:
                 param.normal_(std=0.5)
+    initial = adapter_weights(peft_model, "default")
     trainer = DPOMinTrainer(peft_model, args=DPOMinConfig(**config(tmp_path, max_steps=1)), train_dataset=hh_pairs,
                             processing_class=tokenizer)
     batch = trainer.data_collator([trainer.train_dataset[i] for i in range(2)])
@@ -170,9 +177,12 @@ def test_reference_of_a_trained_adapter_is_that_adapter_not_the_base_model(tmp_p
     trainer.train()
     first = step_logs(trainer)[0]
     assert first["loss"] == pytest.approx(math.log(2), abs=1e-6)
-    # The reference adapter did not move while the trained one did.
-    ref_weights = {n: p for n, p in trainer.model.named_parameters() if ".ref." in n}
-    assert ref_weights and not any(p.requires_grad for p in ref_weights.values())
+    # The reference adapter is the trained adapter as it arrived, and did not move while the trained one did.
+    reference_after, trained_after = adapter_weights(peft_model, "ref"), adapter_weights(peft_model, "default")
+    assert reference_after.keys() == initial.keys() == trained_after.keys() and initial
+    assert all(torch.equal(reference_after[name], value) for name, value in initial.items())
+    assert any(not torch.equal(trained_after[name], value) for name, value in initial.items())
+    assert not any(p.requires_grad for name, p in peft_model.named_parameters() if ".ref." in name)
 
 
 def test_eval_metrics_carry_the_eval_prefix(tmp_path, tokenizer, hh_pairs):
@@ -198,13 +208,45 @@ def test_metrics_average_every_micro_batch_of_the_interval(tmp_path, tokenizer, 
     assert logged == pytest.approx(chosen.mean().item(), rel=1e-5)
 
 
+@torch.no_grad()
+def _completion_logp(model, prompt_ids, completion_ids):
+    """Sum of log p(completion | prompt), one unpadded sequence, without the trainer's code."""
+    ids = torch.tensor([prompt_ids + completion_ids])
+    logps = torch.log_softmax(model(ids).logits[0, :-1].double(), dim=-1).gather(-1, ids[0, 1:, None]).squeeze(-1)
+    return logps[len(prompt_ids) - 1:].sum().item()
+
+
 def test_a_last_batch_of_one_pair_is_logged_whole(tmp_path, tokenizer, hh_pairs):
-    trainer = DPOMinTrainer(tiny_llama(), args=DPOMinConfig(**config(tmp_path, max_steps=2)),
-                            train_dataset=hh_pairs.select(range(3)), processing_class=tokenizer, peft_config=lora())
+    """3 pairs in batches of 2: step 2 holds one pair, and logs exactly that pair's rewards, margin and accuracy."""
+    batches = []
+    collate = DPODataCollator(pad_token_id=tokenizer.eos_token_id)
+
+    def recording_collator(examples):
+        batches.append(examples)
+        return collate(examples)
+
+    policy, reference = tiny_llama(), tiny_llama(seed=3)  # another reference: non-zero rewards from the start
+    # learning_rate 0: the policy stays as it starts, so each pair's figures can be computed after the run.
+    trainer = DPOMinTrainer(policy, args=DPOMinConfig(**config(tmp_path, max_steps=2, learning_rate=0.0, beta=0.5)),
+                            train_dataset=hh_pairs.select(range(3)), processing_class=tokenizer, ref_model=reference,
+                            data_collator=recording_collator)
     trainer.train()
-    last = step_logs(trainer)[1]  # 3 pairs in batches of 2: the second batch holds one pair
-    assert last["rewards/accuracies"] in (0.0, 1.0)
-    assert last["rewards/margins"] == pytest.approx(last["rewards/chosen"] - last["rewards/rejected"], abs=1e-7)
+    assert [len(batch) for batch in batches] == [2, 1]
+    for logged, batch in zip(step_logs(trainer), batches):
+        rewards = {name: [0.5 * (_completion_logp(policy, ex["prompt_ids"], ex[f"{name}_ids"])
+                                 - _completion_logp(reference, ex["prompt_ids"], ex[f"{name}_ids"])) for ex in batch]
+                   for name in ("chosen", "rejected")}
+        margins = [chosen - rejected for chosen, rejected in zip(rewards["chosen"], rewards["rejected"])]
+        expected = {"rewards/chosen": sum(rewards["chosen"]) / len(batch),
+                    "rewards/rejected": sum(rewards["rejected"]) / len(batch),
+                    "rewards/margins": sum(margins) / len(batch),
+                    "rewards/accuracies": sum(margin > 0 for margin in margins) / len(batch),
+                    "logps/chosen": sum(_completion_logp(policy, ex["prompt_ids"], ex["chosen_ids"])
+                                        for ex in batch) / len(batch)}
+        assert min(abs(margin) for margin in margins) > 1e-2  # far from zero: the accuracy is not a coin toss
+        for key, value in expected.items():
+            # float32 log-probs of a few hundred nats: about 1e-5 of them, times beta.
+            assert logged[key] == pytest.approx(value, rel=1e-5, abs=1e-4), (len(batch), key)
 
 
 def test_a_tokenizer_without_pad_token_pads_with_eos(tmp_path, tokenizer, hh_pairs):
@@ -213,3 +255,26 @@ def test_a_tokenizer_without_pad_token_pads_with_eos(tmp_path, tokenizer, hh_pai
                             processing_class=tokenizer, peft_config=lora())
     assert tokenizer.pad_token == tokenizer.eos_token
     assert trainer.data_collator.pad_token_id == tokenizer.eos_token_id
+
+
+@pytest.mark.parametrize("max_grad_norm", [1.0, 0.0], ids=["clipping", "no-clipping"])
+def test_every_overridden_trainer_hook_is_called(tmp_path, tokenizer, hh_pairs, monkeypatch, max_grad_norm):
+    """The overrides of private Trainer hooks run: if transformers renames a hook, this fails instead of the
+    override going quiet (no finite-gradient check, checkpoints written in place)."""
+    calls = {name: 0 for name in ("_clip_grad_norm", "_get_grad_norm", "_save_checkpoint", "_check_finite_gradients")}
+
+    def counting(name, original):
+        def counted(self, *args, **kwargs):
+            calls[name] += 1
+            return original(self, *args, **kwargs)
+        return counted
+
+    for name in calls:
+        monkeypatch.setattr(DPOMinTrainer, name, counting(name, getattr(DPOMinTrainer, name)))
+    args = config(tmp_path, max_steps=2, max_grad_norm=max_grad_norm, save_strategy="steps", save_steps=1)
+    trainer = DPOMinTrainer(tiny_llama(), args=DPOMinConfig(**args), train_dataset=hh_pairs.select(range(4)),
+                            processing_class=tokenizer, peft_config=lora())
+    trainer.train()
+    assert calls == {"_clip_grad_norm": 2 if max_grad_norm else 0, "_get_grad_norm": 2, "_save_checkpoint": 2,
+                     "_check_finite_gradients": 2}  # the gradients checked once per step, by either hook
+    assert sorted(path.name for path in (tmp_path / "out").iterdir()) == ["checkpoint-1", "checkpoint-2"]

@@ -34,7 +34,8 @@ def step_logs(trainer):
 
 
 def run_both(make_model, pairs, tokenizer, ours_settings, theirs_settings=None):
-    ours = DPOMinTrainer(make_model(), DPOMinConfig(**ours_settings), train_dataset=pairs, processing_class=tokenizer)
+    ours = DPOMinTrainer(make_model(), args=DPOMinConfig(**ours_settings), train_dataset=pairs,
+                         processing_class=tokenizer)
     ours.train()
     model = make_model()
     theirs = trl.DPOTrainer(model=model, ref_model=copy.deepcopy(model),
@@ -71,7 +72,7 @@ def test_new_metrics_and_options_match_trl_step_by_step(tmp_path, tokenizer, hh_
 
 def test_num_tokens_counts_the_tokens_computed_without_padding(tmp_path, tokenizer, hh_pairs):
     options = settings(tmp_path, pad_to_multiple_of=64, per_device_train_batch_size=8, max_steps=2)
-    trainer = DPOMinTrainer(tiny_llama(), DPOMinConfig(**options), train_dataset=hh_pairs,
+    trainer = DPOMinTrainer(tiny_llama(), args=DPOMinConfig(**options), train_dataset=hh_pairs,
                             processing_class=tokenizer)
     trainer.train()
     # By hand, from the tokenized rows: each step sees all 8 pairs, each a prompt+chosen and a prompt+rejected row.
@@ -102,21 +103,22 @@ def test_router_aux_loss_matches_trl_on_a_tiny_mixtral(tmp_path, tokenizer, hh_p
 
 
 def test_router_aux_loss_off_and_refused_where_it_cannot_be(tmp_path, tokenizer, hh_pairs):
-    trainer = DPOMinTrainer(tiny_mixtral(), DPOMinConfig(**settings(tmp_path, router_aux_loss_coef=0.0, max_steps=1)),
+    trainer = DPOMinTrainer(tiny_mixtral(),
+                            args=DPOMinConfig(**settings(tmp_path, router_aux_loss_coef=0.0, max_steps=1)),
                             train_dataset=hh_pairs, processing_class=tokenizer)
     trainer.train()
     assert "aux_loss" not in step_logs(trainer)[0]
     with pytest.raises(ValueError, match="not a mixture-of-experts"):
-        DPOMinTrainer(tiny_llama(), DPOMinConfig(**settings(tmp_path, router_aux_loss_coef=0.1)),
+        DPOMinTrainer(tiny_llama(), args=DPOMinConfig(**settings(tmp_path, router_aux_loss_coef=0.1)),
                       train_dataset=hh_pairs, processing_class=tokenizer)
     with pytest.raises(ValueError, match="share_prompt"):
-        DPOMinTrainer(tiny_mixtral(attn_implementation="sdpa"), DPOMinConfig(**settings(tmp_path, share_prompt=True)),
-                      train_dataset=hh_pairs, processing_class=tokenizer)
+        DPOMinTrainer(tiny_mixtral(attn_implementation="sdpa"),
+                      args=DPOMinConfig(**settings(tmp_path, share_prompt=True)), train_dataset=hh_pairs, processing_class=tokenizer)
 
 
 def test_precompute_ref_batch_size_matches_trl_columns(tmp_path, tokenizer, hh_pairs, monkeypatch):
     options = settings(tmp_path, precompute_ref_log_probs=True, precompute_ref_batch_size=3)
-    ours = DPOMinTrainer(tiny_llama(), DPOMinConfig(**options), train_dataset=hh_pairs, processing_class=tokenizer)
+    ours = DPOMinTrainer(tiny_llama(), args=DPOMinConfig(**options), train_dataset=hh_pairs, processing_class=tokenizer)
     sizes = []
     reference_logps = ours.reference_logps
 
@@ -138,7 +140,7 @@ def test_precompute_ref_batch_size_matches_trl_columns(tmp_path, tokenizer, hh_p
 def test_activation_offloading_gives_the_same_steps(tmp_path, tokenizer, hh_pairs):
     runs = []
     for offload in (False, True):
-        trainer = DPOMinTrainer(tiny_llama(), DPOMinConfig(**settings(tmp_path, activation_offloading=offload)),
+        trainer = DPOMinTrainer(tiny_llama(), args=DPOMinConfig(**settings(tmp_path, activation_offloading=offload)),
                                 train_dataset=hh_pairs, processing_class=tokenizer)
         trainer.train()
         runs.append(step_logs(trainer))
