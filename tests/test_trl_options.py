@@ -113,7 +113,8 @@ def test_router_aux_loss_off_and_refused_where_it_cannot_be(tmp_path, tokenizer,
                       train_dataset=hh_pairs, processing_class=tokenizer)
     with pytest.raises(ValueError, match="share_prompt"):
         DPOMinTrainer(tiny_mixtral(attn_implementation="sdpa"),
-                      args=DPOMinConfig(**settings(tmp_path, share_prompt=True)), train_dataset=hh_pairs, processing_class=tokenizer)
+                      args=DPOMinConfig(**settings(tmp_path, share_prompt=True)),
+                      train_dataset=hh_pairs, processing_class=tokenizer)
 
 
 def test_precompute_ref_batch_size_matches_trl_columns(tmp_path, tokenizer, hh_pairs, monkeypatch):
