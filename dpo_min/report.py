@@ -10,6 +10,8 @@ import torch
 from tqdm.auto import tqdm
 from transformers import ProgressCallback, TrainerCallback
 
+from .losses import needs_reference
+
 # The held-out figures the command prints and compares (TRL's names) and how they are shown.
 HEADLINE = {"reward accuracy": ("eval_rewards/accuracies", ".4f"), "mean margin": ("eval_rewards/margins", "+.4f"),
             "loss": ("eval_loss", ".4f"), "drift chosen": ("eval_drift/chosen", "+.4f"),
@@ -36,7 +38,9 @@ class HeldOutPrinter(TrainerCallback):
         if not state.is_world_process_zero or not metrics:
             return
         when = "before training" if state.global_step == 0 else f"at step {state.global_step}"
-        note = "  (the policy starts as the reference: rewards are 0)" if state.global_step == 0 else ""
+        with_reference = needs_reference(args.loss_type, args.reference_free)  # reference-free rewards start at log p
+        note = "  (the policy starts as the reference: rewards are 0)" if state.global_step == 0 and with_reference \
+            else ""
         tqdm.write(f"held-out {when}: {describe(metrics)}{note}")
 
 
