@@ -6,6 +6,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
@@ -71,12 +72,32 @@ def resolve_model_path(model: str | None) -> str:
     return model
 
 
-def load_model_and_tokenizer(model: str | None = None, dtype: str | torch.dtype = "float32",
+def load_model_and_tokenizer(model: str | None = None, dtype: str | torch.dtype = "float32", **model_init_kwargs: Any,
                              ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Load a causal LM and its tokenizer from a hub id, a local folder or a .gguf file (None: the default)."""
+    """Load a causal LM and its tokenizer from a hub id, a local folder or a .gguf file (None: the default).
+
+    `model_init_kwargs` go to `from_pretrained` (TRL's `model_init_kwargs`: revision, trust_remote_code,
+    attn_implementation, quantization_config, device_map, ...); revision and trust_remote_code to the tokenizer too."""
     path = resolve_model_path(model)
     dtype = getattr(torch, dtype) if isinstance(dtype, str) and dtype != "auto" else dtype
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    shared = {name: model_init_kwargs[name] for name in ("revision", "trust_remote_code") if name in model_init_kwargs}
+    tokenizer = AutoTokenizer.from_pretrained(path, **shared)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
-    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype), tokenizer
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **model_init_kwargs), tokenizer
+
+
+def quantization_config(bits: int, quant_type: str = "nf4", nested: bool = False,
+                        compute_dtype: torch.dtype = torch.float32) -> Any:
+    """bitsandbytes' 4- or 8-bit config for QLoRA. Raises ImportError, in one line, where bitsandbytes cannot run."""
+    if importlib.util.find_spec("bitsandbytes") is None:
+        raise ImportError(f"--load_in_{bits}bit needs bitsandbytes, which is not installed: pip install bitsandbytes "
+                          "(it runs on a CUDA GPU)")
+    if not torch.cuda.is_available():
+        raise ImportError(f"--load_in_{bits}bit: bitsandbytes quantization needs a CUDA GPU and this machine has none")
+    from transformers import BitsAndBytesConfig
+
+    if bits == 8:
+        return BitsAndBytesConfig(load_in_8bit=True)
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=quant_type, bnb_4bit_use_double_quant=nested,
+                              bnb_4bit_compute_dtype=compute_dtype)

