@@ -97,11 +97,11 @@ def load_pairs(data_args: DataArguments, args: DPOMinConfig) -> tuple[Dataset, D
         raise UsageError(f"no such dataset file: {source}")
     if data_args.eval_split and is_file:
         raise UsageError("--eval_split picks a split of a datasets name; a file has one split, use --eval_fraction")
-    train = _load(source, data_args.split)
+    train = _load(source, data_args.split, data_args.dataset_config)
     seed = args.data_seed if args.data_seed is not None else args.seed
     held_out = None
     if data_args.eval_split:
-        held_out = _load(source, data_args.eval_split)
+        held_out = _load(source, data_args.eval_split, data_args.dataset_config)
     elif data_args.eval_fraction > 0:
         if round(len(train) * data_args.eval_fraction) < 1 or len(train) < 2:
             raise UsageError(f"--eval_fraction {data_args.eval_fraction} of {len(train)} pairs holds out no pair")
@@ -117,9 +117,9 @@ def load_pairs(data_args: DataArguments, args: DPOMinConfig) -> tuple[Dataset, D
     return train, held_out
 
 
-def _load(source: str, split: str) -> Dataset:
+def _load(source: str, split: str, config: str | None) -> Dataset:
     try:
-        return load_preference_dataset(source, split=split)
+        return load_preference_dataset(source, split=split, **({"name": config} if config else {}))
     except ValueError as error:  # a bad row or an unreadable file: the message names it
         raise InputError(f"{source}: {error}" if source not in str(error) else str(error)) from None
     except Exception as error:  # datasets' own errors for a name it cannot find or fetch
