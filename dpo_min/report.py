@@ -60,6 +60,16 @@ def describe_change(before: dict[str, float], after: dict[str, float]) -> str:
     return ", ".join(f"{name} {before[key]:{style}} -> {after[key]:{style}}" for name, (key, style) in HEADLINE.items())
 
 
+def wilson_interval(successes: int, trials: int, z: float = 1.959964) -> tuple[float, float]:
+    """Wilson score interval for a binomial proportion (95% for the default z); stays inside [0, 1] at 0 or n."""
+    if trials == 0:
+        return 0.0, 1.0
+    rate = successes / trials
+    centre = (rate + z * z / (2 * trials)) / (1 + z * z / trials)
+    half = z * math.sqrt(rate * (1 - rate) / trials + z * z / (4 * trials * trials)) / (1 + z * z / trials)
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
 def all_finite(metrics: dict[str, float]) -> bool:
     return all(math.isfinite(metrics[key]) for key, _ in HEADLINE.values() if key in metrics)
 

@@ -22,6 +22,7 @@ from peft import LoraConfig
 from transformers import ProgressCallback
 from transformers.trainer_utils import get_last_checkpoint
 
+from .card import hub_repo_id, model_card, push_to_hub
 from .cli_args import (  # noqa: F401  (COMMAND_DEFAULTS, DEMO_DEFAULTS: re-exported for scripts and tests)
     COMMAND_DEFAULTS,
     DEMO_DEFAULTS,
@@ -47,6 +48,7 @@ from .report import (
 from .trainer import DPOMinTrainer
 
 EMBEDDED_DATA = Path(__file__).resolve().parent.parent / "data" / "hh-rlhf-harmless-base-test.jsonl.gz"
+EMBEDDED_DATASET_NAME = "Anthropic/hh-rlhf"  # its harmless-base test split, the file in data/
 DATA_SUFFIXES = (".json", ".jsonl", ".parquet", ".csv")
 
 
@@ -190,6 +192,8 @@ def main(argv: list[str] | None = None) -> int:
         train_pairs, held_out = load_pairs(data_args, args)  # before the model: a bad file fails in a second
         model, tokenizer, peft_config = load_model(model_args, args)
         args.output_dir = str(folder)
+        # dpo_min pushes the finished folder itself: Trainer would name the repo after the staging folder.
+        push, args.push_to_hub = args.push_to_hub, False
         # A resumed run keeps the first run's step-0 evaluation in the restored log history.
         args.eval_on_start = args.eval_on_start and held_out is not None and not args.resume_from_checkpoint
         try:  # tokenization happens here: a pair the tokenizer cannot render is an input error
@@ -200,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
         if trainer.pop_callback(ProgressCallback) is not None:
             trainer.add_callback(LiveLossBar())
         trainer.add_callback(HeldOutPrinter())
-        run(trainer, model_args, data_args, held_out, output_dir, started)
+        run(trainer, model_args, data_args, held_out, output_dir, started, push)
     except (UsageError, InputError, FloatingPointError) as error:
         if staging is not None:
             _discard(staging)
@@ -214,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(trainer: DPOMinTrainer, model_args: ModelArguments, data_args: DataArguments, held_out: Dataset | None,
-        output_dir: Path, started: float) -> None:
+        output_dir: Path, started: float, push: bool = False) -> None:
     args, staging = trainer.args, Path(trainer.args.output_dir)
     is_main = trainer.is_world_process_zero()
     say = print if is_main else (lambda *_, **__: None)
@@ -256,6 +260,8 @@ def run(trainer: DPOMinTrainer, model_args: ModelArguments, data_args: DataArgum
     (staging / "metrics.json").write_text(json.dumps(metrics, indent=2, allow_nan=True) + "\n")
     plot_training(trainer.state.log_history, staging / "training_curves.png")
     samples = write_samples(staging / "samples.jsonl", prompts, reference_texts, policy_texts)
+    repo_id = hub_repo_id(output_dir, args.hub_model_id)
+    (staging / "README.md").write_text(run_card(model_args, data_args, args, metrics, repo_id))
     _publish(staging, output_dir)
     if samples:
         say(f"\ngreedy completions of held-out prompts (reference, then trained policy):\n{samples}")
@@ -263,6 +269,20 @@ def run(trainer: DPOMinTrainer, model_args: ModelArguments, data_args: DataArgum
         say("warning: the held-out figures are not finite")
     say(f"wrote {', '.join(sorted(path.name for path in output_dir.iterdir()))} to {output_dir} "
         f"in {wall_time:.0f} s")
+    if push:
+        say(f"pushed to {push_to_hub(output_dir, repo_id, args.hub_token, args.hub_private_repo)}")
+
+
+def run_card(model_args: ModelArguments, data_args: DataArguments, args: DPOMinConfig, metrics: dict[str, Any],
+             repo_id: str) -> str:
+    """The model card of this run, for what it saved: an adapter, a merged model or a fully fine-tuned one."""
+    kind = "full" if not model_args.use_peft else "merged" if model_args.merge_adapter else "adapter"
+    lora = {"r": model_args.lora_r, "alpha": model_args.lora_alpha, "dropout": model_args.lora_dropout,
+            "target_modules": ", ".join(model_args.lora_target_modules), "use_rslora": model_args.use_rslora,
+            "use_dora": model_args.use_dora} if model_args.use_peft else None
+    return model_card(model=model_args.model, kind=kind, dataset=data_args.dataset or EMBEDDED_DATASET_NAME,
+                      train_pairs=metrics["train_pairs"], held_out_pairs=metrics["held_out_pairs"], args=args,
+                      lora=lora, before=metrics["before"], after=metrics["after"], repo_id=repo_id)
 
 
 def cli() -> None:
