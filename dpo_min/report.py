@@ -70,6 +70,18 @@ def wilson_interval(successes: int, trials: int, z: float = 1.959964) -> tuple[f
     return max(0.0, centre - half), min(1.0, centre + half)
 
 
+def describe_accuracy_intervals(before: dict[str, float], after: dict[str, float], pairs: int) -> str:
+    """'0/128 = 0.000 [0.000, 0.029] -> 83/128 = 0.648 [0.563, 0.725]': held-out reward accuracy, 95% Wilson intervals.
+
+    The count is accuracy x pairs, exact when every evaluation batch is full (the metric is a mean of batch means)."""
+    parts = []
+    for figures in (before, after):
+        successes = round(figures["eval_rewards/accuracies"] * pairs)
+        low, high = wilson_interval(successes, pairs)
+        parts.append(f"{successes}/{pairs} = {successes / pairs:.3f} [{low:.3f}, {high:.3f}]")
+    return " -> ".join(parts)
+
+
 def all_finite(metrics: dict[str, float]) -> bool:
     return all(math.isfinite(metrics[key]) for key, _ in HEADLINE.values() if key in metrics)
 
@@ -117,15 +129,66 @@ def prompt_text(prompt: Any) -> str:
     return next((turn["content"] for turn in reversed(prompt) if turn["role"] == "user"), prompt[-1]["content"])
 
 
-def write_samples(path: Path, prompts: list[Any], reference: list[str], policy: list[str]) -> str:
-    """Save one JSON line per prompt and return the same samples as text, reference above policy."""
+class CompletionLogger(TrainerCallback):
+    """TRL's LogCompletionsCallback at each evaluation: greedy completions of held-out prompts by the policy.
+
+    Each evaluation appends one line per prompt, {"step", "prompt", "reference", "policy"}, to `path` (the
+    reference's completions are computed once, before training, and repeated for comparison), and sends the same
+    rows as a table to the report_to backends that can show one (BACKEND_TABLES)."""
+
+    def __init__(self, path: Path, tokenizer: Any, prompts: list[Any], reference: list[str], max_new_tokens: int,
+                 backends: list[TrainerCallback]):
+        self.path, self.tokenizer, self.prompts, self.reference = path, tokenizer, prompts, reference
+        self.backends = backends  # the trainer's callbacks, among them its report_to integrations
+        self.max_new_tokens = max_new_tokens
+        self.latest: list[str] = []
+        self.rows: list[tuple[int, str, str, str]] = []  # every evaluation so far, as TRL's table keeps them
+
+    def on_evaluate(self, args, state, control, model=None, **kwargs):
+        if not state.is_world_process_zero or not self.prompts:
+            return
+        self.latest = greedy_completions(model, self.tokenizer, self.prompts, self.max_new_tokens)
+        with open(self.path, "a") as file:
+            for prompt, before, after in zip(self.prompts, self.reference, self.latest):
+                file.write(json.dumps({"step": state.global_step, "prompt": prompt, "reference": before,
+                                       "policy": after}) + "\n")
+                self.rows.append((state.global_step, prompt_text(prompt), before, after))
+        for callback in self.backends:
+            write_table = BACKEND_TABLES.get(type(callback).__name__)
+            if write_table is not None:
+                write_table(callback, self.rows, state.global_step)
+
+
+def _tensorboard_table(callback: Any, rows: list[tuple[int, str, str, str]], step: int) -> None:
+    if callback.tb_writer is None:  # after training ends the callback closes its writer; the eval log reopens it
+        return
+    header = "| step | prompt | reference | policy |\n| --- | --- | --- | --- |\n"
+    body = "".join(f"| {s} | {_cell(prompt)} | {_cell(before)} | {_cell(after)} |\n"
+                   for s, prompt, before, after in rows if s == step)
+    callback.tb_writer.add_text("eval/completions", header + body, step)
+    callback.tb_writer.flush()
+
+
+def _wandb_table(callback: Any, rows: list[tuple[int, str, str, str]], step: int) -> None:
+    table = callback._wandb.Table(columns=["step", "prompt", "reference", "policy"], data=[list(r) for r in rows])
+    callback._wandb.log({"completions": table})
+
+
+# report_to backends that show a table of completions, by their transformers callback; others get samples.jsonl only.
+BACKEND_TABLES = {"TensorBoardCallback": _tensorboard_table, "WandbCallback": _wandb_table}
+
+
+def format_samples(prompts: list[Any], reference: list[str], policy: list[str]) -> str:
+    """The samples as text, reference above policy."""
     lines = []
-    with open(path, "w") as file:
-        for prompt, before, after in zip(prompts, reference, policy):
-            file.write(json.dumps({"prompt": prompt, "reference": before, "policy": after}) + "\n")
-            lines += [f"prompt:    {_one_line(prompt_text(prompt))}", f"reference: {_one_line(before)}",
-                      f"policy:    {_one_line(after)}", ""]
+    for prompt, before, after in zip(prompts, reference, policy):
+        lines += [f"prompt:    {_one_line(prompt_text(prompt))}", f"reference: {_one_line(before)}",
+                  f"policy:    {_one_line(after)}", ""]
     return "\n".join(lines)
+
+
+def _cell(text: str) -> str:
+    return _one_line(text).replace("|", "\\|")
 
 
 def _one_line(text: str, width: int = 200) -> str:

@@ -36,14 +36,16 @@ from .config import DPOMinConfig
 from .data import load_preference_dataset
 from .models import load_model_and_tokenizer, quantization_config
 from .report import (
+    CompletionLogger,
     HeldOutPrinter,
     LiveLossBar,
     all_finite,
+    describe_accuracy_intervals,
     describe_change,
     describe_plan,
+    format_samples,
     greedy_completions,
     plot_training,
-    write_samples,
 )
 from .trainer import DPOMinTrainer
 
@@ -232,6 +234,9 @@ def run(trainer: DPOMinTrainer, model_args: ModelArguments, data_args: DataArgum
     say(describe_plan(args, len(trainer.train_dataset)))
     # The policy starts as the reference, so these are the reference's completions.
     reference_texts = greedy_completions(model, tokenizer, prompts, data_args.max_new_tokens) if is_main else []
+    completions = CompletionLogger(staging / "samples.jsonl", tokenizer, prompts, reference_texts,
+                                   data_args.max_new_tokens, trainer.callback_handler.callbacks)
+    trainer.add_callback(completions)
     # The evaluation before training runs inside train() (eval_on_start): an evaluate() ahead of train() would leave
     # the model without its DDP wrapper, and several processes would then train apart, never syncing gradients.
     train_metrics = trainer.train(resume_from_checkpoint=args.resume_from_checkpoint).metrics
@@ -239,8 +244,9 @@ def run(trainer: DPOMinTrainer, model_args: ModelArguments, data_args: DataArgum
     before = next((entry for entry in trainer.state.log_history if "eval_loss" in entry and entry["step"] == 0), {})
     if before and after:
         say(f"held-out, before -> after training: {describe_change(before, after)}")
+        say(f"held-out reward accuracy, 95% interval (Wilson): "
+            f"{describe_accuracy_intervals(before, after, len(trainer.eval_dataset))}")
     model = trainer.accelerator.unwrap_model(trainer.model)
-    policy_texts = greedy_completions(model, tokenizer, prompts, data_args.max_new_tokens) if is_main else []
 
     if model_args.merge_adapter and model_args.use_peft:
         if is_main:
@@ -259,7 +265,7 @@ def run(trainer: DPOMinTrainer, model_args: ModelArguments, data_args: DataArgum
                "after": after, "train": train_metrics, "wall_time_s": round(wall_time, 1)}
     (staging / "metrics.json").write_text(json.dumps(metrics, indent=2, allow_nan=True) + "\n")
     plot_training(trainer.state.log_history, staging / "training_curves.png")
-    samples = write_samples(staging / "samples.jsonl", prompts, reference_texts, policy_texts)
+    samples = format_samples(prompts, reference_texts, completions.latest)
     repo_id = hub_repo_id(output_dir, args.hub_model_id)
     (staging / "README.md").write_text(run_card(model_args, data_args, args, metrics, repo_id))
     _publish(staging, output_dir)

@@ -38,7 +38,8 @@ def tiny_run_args(model_dir, data_file, output_dir, *extra):
 
 def held_out_pairs(output_dir, data_file):
     """The held-out pairs, found from the prompts the command sampled (every held-out prompt is sampled)."""
-    prompts = [json.loads(line)["prompt"] for line in (output_dir / "samples.jsonl").read_text().splitlines()]
+    samples = [json.loads(line) for line in (output_dir / "samples.jsonl").read_text().splitlines()]
+    prompts = [sample["prompt"] for sample in samples if sample["step"] == samples[-1]["step"]]
     rows = to_preference_rows(json.loads(line) for line in data_file.read_text().splitlines())
     return [next(row for row in rows if row["prompt"] == prompt) for prompt in prompts]
 
@@ -103,8 +104,9 @@ def test_command_end_to_end_on_a_tiny_model(tmp_path, tiny_model_dir, hh_file):
     state = json.loads((output_dir / "trainer_state.json").read_text())
     assert [entry["step"] for entry in state["log_history"] if "loss" in entry] == [1, 2, 3]
     samples = [json.loads(line) for line in (output_dir / "samples.jsonl").read_text().splitlines()]
-    assert len(samples) == 3 and all(isinstance(s["reference"], str) and isinstance(s["policy"], str)
-                                     for s in samples)
+    assert [s["step"] for s in samples] == [0, 0, 0, 3, 3, 3]  # each evaluation: before training and after
+    assert all(isinstance(s["reference"], str) and isinstance(s["policy"], str) for s in samples)
+    assert [s["policy"] for s in samples[:3]] == [s["reference"] for s in samples[:3]]  # step 0: the reference
     import matplotlib.image
     assert matplotlib.image.imread(output_dir / "training_curves.png").ndim == 3
 
@@ -224,5 +226,5 @@ def test_default_model_runs_end_to_end(tmp_path):
     assert metrics["after"]["eval_rewards/margins"] != 0.0
     adapter = json.loads((output_dir / "adapter_config.json").read_text())
     assert adapter["base_model_name_or_path"] == metrics["model"]
-    sample = json.loads((output_dir / "samples.jsonl").read_text())
+    sample = json.loads((output_dir / "samples.jsonl").read_text().splitlines()[-1])
     assert sample["reference"].strip()  # the real model answers in words, not an empty string
