@@ -230,6 +230,7 @@ def _did_you_mean(name: str) -> str:
 
 def _canonical(name: str, value: Any, where: str) -> str | None:
     """TRL's name -> ours; None for an accepted TRL option without a counterpart. Raises UsageError for the rest."""
+    name = name.replace("-", "_") if name.replace("-", "_") in TRL_NAMES | TRL_WITHOUT_COUNTERPART else name
     if name in TRL_NAMES:
         return TRL_NAMES[name]
     if name in TRL_WITHOUT_COUNTERPART and name not in known_options():

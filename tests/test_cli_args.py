@@ -68,7 +68,7 @@ def test_a_trl_recipe_runs_unchanged(tmp_path, tiny_model_dir, capsys):
 def test_trl_names_on_the_command_line_and_the_older_torch_dtype():
     assert set(TRL_NAMES) <= TRL_KEYS | {"torch_dtype"}  # torch_dtype: TRL before 0.20, alignment-handbook recipes
     model_args, data_args, _ = parse_args([
-        "--model_name_or_path", "org/model", "--torch_dtype=bfloat16", "--dataset_name", "org/pairs",
+        "--model-name-or-path", "org/model", "--torch_dtype=bfloat16", "--dataset_name", "org/pairs",
         "--dataset_config", "default", "--dataset_train_split", "train_prefs", "--dataset_test_split", "test_prefs",
         "--use_dora", "--lora_modules_to_save", "lm_head", "--dataset_num_proc", "8"])
     assert (model_args.model, model_args.dtype, model_args.use_dora, model_args.lora_modules_to_save) == (
