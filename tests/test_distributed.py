@@ -18,11 +18,12 @@ EVAL_KEYS = ("eval_loss", "eval_rewards/accuracies", "eval_rewards/margins", "ev
 
 def command(model_dir, data_file, output_dir, batch_size):
     # 16 pairs: 4 held out, 12 trained on in 3 steps of 4 (one epoch, so no process ever sees a padded batch).
-    # The default precompute_ref_log_probs=True and the step-0 evaluation run under both process counts too.
+    # precompute_ref_log_probs and the step-0 evaluation run under both process counts too.
     return ["--model", str(model_dir), "--dataset", str(data_file), "--output_dir", str(output_dir),
             "--eval_fraction", "0.25", "--max_steps", "3", "--per_device_train_batch_size", str(batch_size),
             "--per_device_eval_batch_size", str(batch_size), "--learning_rate", "5e-3", "--warmup_steps", "0",
-            "--num_samples", "1", "--max_new_tokens", "2", "--disable_tqdm", "true"]
+            "--num_samples", "1", "--max_new_tokens", "2", "--precompute_ref_log_probs", "true", "--logging_steps", "1",
+            "--save_strategy", "no", "--disable_tqdm", "true"]
 
 
 def test_two_processes_match_one_process_with_the_same_global_batch(tmp_path, tiny_model_dir):
