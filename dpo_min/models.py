@@ -99,8 +99,28 @@ def load_tokenizer(model: str | None, **kwargs: Any) -> PreTrainedTokenizerBase:
     return tokenizer
 
 
-def load_model_and_tokenizer(model: str | None = None, dtype: str | torch.dtype = "float32",
+def load_model_and_tokenizer(model: str | None = None, dtype: str | torch.dtype = "float32", **model_init_kwargs: Any,
                              ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Load a causal LM and its tokenizer from a hub id, a local folder or a .gguf file (None: the default)."""
+    """Load a causal LM and its tokenizer from a hub id, a local folder or a .gguf file (None: the default).
+
+    `model_init_kwargs` go to `from_pretrained` (TRL's `model_init_kwargs`: revision, trust_remote_code,
+    attn_implementation, quantization_config, device_map, ...); revision and trust_remote_code to the tokenizer too."""
     path = resolve_model_path(model)
-    return load_causal_lm(path, dtype=dtype), load_tokenizer(path)
+    shared = {name: model_init_kwargs[name] for name in ("revision", "trust_remote_code") if name in model_init_kwargs}
+    return load_causal_lm(path, dtype=dtype, **model_init_kwargs), load_tokenizer(path, **shared)
+
+
+def quantization_config(bits: int, quant_type: str = "nf4", nested: bool = False,
+                        compute_dtype: torch.dtype = torch.float32) -> Any:
+    """bitsandbytes' 4- or 8-bit config for QLoRA. Raises ImportError, in one line, where bitsandbytes cannot run."""
+    if importlib.util.find_spec("bitsandbytes") is None:
+        raise ImportError(f"--load_in_{bits}bit needs bitsandbytes, which is not installed: pip install bitsandbytes "
+                          "(it runs on a CUDA GPU)")
+    if not torch.cuda.is_available():
+        raise ImportError(f"--load_in_{bits}bit: bitsandbytes quantization needs a CUDA GPU and this machine has none")
+    from transformers import BitsAndBytesConfig
+
+    if bits == 8:
+        return BitsAndBytesConfig(load_in_8bit=True)
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=quant_type, bnb_4bit_use_double_quant=nested,
+                              bnb_4bit_compute_dtype=compute_dtype)

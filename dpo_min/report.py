@@ -44,6 +44,21 @@ class HeldOutPrinter(TrainerCallback):
         tqdm.write(f"held-out {when}: {describe(metrics)}{note}")
 
 
+def describe_plan(args: Any, train_pairs: int) -> str:
+    """'training: 8 steps (0.01 epochs of 2196 pairs), global batch 4 (...), learning rate 0.0005 ...' before a run."""
+    global_batch = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size
+    batches = math.ceil(train_pairs / (args.per_device_train_batch_size * args.world_size))
+    steps_per_epoch = max(batches // args.gradient_accumulation_steps, 1)  # as Trainer counts them
+    if args.max_steps > 0:
+        steps, epochs = args.max_steps, args.max_steps / steps_per_epoch
+    else:
+        steps, epochs = math.ceil(args.num_train_epochs * steps_per_epoch), args.num_train_epochs
+    return (f"training: {steps} steps ({epochs:.3g} epochs of {train_pairs} pairs), global batch {global_batch} "
+            f"({args.per_device_train_batch_size} per device x {args.gradient_accumulation_steps} accumulation x "
+            f"{args.world_size} processes), learning rate {args.learning_rate:g} ({args.lr_scheduler_type.value}, "
+            f"warmup {args.warmup_steps})")
+
+
 def describe(metrics: dict[str, float]) -> str:
     """'reward accuracy 0.625, mean margin +0.041, loss 0.6812' from an evaluation's metrics."""
     return ", ".join(f"{name} {metrics[key]:{style}}" for name, (key, style) in HEADLINE.items() if key in metrics)
@@ -73,6 +88,28 @@ def collapse_warnings(after: dict[str, float], policy_texts: list[str]) -> list[
             warnings.append(f"the policy drifted {drift:+.2f} nats per token from the reference on {name} "
                             f"completions (alarm at {DRIFT_ALARM}): the reward figures say little about such a model")
     return warnings
+
+
+def wilson_interval(successes: int, trials: int, z: float = 1.959964) -> tuple[float, float]:
+    """Wilson score interval for a binomial proportion (95% for the default z); stays inside [0, 1] at 0 or n."""
+    if trials == 0:
+        return 0.0, 1.0
+    rate = successes / trials
+    centre = (rate + z * z / (2 * trials)) / (1 + z * z / trials)
+    half = z * math.sqrt(rate * (1 - rate) / trials + z * z / (4 * trials * trials)) / (1 + z * z / trials)
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def describe_accuracy_intervals(before: dict[str, float], after: dict[str, float], pairs: int) -> str:
+    """'0/128 = 0.000 [0.000, 0.029] -> 83/128 = 0.648 [0.563, 0.725]': held-out reward accuracy, 95% Wilson intervals.
+
+    The count is accuracy x pairs, exact when every evaluation batch is full (the metric is a mean of batch means)."""
+    parts = []
+    for figures in (before, after):
+        successes = round(figures["eval_rewards/accuracies"] * pairs)
+        low, high = wilson_interval(successes, pairs)
+        parts.append(f"{successes}/{pairs} = {successes / pairs:.3f} [{low:.3f}, {high:.3f}]")
+    return " -> ".join(parts)
 
 
 def all_finite(metrics: dict[str, float]) -> bool:
@@ -122,15 +159,66 @@ def prompt_text(prompt: Any) -> str:
     return next((turn["content"] for turn in reversed(prompt) if turn["role"] == "user"), prompt[-1]["content"])
 
 
-def write_samples(path: Path, prompts: list[Any], reference: list[str], policy: list[str]) -> str:
-    """Save one JSON line per prompt and return the same samples as text, reference above policy."""
+class CompletionLogger(TrainerCallback):
+    """TRL's LogCompletionsCallback at each evaluation: greedy completions of held-out prompts by the policy.
+
+    Each evaluation appends one line per prompt, {"step", "prompt", "reference", "policy"}, to `path` (the
+    reference's completions are computed once, before training, and repeated for comparison), and sends the same
+    rows as a table to the report_to backends that can show one (BACKEND_TABLES)."""
+
+    def __init__(self, path: Path, tokenizer: Any, prompts: list[Any], reference: list[str], max_new_tokens: int,
+                 backends: list[TrainerCallback]):
+        self.path, self.tokenizer, self.prompts, self.reference = path, tokenizer, prompts, reference
+        self.backends = backends  # the trainer's callbacks, among them its report_to integrations
+        self.max_new_tokens = max_new_tokens
+        self.latest: list[str] = []
+        self.rows: list[tuple[int, str, str, str]] = []  # every evaluation so far, as TRL's table keeps them
+
+    def on_evaluate(self, args, state, control, model=None, **kwargs):
+        if not state.is_world_process_zero or not self.prompts:
+            return
+        self.latest = greedy_completions(model, self.tokenizer, self.prompts, self.max_new_tokens)
+        with open(self.path, "a") as file:
+            for prompt, before, after in zip(self.prompts, self.reference, self.latest):
+                file.write(json.dumps({"step": state.global_step, "prompt": prompt, "reference": before,
+                                       "policy": after}) + "\n")
+                self.rows.append((state.global_step, prompt_text(prompt), before, after))
+        for callback in self.backends:
+            write_table = BACKEND_TABLES.get(type(callback).__name__)
+            if write_table is not None:
+                write_table(callback, self.rows, state.global_step)
+
+
+def _tensorboard_table(callback: Any, rows: list[tuple[int, str, str, str]], step: int) -> None:
+    if callback.tb_writer is None:  # after training ends the callback closes its writer; the eval log reopens it
+        return
+    header = "| step | prompt | reference | policy |\n| --- | --- | --- | --- |\n"
+    body = "".join(f"| {s} | {_cell(prompt)} | {_cell(before)} | {_cell(after)} |\n"
+                   for s, prompt, before, after in rows if s == step)
+    callback.tb_writer.add_text("eval/completions", header + body, step)
+    callback.tb_writer.flush()
+
+
+def _wandb_table(callback: Any, rows: list[tuple[int, str, str, str]], step: int) -> None:
+    table = callback._wandb.Table(columns=["step", "prompt", "reference", "policy"], data=[list(r) for r in rows])
+    callback._wandb.log({"completions": table})
+
+
+# report_to backends that show a table of completions, by their transformers callback; others get samples.jsonl only.
+BACKEND_TABLES = {"TensorBoardCallback": _tensorboard_table, "WandbCallback": _wandb_table}
+
+
+def format_samples(prompts: list[Any], reference: list[str], policy: list[str]) -> str:
+    """The samples as text, reference above policy."""
     lines = []
-    with open(path, "w") as file:
-        for prompt, before, after in zip(prompts, reference, policy):
-            file.write(json.dumps({"prompt": prompt, "reference": before, "policy": after}) + "\n")
-            lines += [f"prompt:    {_one_line(prompt_text(prompt))}", f"reference: {_one_line(before)}",
-                      f"policy:    {_one_line(after)}", ""]
+    for prompt, before, after in zip(prompts, reference, policy):
+        lines += [f"prompt:    {_one_line(prompt_text(prompt))}", f"reference: {_one_line(before)}",
+                  f"policy:    {_one_line(after)}", ""]
     return "\n".join(lines)
+
+
+def _cell(text: str) -> str:
+    return _one_line(text).replace("|", "\\|")
 
 
 def _one_line(text: str, width: int = 200) -> str:

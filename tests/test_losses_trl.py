@@ -11,13 +11,12 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+import trl  # the independent reference: its absence is a failure, not a skip
 from conftest import tiny_llama
 from datasets import Dataset
 from transformers import AutoTokenizer
 
 from dpo_min import DPODataCollator, DPOMinConfig, DPOMinTrainer
-
-trl = pytest.importorskip("trl")
 
 VOCAB = 24
 PAIRS = [

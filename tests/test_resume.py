@@ -23,7 +23,8 @@ def command(model_dir, data_file, output_dir, *extra):
     return [sys.executable, "-m", "dpo_min.train", "--model", str(model_dir), "--dataset", str(data_file),
             "--output_dir", str(output_dir), "--max_steps", str(STEPS), "--save_strategy", "steps",
             "--save_steps", str(SAVE_EVERY), "--per_device_train_batch_size", "2", "--learning_rate", "5e-3",
-            "--eval_fraction", "0.2", "--num_samples", "0", "--max_length", "128", "--disable_tqdm", "true", *extra]
+            "--eval_fraction", "0.2", "--num_samples", "0", "--max_length", "128", "--precompute_ref_log_probs", "true",
+            "--logging_steps", "1", "--disable_tqdm", "true", *extra]
 
 
 def environment(cache):

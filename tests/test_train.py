@@ -18,7 +18,7 @@ from dpo_min import DPOMinTrainer, models
 from dpo_min.config import DPOMinConfig
 from dpo_min.data import to_preference_rows, tokenize_dataset
 from dpo_min.report import collapse_warnings, is_empty_completion
-from dpo_min.train import COMMAND_DEFAULTS, DataArguments, ModelArguments, UsageError, main, parse_args
+from dpo_min.train import DEMO_DEFAULTS, DataArguments, ModelArguments, UsageError, main, parse_args
 
 OUTPUT_FILES = ("adapter_config.json", "adapter_model.safetensors", "tokenizer.json", "trainer_state.json",
                 "metrics.json", "training_curves.png", "samples.jsonl")
@@ -34,12 +34,13 @@ def tiny_run_args(model_dir, data_file, output_dir, *extra):
     return ["--model", str(model_dir), "--dataset", str(data_file), "--output_dir", str(output_dir),
             "--eval_fraction", "0.25", "--max_steps", "3", "--per_device_train_batch_size", "2",
             "--per_device_eval_batch_size", "4", "--learning_rate", "5e-3", "--num_samples", "3",
-            "--max_new_tokens", "4", "--disable_tqdm", "true", *extra]
+            "--max_new_tokens", "4", "--logging_steps", "1", "--disable_tqdm", "true", *extra]
 
 
 def held_out_pairs(output_dir, data_file):
     """The held-out pairs, found from the prompts the command sampled (every held-out prompt is sampled)."""
-    prompts = [json.loads(line)["prompt"] for line in (output_dir / "samples.jsonl").read_text().splitlines()]
+    samples = [json.loads(line) for line in (output_dir / "samples.jsonl").read_text().splitlines()]
+    prompts = [sample["prompt"] for sample in samples if sample["step"] == samples[-1]["step"]]
     rows = to_preference_rows(json.loads(line) for line in data_file.read_text().splitlines())
     return [next(row for row in rows if row["prompt"] == prompt) for prompt in prompts]
 
@@ -53,7 +54,8 @@ def sequence_logp(model, prompt_ids, completion_ids):
 @torch.no_grad()
 def held_out_figures(policy, reference, pairs, tokenizer, beta=0.1):
     """Reward accuracy, mean margin and DPO loss, one unpadded sequence at a time."""
-    examples = tokenize_dataset(pairs, tokenizer, COMMAND_DEFAULTS["max_length"], COMMAND_DEFAULTS["max_prompt_length"])
+    library = DPOMinConfig(output_dir="unused")  # a run given --model keeps the library's truncation
+    examples = tokenize_dataset(pairs, tokenizer, library.max_length, library.max_prompt_length)
     margins, log_ratios, tokens = [], {"chosen": 0.0, "rejected": 0.0}, {"chosen": 0, "rejected": 0}
     for example in examples:
         ratios = {name: (sequence_logp(policy, example["prompt_ids"], example[f"{name}_ids"])
@@ -116,8 +118,9 @@ def test_command_end_to_end_on_a_tiny_model(tmp_path, tiny_model_dir, hh_file, i
     state = json.loads((output_dir / "trainer_state.json").read_text())
     assert [entry["step"] for entry in state["log_history"] if "loss" in entry] == [1, 2, 3]
     samples = [json.loads(line) for line in (output_dir / "samples.jsonl").read_text().splitlines()]
-    assert len(samples) == 3 and all(isinstance(s["reference"], str) and isinstance(s["policy"], str)
-                                     for s in samples)
+    assert [s["step"] for s in samples] == [0, 0, 0, 3, 3, 3]  # each evaluation: before training and after
+    assert all(isinstance(s["reference"], str) and isinstance(s["policy"], str) for s in samples)
+    assert [s["policy"] for s in samples[:3]] == [s["reference"] for s in samples[:3]]  # step 0: the reference
     import matplotlib.image
     assert matplotlib.image.imread(output_dir / "training_curves.png").ndim == 3
 
@@ -162,7 +165,7 @@ def test_yaml_recipe_then_flags_override_it(tmp_path):
     model_args, data_args, args = parse_args([str(recipe), "--beta", "0.2", "--output_dir", str(tmp_path / "o")])
     assert (args.beta, args.learning_rate, model_args.lora_r, model_args.use_peft, data_args.eval_fraction) == (
         0.2, 1e-4, 4, False, 0.5)
-    assert args.max_steps == COMMAND_DEFAULTS["max_steps"]  # untouched options keep the command's defaults
+    assert args.max_steps == DEMO_DEFAULTS["max_steps"]  # no model, no data: untouched options keep the demo's
     assert DPOMinConfig(output_dir="x").learning_rate == 1e-6  # and the library's own defaults stay as they are
     recipe.write_text("beta: 0.3\nbogus_option: 1\n")
     with pytest.raises(UsageError, match="bogus_option"):
@@ -188,7 +191,7 @@ def test_help_lists_every_option_with_its_default(capsys):
         for field in dataclass_type.__dataclass_fields__.values():
             if field.init:
                 assert "(default:" in blocks[field.name], field.name
-    assert "DPOMinConfig: 1e-06; this command: (default: 0.0005)" in " ".join(blocks["learning_rate"].split())
+    assert "demo: 0.0005; otherwise: (default: 1e-06)" in " ".join(blocks["learning_rate"].split())
 
 
 def wrong_columns_file(tmp_path):
@@ -278,5 +281,5 @@ def test_default_model_runs_end_to_end(tmp_path):
     assert metrics["after"]["eval_rewards/margins"] != 0.0
     adapter = json.loads((output_dir / "adapter_config.json").read_text())
     assert adapter["base_model_name_or_path"] == metrics["model"]
-    sample = json.loads((output_dir / "samples.jsonl").read_text())
+    sample = json.loads((output_dir / "samples.jsonl").read_text().splitlines()[-1])
     assert sample["reference"].strip()  # the real model answers in words, not an empty string

@@ -36,7 +36,8 @@ def step_logs(trainer):
 
 @pytest.mark.parametrize("use_lora", [True, False], ids=["lora", "full"])
 def test_matches_trl_dpo_trainer_step_by_step(tmp_path, tokenizer, hh_pairs, use_lora):
-    trl = pytest.importorskip("trl")
+    import trl  # the reference: missing is a failure, not a skip
+
     # SGD, so that a gradient off by a constant factor also changes the steps (Adam would normalise it away), and
     # short pairs so that the rewards move far more than the rounding of the log-probs they are differences of.
     settings = config(tmp_path, max_length=64, optim="sgd", learning_rate=2.0 if use_lora else 5.0)

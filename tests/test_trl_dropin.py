@@ -8,6 +8,7 @@ import math
 import numpy as np
 import pytest
 import torch
+import trl
 from conftest import tiny_llama
 from datasets import IterableDataset
 from huggingface_hub import ModelCard
@@ -15,8 +16,6 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from dpo_min import DPOMinConfig, DPOMinTrainer
 from dpo_min.compat import TRL_FIELDS
-
-trl = pytest.importorskip("trl")
 
 # TRL defaults that change the numbers on a CPU, or what is logged, set the same way on both sides: TRL trains in
 # bf16 with gradient checkpointing and logs every 10 steps. The learning rate is raised so that the policy moves.

@@ -10,12 +10,11 @@ import copy
 
 import pytest
 import torch
+import trl
 from conftest import tiny_llama
 from transformers import MixtralConfig, MixtralForCausalLM
 
 from dpo_min import DPOMinConfig, DPOMinTrainer
-
-trl = pytest.importorskip("trl")
 
 DPO_METRICS = ("loss", "grad_norm", "rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen",
                "logps/rejected", "logits/chosen", "logits/rejected")

