@@ -38,7 +38,6 @@ class ModelArguments:
         "help": "Weights dtype (TRL: torch_dtype).", "choices": ["float32", "bfloat16", "float16", "auto"]})
     attn_implementation: str | None = field(default=None, metadata={
         "help": "Attention kernel (sdpa, eager, ...); default: transformers' choice."})
-    trust_remote_code: bool = field(default=False, metadata={"help": "Allow a hub model's own modelling code."})
     use_peft: bool = field(default=True, metadata={
         "help": "Train a LoRA adapter (the reference is the model with the adapter off). --no_use_peft: full "
                 "fine-tuning against a frozen copy of the model."})

@@ -151,6 +151,8 @@ class DPOMinConfig(TRLOnlyFields, TrainingArguments):
             raise ValueError(f"max_length must be >= 2 or None, got {self.max_length}")
         if self.max_prompt_length is not None and self.max_prompt_length < 1:
             raise ValueError(f"max_prompt_length must be >= 1 or None, got {self.max_prompt_length}")
+        if isinstance(self.pad_to_multiple_of, str) and self.pad_to_multiple_of.lower() in ("auto", "none", "null"):
+            self.pad_to_multiple_of = None  # TRL's default "auto" means None off AWS Neuron
         for name in ("precompute_ref_batch_size", "pad_to_multiple_of"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1 or None, got {getattr(self, name)}")

@@ -68,7 +68,7 @@ def load_model(model_args: ModelArguments, args: DPOMinConfig) -> tuple[Any, Any
     init_kwargs, args.model_init_kwargs = dict(args.model_init_kwargs or {}), None
     dtype = init_kwargs.pop("dtype", init_kwargs.pop("torch_dtype", model_args.dtype))
     init_kwargs.setdefault("revision", model_args.model_revision)
-    init_kwargs.setdefault("trust_remote_code", model_args.trust_remote_code)
+    init_kwargs.setdefault("trust_remote_code", args.trust_remote_code)
     if model_args.attn_implementation:
         init_kwargs.setdefault("attn_implementation", model_args.attn_implementation)
     bits = 4 if model_args.load_in_4bit else 8 if model_args.load_in_8bit else None

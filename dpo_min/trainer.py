@@ -9,6 +9,7 @@ from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
 
+import datasets
 import torch
 from accelerate.utils import broadcast_object_list
 from datasets import Dataset, IterableDataset
@@ -42,9 +43,21 @@ def _tokenized(dataset: Any, tokenizer: Any, args: DPOMinConfig) -> Any:
     if dataset is None or is_tokenized(dataset):
         return dataset
     # The main process tokenizes first; the others then read its datasets cache instead of tokenizing again.
-    with args.main_process_first(desc="tokenizing the pairs"):
+    with args.main_process_first(desc="tokenizing the pairs"), \
+            _datasets_progress_bars(not args.disable_tqdm and args.local_process_index == 0):
         return tokenize_dataset(dataset, tokenizer, args.max_length, args.max_prompt_length, args.truncation_mode,
                                 num_proc=args.dataset_num_proc, chat_template_kwargs=args.chat_template_kwargs)
+
+
+@contextlib.contextmanager
+def _datasets_progress_bars(show: bool):
+    """datasets' bars (tokenizing a large set takes a while) follow disable_tqdm, then return to how they were."""
+    were_shown = datasets.is_progress_bar_enabled()
+    (datasets.enable_progress_bars if show else datasets.disable_progress_bars)()
+    try:
+        yield
+    finally:
+        (datasets.enable_progress_bars if were_shown else datasets.disable_progress_bars)()
 
 
 def _is_peft(model: Any) -> bool:

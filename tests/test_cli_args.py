@@ -80,7 +80,7 @@ def test_trl_names_on_the_command_line_and_the_older_torch_dtype():
 @pytest.mark.parametrize("argv, message", [
     (["--lora_rr", "4"], "unknown argument(s): --lora_rr 4 (did you mean --lora_r?)"),
     (["--learning_rat=1e-5"], "(did you mean --learning_rate?)"),
-    (["--f_divergence_type", "js_divergence"], "TRL's f_divergence_type='js_divergence' is not supported"),
+    (["--lora_target_parameters", "mlp.experts"], "TRL's lora_target_parameters='mlp.experts' is not supported"),
     (["--load_in_4bit", "--no_use_peft"], "keep --use_peft"),
 ], ids=["typo", "typo-inline-value", "trl-option-without-counterpart", "qlora-without-adapter"])
 def test_command_line_mistakes_name_the_fix(argv, message):
