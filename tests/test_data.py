@@ -284,7 +284,7 @@ def test_the_command_streams_with_max_steps(tmp_path, tiny_model_dir):
     code = main(["--model", str(tiny_model_dir), "--dataset", str(path), "--streaming", "--output_dir",
                  str(output_dir), "--max_steps", "2", "--per_device_train_batch_size", "2", "--max_eval_samples", "2",
                  "--precompute_ref_log_probs", "false", "--num_samples", "1", "--max_new_tokens", "2",
-                 "--disable_tqdm", "true"])
+                 "--logging_steps", "1", "--disable_tqdm", "true"])
     assert code == 0
     metrics = json.loads((output_dir / "metrics.json").read_text())
     assert metrics["train_pairs"] == "streamed" and metrics["held_out_pairs"] == 2
