@@ -474,8 +474,8 @@ class DPOMinTrainer(Trainer):
         return loss
 
     def _record_metrics(self, policy: SequenceLogps, pair_logps: torch.Tensor, chosen_rewards: torch.Tensor,
-                        rejected_rewards: torch.Tensor, reference_logps: torch.Tensor | None = None,
-                        inputs: dict[str, torch.Tensor] | None = None) -> None:
+                        rejected_rewards: torch.Tensor, reference_logps: torch.Tensor | None,
+                        inputs: dict[str, torch.Tensor]) -> None:
         mode = "train" if self.model.training else "eval"
         # Only per-pair [B] tensors go through gather_for_metrics: it trims the last batch to the dataset's length.
         chosen_logps, rejected_logps = pair_logps.detach().chunk(2)
