@@ -55,7 +55,11 @@ def convert_gguf(gguf_path: str | os.PathLike) -> Path:
         model.config.name_or_path = str(target)
         model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
-        os.replace(staging, target)
+        try:
+            os.replace(staging, target)
+        except OSError:  # another process converted the same file meanwhile: its checkpoint is as good
+            if not (target / "config.json").exists():
+                raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return target

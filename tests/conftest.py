@@ -16,6 +16,11 @@ from dpo_min.models import cache_dir, convert_gguf, default_gguf_path
 ROOT = Path(__file__).resolve().parent.parent
 HH_PATH = ROOT / "data" / "hh-rlhf-harmless-base-test.jsonl.gz"
 os.environ.setdefault("TQDM_DISABLE", "1")
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # Two test processes share the two cores: one thread each (and in every process a test starts), else each
+    # torch spins a thread per core and the two fight over them.
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
 # Read before any test points DPO_MIN_CACHE elsewhere: converted models live here, and are converted once.
 USER_CACHE = cache_dir()
 
