@@ -280,8 +280,11 @@ def run(trainer: DPOMinTrainer, model_args: ModelArguments, data_args: DataArgum
     # The evaluation before training runs inside train() (eval_on_start): an evaluate() ahead of train() would leave
     # the model without its DDP wrapper, and several processes would then train apart, never syncing gradients.
     train_metrics = trainer.train(resume_from_checkpoint=args.resume_from_checkpoint).metrics
-    after = trainer.evaluate() if held_out is not None else {}
-    before = next((entry for entry in trainer.state.log_history if "eval_loss" in entry and entry["step"] == 0), {})
+    evaluations = [entry for entry in trainer.state.log_history if "eval_loss" in entry]
+    before = next((entry for entry in evaluations if entry["step"] == 0), {})
+    # A scheduled evaluation at the last step has scored the final weights already: no second pass over the pairs.
+    final = evaluations[-1] if evaluations and evaluations[-1]["step"] == trainer.state.global_step > 0 else None
+    after = {} if held_out is None else final if final is not None else trainer.evaluate()
     if before and after:
         say(f"held-out, before -> after training: {describe_change(before, after)}")
         say(f"held-out reward accuracy, 95% interval (Wilson): "

@@ -139,6 +139,27 @@ def test_saved_model_loads_plainly_and_gives_the_printed_figures(tmp_path, tiny_
     assert_figures_match(json.loads((output_dir / "metrics.json").read_text())["after"], expected)
 
 
+@pytest.mark.parametrize(("eval_steps", "evaluated_at"), [(3, [0, 3]), (2, [0, 2, 3])], ids=["every-3", "every-2"])
+def test_held_out_pairs_are_scored_once_per_evaluation_and_after_is_the_final_weights(tmp_path, tiny_model_dir, hh_file,
+                                                                                       eval_steps, evaluated_at):
+    # Trainer evaluates at the last step too when eval_strategy is "steps": that evaluation is the "after" figure, not
+    # followed by a second pass over the same pairs (the command's own final evaluation runs for eval_strategy "no",
+    # test_command_end_to_end_on_a_tiny_model).
+    output_dir = tmp_path / "run"
+    assert main(tiny_run_args(tiny_model_dir, hh_file, output_dir, "--eval_strategy", "steps",
+                              "--eval_steps", str(eval_steps))) == 0
+    state = json.loads((output_dir / "trainer_state.json").read_text())
+    assert [entry["step"] for entry in state["log_history"] if "eval_loss" in entry] == evaluated_at
+    samples = [json.loads(line) for line in (output_dir / "samples.jsonl").read_text().splitlines()]
+    assert [sample["step"] for sample in samples] == [step for step in evaluated_at for _ in range(3)]
+    from peft import PeftModel
+    policy = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_dir), output_dir)
+    expected = held_out_figures(policy, AutoModelForCausalLM.from_pretrained(tiny_model_dir),
+                                held_out_pairs(output_dir, hh_file), AutoTokenizer.from_pretrained(output_dir))
+    assert expected["eval_rewards/margins"] != 0.0
+    assert_figures_match(json.loads((output_dir / "metrics.json").read_text())["after"], expected)
+
+
 def test_a_collapsed_policy_is_reported_loudly(tmp_path, tiny_model_dir, hh_file, capsys):
     # At this learning rate the tiny model's gradient is 0 from step 3 and its completions come out empty, while the
     # held-out reward accuracy may still rise.
