@@ -10,6 +10,7 @@ in a mixture) and the field.
 import gzip
 import json
 import logging
+import math
 import os
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -124,25 +125,41 @@ _KIND_WORDS = {"text": "a string", "messages": "a message list", "turn": "an obj
 def load_mixture(entries: list[Mapping[str, Any]], seed: int = 42, num_proc: int | None = None,
                  **options: Any) -> Dataset:
     """Several preference datasets as one, shuffled with `seed`. Each entry: `dataset` (a name or file), and
-    optionally `config`, `split`, `columns`, and `fraction` (of its rows, taken after a seeded shuffle)."""
-    known = {"dataset", "config", "split", "columns", "fraction"}
-    parts = []
+    optionally `config`, `split`, `columns`, and either `fraction` (of its rows) or `weight` (its share of the
+    mixture, relative to the other entries' weights; all entries or none have one). Rows are taken after a seeded
+    shuffle, and never repeated: weighted, the mixture is the largest one in those shares."""
+    known = {"dataset", "config", "split", "columns", "fraction", "weight"}
+    parts, weights = [], []
     for position, entry in enumerate(entries):
         if not isinstance(entry, Mapping) or "dataset" not in entry or set(entry) - known:
             raise ValueError(f"datasets[{position}]: an entry needs 'dataset' and may have "
                              f"{sorted(known - {'dataset'})}, got {entry!r}")
         name = entry["dataset"]
+        fraction, weight = entry.get("fraction", 1.0), entry.get("weight")
+        if not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
+            raise ValueError(f"datasets[{position}] ({name}): fraction must be in (0, 1], got {fraction!r}")
+        if weight is not None and (not isinstance(weight, (int, float)) or isinstance(weight, bool) or weight <= 0
+                                   or "fraction" in entry):
+            raise ValueError(f"datasets[{position}] ({name}): weight must be a number > 0, without fraction, "
+                             f"got {entry!r}")
+        if (weight is None) != (not weights) and position > 0:
+            raise ValueError(f"datasets[{position}] ({name}): give every entry a weight, or none")
         try:
             part = load_preference_dataset(name, entry.get("split", "train"), config=entry.get("config"),
                                            columns=entry.get("columns"), num_proc=num_proc, **options)
         except ValueError as error:
             raise ValueError(f"{name}: {error}" if name not in str(error) else str(error)) from None
-        fraction = entry.get("fraction", 1.0)
-        if not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
-            raise ValueError(f"datasets[{position}] ({name}): fraction must be in (0, 1], got {fraction!r}")
+        if weight is not None:
+            weights.append(weight)
         if fraction < 1:
             part = part.shuffle(seed=seed).select(range(max(1, round(len(part) * fraction))))
         parts.append(part.add_column(SOURCE_DATASET, [name] * len(part)))
+    if weights:
+        shares = [weight / sum(weights) for weight in weights]
+        total = min(len(part) / share for part, share in zip(parts, shares))  # the entry that runs out first
+        parts = [part.shuffle(seed=seed).select(range(max(1, math.floor(total * share + 1e-9))))
+                 for part, share in zip(parts, shares)]
+    logger.info("mixture: %s", ", ".join(f"{entry['dataset']} {len(part)} rows" for entry, part in zip(entries, parts)))
     if not parts:
         raise ValueError("datasets: the mixture lists no dataset")
     kinds = {entry["dataset"]: feature_kind(part.features["prompt"]) for entry, part in zip(entries, parts)}

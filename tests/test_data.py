@@ -243,6 +243,31 @@ def test_a_mixture_takes_fractions_names_each_source_and_names_the_dataset_of_a_
         load_mixture([{"dataset": str(orca)}, {"dataset": str(broken)}])
 
 
+def test_mixture_weights_are_shares_of_the_largest_mixture_without_repeated_rows(tmp_path):
+    from dpo_min.data import load_mixture
+
+    small = write_jsonl(tmp_path / "small.jsonl", [dict(STANDARD, prompt=f"S{i}") for i in range(6)])
+    large = write_jsonl(tmp_path / "large.jsonl", [dict(STANDARD, prompt=f"L{i}") for i in range(40)])
+    # 1:3 by weight. The small set runs out first: 6 rows are a quarter of 24, so 18 of the large set's 40 go in.
+    mixed = load_mixture([{"dataset": str(small), "weight": 1}, {"dataset": str(large), "weight": 3}], seed=3)
+    counts = {name: mixed["source_dataset"].count(name) for name in (str(small), str(large))}
+    assert counts == {str(small): 6, str(large): 18}
+    assert len(set(mixed["prompt"])) == 24  # no row twice
+    again = load_mixture([{"dataset": str(small), "weight": 1}, {"dataset": str(large), "weight": 3}], seed=3)
+    assert again["prompt"] == mixed["prompt"]  # seeded
+    # 1:4 by weight: the small set limits again, 6 rows are 20% of 30, so 24 of the large set's rows go in.
+    mixed = load_mixture([{"dataset": str(small), "weight": 0.2}, {"dataset": str(large), "weight": 0.8}])
+    assert [mixed["source_dataset"].count(name) for name in (str(small), str(large))] == [6, 24]
+    for entries, message in [
+        ([{"dataset": str(small), "weight": 1}, {"dataset": str(large)}], r"datasets\[1\].*every entry a weight"),
+        ([{"dataset": str(small)}, {"dataset": str(large), "weight": 2}], r"datasets\[1\].*every entry a weight"),
+        ([{"dataset": str(small), "weight": 0}], r"datasets\[0\].*weight must be a number > 0"),
+        ([{"dataset": str(small), "weight": 1, "fraction": 0.5}], r"without fraction"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            load_mixture(entries)
+
+
 def test_a_streamed_dataset_gives_the_same_token_ids_on_the_fly(tmp_path, tokenizer):
     path = write_jsonl(tmp_path / "pairs.jsonl", ORCA_ROWS)
     whole = tokenize_dataset(load_preference_dataset(str(path)), tokenizer, max_length=64)
