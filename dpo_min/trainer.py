@@ -18,7 +18,7 @@ from tqdm.auto import tqdm
 from transformers import EvalPrediction, PreTrainedModel, Trainer, TrainerCallback, TrainingArguments, set_seed
 from transformers.trainer_utils import rotate_checkpoints
 
-from . import ref_cache, sharding
+from . import ref_cache, sharding, zero
 from .attention import packed_attention, use_packed_attention
 from .collator import IGNORE_INDEX, NON_MODEL_KEYS, make_collator
 from .compat import trl_hub_tags
@@ -223,7 +223,13 @@ class DPOMinTrainer(Trainer):
         ref_model = ref_model if uses_reference else None
         model, self.ref_adapter_name = self._set_up_adapters(model, args, ref_model, peft_config, uses_reference)
         if ref_model is None and not _is_peft(model) and uses_reference and not args.precompute_ref_log_probs:
+            if zero.is_partitioned(model):  # a copy of ZeRO-3's placeholders would be no model at all
+                raise ValueError("full fine-tuning under DeepSpeed ZeRO-3 needs a reference: pass ref_model (an id or "
+                                 "path, loaded partitioned), or precompute_ref_log_probs=True, or a peft_config")
             ref_model = copy.deepcopy(model)
+        if args.sync_ref_model and zero.zero_stage(args) == 3:
+            raise ValueError("sync_ref_model (TR-DPO) is not supported under DeepSpeed ZeRO-3: its mixing would "
+                             "need every weight gathered; use ZeRO-2, or FSDP2 (shard_with_fsdp2), where it runs")
         if args.sync_ref_model:
             if ref_model is not None and _is_peft(model):
                 raise ValueError("sync_ref_model with a PeftModel syncs a reference adapter: omit ref_model")
@@ -263,7 +269,12 @@ class DPOMinTrainer(Trainer):
             self.model.add_model_tags(trl_hub_tags(model, os.environ))
         # The loss is a mean over pairs; Trainer must divide it by the accumulation steps itself.
         self.model_accepts_loss_kwargs = False
-        self.ref_model = None if ref_model is None else self.accelerator.prepare_model(ref_model, evaluation_mode=True)
+        if ref_model is not None:
+            self.ref_model = zero.inference_engine(ref_model, self.accelerator) if self.is_deepspeed_enabled \
+                else self.accelerator.prepare_model(ref_model, evaluation_mode=True)
+        else:
+            self.ref_model = None
+        self._precompute_engine = None  # DeepSpeed: the policy's forward-only engine for the precompute pass
         self._metrics: dict[str, dict[str, list[float]]] = {"train": defaultdict(list), "eval": defaultdict(list)}
         if args.sync_ref_model:
             self.add_callback(_SyncReference(self))
@@ -284,7 +295,9 @@ class DPOMinTrainer(Trainer):
         if peft_config is not None:
             if _is_peft(model):
                 raise ValueError("pass either a PeftModel or a peft_config, not both")
-            model = get_peft_model(model, peft_config)
+            # Under ZeRO-3 the adapter keeps the base weights' dtype: ZeRO-3 gathers each layer's parameters in one
+            # buffer of one dtype, and peft would otherwise upcast the adapter to float32 (TRL does the same).
+            model = get_peft_model(model, peft_config, autocast_adapter_dtype=zero.zero_stage(args) != 3)
             # The reference is the model with the adapter disabled, unless TR-DPO must move it: then it needs
             # weights of its own, a copy of the fresh adapter (equal to the bare model while B = 0).
             return model, _add_adapter_copy(model, REF_ADAPTER) if args.sync_ref_model else None
@@ -371,6 +384,10 @@ class DPOMinTrainer(Trainer):
         chosen, rejected = [], []
         was_training = self.model.training
         self.model.eval()
+        if self.ref_model is None and self.is_deepspeed_enabled and self._precompute_engine is None \
+                and self.model_wrapped is self.model:
+            # Before train() builds the policy's engine: this one places the weights (and gathers ZeRO-3's shards).
+            self._precompute_engine = zero.inference_engine(self.model, self.accelerator)
         loader = self.accelerator.prepare(loader)
         # The pass runs before the first step and can take minutes: a bar on the main process says how many.
         bar = tqdm(loader, desc="reference log-probs", unit="batch", leave=False,
@@ -386,11 +403,13 @@ class DPOMinTrainer(Trainer):
     def _reference_weights(self) -> list[tuple[str, torch.Tensor]]:
         """The tensors the reference log-probs depend on (for the precompute cache key)."""
         if self.ref_model is not None:
-            return sharding.gathered(self.accelerator.unwrap_model(self.ref_model).state_dict().items())
+            return zero.whole(sharding.gathered(
+                self.accelerator.unwrap_model(self.ref_model).state_dict(keep_vars=True).items()))
         model = self.accelerator.unwrap_model(self.model)
         trained = f".{model.active_adapter}." if _is_peft(model) else None
-        return sharding.gathered((name, tensor) for name, tensor in model.state_dict().items()
-                                 if trained is None or trained not in name)
+        # keep_vars: ZeRO-3's placeholders carry what gathers them (a plain state_dict would hash empty tensors).
+        return zero.whole(sharding.gathered((name, tensor) for name, tensor in model.state_dict(keep_vars=True).items()
+                                            if trained is None or trained not in name))
 
     def _reference_settings(self) -> dict[str, Any]:
         args = self.args
