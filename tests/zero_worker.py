@@ -1,5 +1,6 @@
-"""The DPO runs of tests/test_zero.py: `python tests/zero_worker.py OUT` (plain) or `python tests/zero_worker.py OUT
---deepspeed` (each case under its DeepSpeed ZeRO stage, one process on DeepSpeed's CPU accelerator). For each case
+"""The DPO runs of tests/test_zero.py: `python tests/zero_worker.py OUT` (plain, one process) or `torchrun
+--nproc_per_node 2 tests/zero_worker.py OUT --deepspeed` (each case under its DeepSpeed ZeRO stage, on DeepSpeed's
+CPU accelerator over gloo). For each case
 writes OUT/CASE/run.json (per-step losses; whether the policy and the reference were partitioned) and, through
 save_model, OUT/CASE/saved. Every case runs in one launch: starting a process is most of the cost here."""
 
@@ -37,10 +38,18 @@ def deepspeed_config(stage: int) -> dict:
 
 def main(output_dir: Path, case: str, model_dir: Path, use_deepspeed: bool) -> None:
     stage, settings, reference = CASES[case]
-    args = DPOMinConfig(output_dir=str(output_dir), per_device_train_batch_size=4, max_steps=3, learning_rate=5e-3,
+    processes = int(os.environ.get("WORLD_SIZE", "1"))  # the global batch is 4 pairs in any process count
+    args = DPOMinConfig(output_dir=str(output_dir), per_device_train_batch_size=4 // processes, max_steps=3,
+                        learning_rate=5e-3,
                         warmup_steps=0, logging_steps=1, save_strategy="no", report_to="none", use_cpu=True,
                         disable_tqdm=True, seed=7, max_grad_norm=1.0,
                         deepspeed=deepspeed_config(stage) if use_deepspeed else None, **settings)
+    if use_deepspeed and processes > 1:
+        import deepspeed
+
+        # On CPU accelerate joins the processes over gloo without telling DeepSpeed, whose config would then count
+        # one process (on GPUs accelerate initialises DeepSpeed's communication itself).
+        deepspeed.init_distributed(dist_backend="gloo")
     tokenizer = AutoTokenizer.from_pretrained(str(convert_gguf(default_gguf_path())))
     # Loaded after the config: under ZeRO-3 from_pretrained partitions the weights as it loads them.
     model = AutoModelForCausalLM.from_pretrained(model_dir)
@@ -52,13 +61,38 @@ def main(output_dir: Path, case: str, model_dir: Path, use_deepspeed: bool) -> N
     trainer.save_model(str(output_dir / "saved"))
     steps = [entry for entry in trainer.state.log_history if "loss" in entry]
     ref = [] if trainer.ref_model is None else list(trainer.ref_model.parameters())
+    if trainer.args.process_index != 0:
+        return
+    policy = list(trainer.model.parameters())
     (output_dir / "run.json").write_text(json.dumps({
+        # This process's share of the policy's weights: 1/N of them under ZeRO-3 (padded to whole partitions).
+        "local_numel": sum(p.ds_tensor.numel() if hasattr(p, "ds_tensor") else p.numel() for p in policy),
+        "full_numel": sum(getattr(p, "ds_numel", p.numel()) for p in policy),
         "losses": [entry["loss"] for entry in steps],
         "grad_norms": [entry["grad_norm"] for entry in steps],
-        "policy_partitioned": [hasattr(p, "ds_id") for p in trainer.model.parameters()],
+        "policy_partitioned": [hasattr(p, "ds_id") for p in policy],
         "reference_partitioned": [hasattr(p, "ds_id") for p in ref],
         "reference_is_engine": type(trainer.ref_model).__name__ == "DeepSpeedEngine",
     }))
+
+
+def refusals(output_dir: Path, model_dir: Path) -> None:
+    """Under ZeRO-3: what is refused, and the error each gives (written to OUT/refusals.json)."""
+    tokenizer = AutoTokenizer.from_pretrained(str(convert_gguf(default_gguf_path())))
+    messages = {}
+    cases = {"sync_ref_model": ({"sync_ref_model": True}, str(model_dir)), "full_without_reference": ({}, None)}
+    for name, (settings, reference) in cases.items():
+        args = DPOMinConfig(output_dir=str(output_dir / name), report_to="none", use_cpu=True,
+                            deepspeed=deepspeed_config(3), **settings)
+        model = AutoModelForCausalLM.from_pretrained(model_dir)  # partitioned as it loads
+        try:
+            DPOMinTrainer(model, reference, args=args, train_dataset=Dataset.from_list(random_pairs(4)),
+                          processing_class=tokenizer)
+            messages[name] = None
+        except ValueError as error:
+            messages[name] = str(error)
+    if int(os.environ.get("RANK", "0")) == 0:
+        (output_dir / "refusals.json").write_text(json.dumps(messages))
 
 
 if __name__ == "__main__":
@@ -76,3 +110,5 @@ if __name__ == "__main__":
         tiny_llama(vocab_size=64).save_pretrained(model_dir)
     for name in CASES:
         main(out / name, name, model_dir, use_deepspeed)
+    if use_deepspeed:
+        refusals(out, model_dir)
