@@ -18,8 +18,9 @@ def test_each_evaluation_logs_scalars_and_completions_to_tensorboard(tmp_path, t
                  "--disable_tqdm", "true"])
     assert code == 0
     samples = [json.loads(line) for line in (output_dir / "samples.jsonl").read_text().splitlines()]
-    # Evaluations at steps 0 (eval_on_start), 1, 2 (eval_strategy) and 2 again (the command's final one).
-    assert [s["step"] for s in samples] == [0, 0, 1, 1, 2, 2, 2, 2]
+    # Evaluations at steps 0 (eval_on_start), 1 and 2 (eval_strategy); the one at the last step is the "after" figure,
+    # not followed by a second evaluation of the same weights.
+    assert [s["step"] for s in samples] == [0, 0, 1, 1, 2, 2]
     metrics = json.loads((output_dir / "metrics.json").read_text())
     assert [s["prompt"] for s in samples[-2:]] == [s["prompt"] for s in samples[:2]] and metrics["after"]
 

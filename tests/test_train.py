@@ -108,7 +108,9 @@ def test_command_end_to_end_on_a_tiny_model(tmp_path, tiny_model_dir, hh_file, i
     expected = held_out_figures(policy, reference, held_out_pairs(output_dir, hh_file), tokenizer)
     assert expected["eval_rewards/margins"] != 0.0 and expected["eval_drift/chosen"] != 0.0  # the run moved the policy
     assert_figures_match(metrics["after"], expected)
-    assert "drift chosen +0.0000 -> " in result.stdout and "WARNING" not in result.stdout
+    # dpo_min's own warnings (libraries such as DeepSpeed, when installed, print theirs in another form).
+    assert "drift chosen +0.0000 -> " in result.stdout
+    assert not [line for line in result.stdout.splitlines() if line.startswith("WARNING:")]
     manifest = json.loads((output_dir / "dpo_min_run.json").read_text())
     assert manifest["complete"] and set(manifest["files"]) == {p.name for p in output_dir.iterdir()} - {
         "dpo_min_run.json"}

@@ -103,7 +103,8 @@ if __name__ == "__main__":
         import deepspeed.comm.torch
 
         # DeepSpeed compiles a shared-memory all-reduce for its CPU accelerator on first use (minutes of C++, and a
-        # lock left behind if that is killed); one process all-reduces nothing, and gloo serves where it must.
+        # lock under ~/.cache/torch_extensions that every later run waits on if the compile is killed); gloo's own
+        # collectives serve the test as well.
         deepspeed.comm.torch.build_shm_op = lambda: None
     model_dir = out / "model"
     if not model_dir.exists():
