@@ -129,7 +129,10 @@ def load_mixture(entries: list[Mapping[str, Any]], seed: int = 42, num_proc: int
     mixture, relative to the other entries' weights; all entries or none have one). Rows are taken after a seeded
     shuffle, and never repeated: weighted, the mixture is the largest one in those shares."""
     known = {"dataset", "config", "split", "columns", "fraction", "weight"}
-    parts, weights = [], []
+    weighted = [isinstance(entry, Mapping) and "weight" in entry for entry in entries]
+    if any(weighted) and not all(weighted):
+        raise ValueError(f"datasets[{weighted.index(not weighted[0])}]: give every entry a weight, or none")
+    parts = []
     for position, entry in enumerate(entries):
         if not isinstance(entry, Mapping) or "dataset" not in entry or set(entry) - known:
             raise ValueError(f"datasets[{position}]: an entry needs 'dataset' and may have "
@@ -142,26 +145,23 @@ def load_mixture(entries: list[Mapping[str, Any]], seed: int = 42, num_proc: int
                                    or "fraction" in entry):
             raise ValueError(f"datasets[{position}] ({name}): weight must be a number > 0, without fraction, "
                              f"got {entry!r}")
-        if (weight is None) != (not weights) and position > 0:
-            raise ValueError(f"datasets[{position}] ({name}): give every entry a weight, or none")
         try:
             part = load_preference_dataset(name, entry.get("split", "train"), config=entry.get("config"),
                                            columns=entry.get("columns"), num_proc=num_proc, **options)
         except ValueError as error:
             raise ValueError(f"{name}: {error}" if name not in str(error) else str(error)) from None
-        if weight is not None:
-            weights.append(weight)
         if fraction < 1:
             part = part.shuffle(seed=seed).select(range(max(1, round(len(part) * fraction))))
         parts.append(part.add_column(SOURCE_DATASET, [name] * len(part)))
-    if weights:
+    if all(weighted) and parts:
+        weights = [entry["weight"] for entry in entries]
         shares = [weight / sum(weights) for weight in weights]
         total = min(len(part) / share for part, share in zip(parts, shares))  # the entry that runs out first
         parts = [part.shuffle(seed=seed).select(range(max(1, math.floor(total * share + 1e-9))))
                  for part, share in zip(parts, shares)]
-    logger.info("mixture: %s", ", ".join(f"{entry['dataset']} {len(part)} rows" for entry, part in zip(entries, parts)))
     if not parts:
         raise ValueError("datasets: the mixture lists no dataset")
+    logger.info("mixture: %s", ", ".join(f"{entry['dataset']} {len(part)} rows" for entry, part in zip(entries, parts)))
     kinds = {entry["dataset"]: feature_kind(part.features["prompt"]) for entry, part in zip(entries, parts)}
     if len(set(kinds.values())) > 1:
         raise ValueError(f"a mixture cannot mix string and message-list prompts: {kinds}; use as_messages")

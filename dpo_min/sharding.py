@@ -57,8 +57,19 @@ def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def gathered(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
-    """Sharded tensors made whole, one at a time (every rank must call it, in the same order); others as they are."""
-    return [(name, tensor.full_tensor() if isinstance(tensor, DTensor) else tensor) for name, tensor in named_tensors]
+    """Sharded tensors (FSDP2's DTensors, DeepSpeed ZeRO-3's partitioned parameters) made whole, one at a time
+    (every rank must call it, in the same order); others as they are."""
+    return [(name, _whole(tensor)) for name, tensor in named_tensors]
+
+
+def _whole(tensor: torch.Tensor) -> torch.Tensor:
+    if isinstance(tensor, DTensor):
+        return tensor.full_tensor()
+    if hasattr(tensor, "ds_id"):  # a ZeRO-3 parameter: a placeholder that DeepSpeed gathers
+        from .zero import gathered_copy
+
+        return gathered_copy(tensor)
+    return tensor
 
 
 def reshard(*models: torch.nn.Module) -> None:

@@ -403,13 +403,12 @@ class DPOMinTrainer(Trainer):
     def _reference_weights(self) -> list[tuple[str, torch.Tensor]]:
         """The tensors the reference log-probs depend on (for the precompute cache key)."""
         if self.ref_model is not None:
-            return zero.whole(sharding.gathered(
-                self.accelerator.unwrap_model(self.ref_model).state_dict(keep_vars=True).items()))
+            return sharding.gathered(self.accelerator.unwrap_model(self.ref_model).state_dict(keep_vars=True).items())
         model = self.accelerator.unwrap_model(self.model)
         trained = f".{model.active_adapter}." if _is_peft(model) else None
         # keep_vars: ZeRO-3's placeholders carry what gathers them (a plain state_dict would hash empty tensors).
-        return zero.whole(sharding.gathered((name, tensor) for name, tensor in model.state_dict(keep_vars=True).items()
-                                            if trained is None or trained not in name))
+        return sharding.gathered((name, tensor) for name, tensor in model.state_dict(keep_vars=True).items()
+                                 if trained is None or trained not in name)
 
     def _reference_settings(self) -> dict[str, Any]:
         args = self.args

@@ -9,7 +9,6 @@ weights and, under ZeRO-3, gathers each layer's shards for its forward on every 
 """
 
 import copy
-from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -38,7 +37,7 @@ def inference_engine(model: torch.nn.Module, accelerator: Any) -> torch.nn.Modul
         config.pop(key, None)
     zero = config.setdefault("zero_optimization", {})
     zero.pop("offload_optimizer", None)
-    hidden_size = getattr(model.config, "hidden_size", None) if hasattr(model, "config") else None
+    hidden_size = getattr(getattr(model, "config", None), "hidden_size", None)
     if zero.get("stage") == 3 and hidden_size is not None:
         # Buckets sized to the model rather than left "auto", which only Trainer's own engine would fill in.
         zero.update({"reduce_bucket_size": hidden_size * hidden_size,
@@ -61,7 +60,3 @@ def gathered_copy(parameter: torch.Tensor) -> torch.Tensor:
     with deepspeed.zero.GatheredParameters([parameter]):
         return parameter.detach().clone()
 
-
-def whole(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
-    """ZeRO-3 parameters gathered, one at a time; other tensors as they are."""
-    return [(name, gathered_copy(tensor) if hasattr(tensor, "ds_id") else tensor) for name, tensor in named_tensors]
