@@ -10,6 +10,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import ProgressCallback, TrainerCallback
 
+from .logps import sequence_logps
 from .losses import needs_reference
 
 # The held-out figures the command prints and compares (TRL's names) and how they are shown.
@@ -100,16 +101,81 @@ def wilson_interval(successes: int, trials: int, z: float = 1.959964) -> tuple[f
     return max(0.0, centre - half), min(1.0, centre + half)
 
 
-def describe_accuracy_intervals(before: dict[str, float], after: dict[str, float], pairs: int) -> str:
-    """'0/128 = 0.000 [0.000, 0.029] -> 83/128 = 0.648 [0.563, 0.725]': held-out reward accuracy, 95% Wilson intervals.
+def mean_interval(values: list[float], z: float = 1.959964) -> tuple[float, float, float]:
+    """(mean, low, high): the mean with its 95% interval, mean +- z * s / sqrt(n) (normal approximation, s the sample
+    standard deviation); the interval is the mean itself for fewer than two values."""
+    count = len(values)
+    mean = sum(values) / count
+    if count < 2:
+        return mean, mean, mean
+    spread = z * math.sqrt(sum((value - mean) ** 2 for value in values) / (count - 1) / count)
+    return mean, mean - spread, mean + spread
 
-    The count is accuracy x pairs, exact when every evaluation batch is full (the metric is a mean of batch means)."""
-    parts = []
-    for figures in (before, after):
-        successes = round(figures["eval_rewards/accuracies"] * pairs)
-        low, high = wilson_interval(successes, pairs)
-        parts.append(f"{successes}/{pairs} = {successes / pairs:.3f} [{low:.3f}, {high:.3f}]")
-    return " -> ".join(parts)
+
+def describe_ties(pairs: int, loss_type: Any) -> str:
+    """Before training, when the policy is the reference: what every held-out figure is by definition."""
+    loss = f", loss ln 2 = {math.log(2):.4f}" if tie_loss(loss_type) is not None else ""
+    return (f"held-out before training: all {pairs} pairs are ties by definition (the policy starts as the reference, "
+            f"so every reward is 0): reward accuracy 0/{pairs}, mean margin 0{loss}; no pass is spent measuring it")
+
+
+def tie_loss(loss_type: Any) -> float | None:
+    """The sigmoid (DPO) loss of a pair whose margin is 0, or None for the loss types whose tie value differs."""
+    return math.log(2) if loss_type in ("sigmoid", ["sigmoid"]) else None
+
+
+def tie_figures(loss_type: Any) -> dict[str, float]:
+    """The held-out figures of a policy that is its reference, stated instead of measured (TRL's names)."""
+    figures = {key: 0.0 for key in ("eval_rewards/chosen", "eval_rewards/rejected", "eval_rewards/accuracies",
+                                     "eval_rewards/margins", "eval_drift/chosen", "eval_drift/rejected")}
+    if tie_loss(loss_type) is not None:
+        figures["eval_loss"] = tie_loss(loss_type)
+    return figures
+
+
+def describe_held_out(after: dict[str, float], margins: list[float]) -> str:
+    """After training: the reward accuracy with its Wilson interval, the mean margin with its interval over pairs."""
+    pairs = len(margins)
+    wins = sum(margin > 0 for margin in margins)
+    low, high = wilson_interval(wins, pairs)
+    verdict = "chance (0.5) is outside it" if low > 0.5 or high < 0.5 else "it contains chance (0.5)"
+    mean, mean_low, mean_high = mean_interval(margins)
+    lines = [f"held-out after training, {pairs} pairs never trained on:",
+             f"  reward accuracy {wins}/{pairs} = {wins / pairs:.3f}, 95% interval [{low:.3f}, {high:.3f}] (Wilson): "
+             f"{verdict}",
+             f"  mean margin {mean:+.4f}, 95% interval [{mean_low:+.4f}, {mean_high:+.4f}] over the {pairs} pairs "
+             "(reward of chosen minus reward of rejected, each beta x the summed log-ratio policy / reference)"]
+    if "eval_loss" in after:
+        lines.append(f"  loss {after['eval_loss']:.4f}" + "".join(
+            f", drift {name} {after[f'eval_drift/{name}']:+.4f}" for name in ("chosen", "rejected")
+            if f"eval_drift/{name}" in after) + (" nats per token" if "eval_drift/chosen" in after else ""))
+    return "\n".join(lines)
+
+
+class MarginRecorder(TrainerCallback):
+    """The reward margin of every held-out pair at the latest evaluation, for its interval, without a pass of its own.
+
+    It wraps the trainer's `compute_loss`: during an evaluation it asks for the per-pair rewards the loss returns
+    anyway and keeps chosen - rejected (gathered over processes as the trainer's metrics are); training steps pass
+    through untouched. `latest` holds the last evaluation's margins, in the held-out pairs' order."""
+
+    def __init__(self, trainer: Any):
+        self.compute_loss, self.gather = trainer.compute_loss, trainer.accelerator.gather_for_metrics
+        self.pending: list[torch.Tensor] = []
+        self.latest: list[float] = []
+        trainer.compute_loss = self
+
+    def __call__(self, model, inputs, return_outputs=False, **kwargs):
+        if model.training:
+            return self.compute_loss(model, inputs, return_outputs=return_outputs, **kwargs)
+        loss, outputs = self.compute_loss(model, inputs, return_outputs=True, **kwargs)
+        margins = (outputs["chosen_rewards"] - outputs["rejected_rewards"]).detach()
+        self.pending.append(self.gather(margins).float().cpu())
+        return (loss, outputs) if return_outputs else loss
+
+    def on_evaluate(self, args, state, control, **kwargs):
+        self.latest = torch.cat(self.pending).tolist() if self.pending else []
+        self.pending = []
 
 
 def all_finite(metrics: dict[str, float]) -> bool:
@@ -208,13 +274,35 @@ def _wandb_table(callback: Any, rows: list[tuple[int, str, str, str]], step: int
 BACKEND_TABLES = {"TensorBoardCallback": _tensorboard_table, "WandbCallback": _wandb_table}
 
 
-def format_samples(prompts: list[Any], reference: list[str], policy: list[str]) -> str:
-    """The samples as text, reference above policy."""
+def format_samples(prompts: list[Any], reference: list[str], policy: list[str],
+                   margins: list[tuple[float, float]] | None = None) -> str:
+    """The samples as text, reference above policy; with `margins` ((reference, policy) log-prob margins of each
+    pair), a line that shows how the preference between that pair's answers moved."""
     lines = []
-    for prompt, before, after in zip(prompts, reference, policy):
+    for index, (prompt, before, after) in enumerate(zip(prompts, reference, policy)):
         lines += [f"prompt:    {_one_line(prompt_text(prompt))}", f"reference: {_one_line(before)}",
-                  f"policy:    {_one_line(after)}", ""]
+                  f"policy:    {_one_line(after)}"]
+        if margins:
+            old, new = margins[index]
+            lines.append(f"log p(chosen) - log p(rejected): reference {old:+.2f}, policy {new:+.2f} "
+                         f"(change {new - old:+.2f})")
+        lines.append("")
     return "\n".join(lines)
+
+
+@torch.no_grad()
+def logprob_margins(model: torch.nn.Module, collator: Any, pairs: list[dict[str, Any]]) -> list[float]:
+    """log p(chosen | prompt) - log p(rejected | prompt) of each tokenized pair, summed over its completion tokens,
+    as the loss computes them (same tokens, same truncation, same layout)."""
+    if not pairs:
+        return []
+    was_training = model.training
+    model.eval()
+    batch = collator([{key: pair[key] for key in ("prompt_ids", "chosen_ids", "rejected_ids")} for pair in pairs])
+    batch = {key: value.to(model.device) if isinstance(value, torch.Tensor) else value for key, value in batch.items()}
+    chosen, rejected = sequence_logps(model, batch).pair_logps().float().chunk(2)
+    model.train(was_training)
+    return (chosen - rejected).tolist()
 
 
 def _cell(text: str) -> str:

