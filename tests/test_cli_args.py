@@ -21,14 +21,15 @@ def test_demo_defaults_apply_to_the_demo_only(tmp_path):
     _, demo_data, demo = parse_args([])
     assert (demo.learning_rate, demo.max_steps, demo.padding_free, demo.share_prompt) == (
         DEMO_DEFAULTS["learning_rate"], DEMO_DEFAULTS["max_steps"], True, True)
-    assert demo_data.max_eval_samples >= 100
+    # Whole evaluation batches (the accuracy is then an exact count); no step-0 pass, whose figures are known.
+    assert demo_data.max_eval_samples % demo.per_device_eval_batch_size == 0 and not demo.eval_on_start
     library = DPOMinConfig(output_dir="unused")
     for given in (["--dataset", "my.jsonl"], ["--model", "some/model"], ["--model_name_or_path", "some/model"]):
         _, data_args, args = parse_args([*given, "--num_train_epochs", "1"])
         for name in ("learning_rate", "max_steps", "max_length", "max_prompt_length", "per_device_train_batch_size",
                      "padding_free", "logging_steps", "save_strategy"):
             assert getattr(args, name) == getattr(library, name), (given, name)
-        assert data_args.max_eval_samples is None
+        assert data_args.max_eval_samples is None and args.eval_on_start
 
 
 def test_a_run_with_a_dataset_is_not_capped(tmp_path):
