@@ -112,7 +112,7 @@ CELLS = [
 def build(path: Path = HERE / "quickstart.ipynb") -> None:
     notebook = new_notebook(cells=CELLS, metadata={"kernelspec": {"name": "python3", "display_name": "Python 3",
                                                                   "language": "python"}})
-    NotebookClient(notebook, timeout=1800, kernel_name="python3", resources={"metadata": {"path": str(HERE)}}).execute()
+    NotebookClient(notebook, timeout=7200, kernel_name="python3", resources={"metadata": {"path": str(HERE)}}).execute()
     nbformat.write(notebook, path)
 
 

@@ -215,7 +215,7 @@ def test_help_lists_every_option_with_its_default(capsys):
         for field in dataclass_type.__dataclass_fields__.values():
             if field.init:
                 assert "(default:" in blocks[field.name], field.name
-    assert "demo: 0.0005; otherwise: (default: 1e-06)" in " ".join(blocks["learning_rate"].split())
+    assert "demo: 0.001; otherwise: (default: 1e-06)" in " ".join(blocks["learning_rate"].split())
 
 
 def wrong_columns_file(tmp_path):
