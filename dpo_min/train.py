@@ -296,15 +296,7 @@ def run(trainer: DPOMinTrainer, model_args: ModelArguments, data_args: DataArgum
     # The evaluation before training runs inside train() (eval_on_start): an evaluate() ahead of train() would leave
     # the model without its DDP wrapper, and several processes would then train apart, never syncing gradients.
     train_metrics = trainer.train(resume_from_checkpoint=args.resume_from_checkpoint).metrics
-    evaluations = [entry for entry in trainer.state.log_history if "eval_loss" in entry]
-    before = next((entry for entry in evaluations if entry["step"] == 0), tie_figures(args.loss_type) if ties else {})
-    # A scheduled evaluation at the last step has scored the final weights already: no second pass over the pairs.
-    final = evaluations[-1] if evaluations and evaluations[-1]["step"] == trainer.state.global_step > 0 else None
-    after = {} if held_out is None else final if final is not None else trainer.evaluate()
-    if after and margins.latest:
-        say(describe_held_out(after, margins.latest))
-    if before and after:
-        say(f"held-out, before -> after training: {describe_change(before, after)}")
+    before, after = _held_out_before_after(trainer, held_out is not None, ties, margins, say)
     model = trainer.accelerator.unwrap_model(trainer.model)
 
     if model_args.merge_adapter and model_args.use_peft:
@@ -340,6 +332,22 @@ def run(trainer: DPOMinTrainer, model_args: ModelArguments, data_args: DataArgum
         f"in {wall_time:.0f} s")
     if push:
         say(f"pushed to {push_to_hub(output_dir, repo_id, args.hub_token, args.hub_private_repo)}")
+
+
+def _held_out_before_after(trainer: DPOMinTrainer, has_held_out: bool, ties: bool, margins: MarginRecorder,
+                           say: Any) -> tuple[dict[str, float], dict[str, float]]:
+    """The held-out figures before (measured at step 0, or stated when they are ties) and after training, printed."""
+    evaluations = [entry for entry in trainer.state.log_history if "eval_loss" in entry]
+    before = next((entry for entry in evaluations if entry["step"] == 0),
+                  tie_figures(trainer.args.loss_type) if ties else {})
+    # A scheduled evaluation at the last step has scored the final weights already: no second pass over the pairs.
+    final = evaluations[-1] if evaluations and evaluations[-1]["step"] == trainer.state.global_step > 0 else None
+    after = {} if not has_held_out else final if final is not None else trainer.evaluate()
+    if after and margins.latest:
+        say(describe_held_out(after, margins.latest))
+    if before and after:
+        say(f"held-out, before -> after training: {describe_change(before, after)}")
+    return before, after
 
 
 def run_card(model_args: ModelArguments, data_args: DataArguments, args: DPOMinConfig, metrics: dict[str, Any],
