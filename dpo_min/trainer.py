@@ -19,7 +19,7 @@ from transformers import EvalPrediction, PreTrainedModel, Trainer, TrainerCallba
 from transformers.trainer_utils import rotate_checkpoints
 
 from . import ref_cache, sharding, zero
-from .attention import packed_attention, use_packed_attention
+from .attention import check_packed_model, packed_attention, use_packed_attention
 from .collator import IGNORE_INDEX, NON_MODEL_KEYS, make_collator
 from .compat import trl_hub_tags
 from .config import DPOMinConfig
@@ -137,7 +137,7 @@ def _from_pretrained_kwargs(args: DPOMinConfig, quantization_config: Any, **defa
 def _check_layout(model_config: Any, args: DPOMinConfig) -> None:
     if not (args.padding_free or args.share_prompt):
         return
-    packed_attention(getattr(model_config, "_attn_implementation", None))  # raises for one that cannot
+    check_packed_model(model_config)  # raises for a family or an attention not tested packed
     layer_types = getattr(model_config, "layer_types", None) or ["sliding_attention"]
     if args.share_prompt and getattr(model_config, "sliding_window", None) and "sliding_attention" in layer_types:
         raise ValueError("share_prompt's 4D attention mask has no sliding window, and this model uses one "
