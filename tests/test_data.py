@@ -140,6 +140,19 @@ def test_pairs_without_completion_tokens_are_dropped_with_a_warning(tokenizer, c
     assert "dropped 1 of 2 pairs" in caplog.text
 
 
+def test_pairs_identical_after_truncation_are_dropped_and_counted(tokenizer, caplog):
+    # max_length cuts both answers inside their shared opening: the same sequence twice, a loss of ln 2, no gradient.
+    same_opening = {"prompt": "Q?", "chosen": " the same long opening words here, then yes",
+                    "rejected": " the same long opening words here, then no"}
+    with caplog.at_level("WARNING"):
+        dataset = tokenize_dataset(Dataset.from_list([STANDARD, same_opening]), tokenizer, max_length=6)
+    assert len(dataset) == 1 and dataset[0]["chosen_ids"] != dataset[0]["rejected_ids"]
+    assert "dropped 1 of 2 pairs with chosen identical to rejected after truncation" in caplog.text
+    assert "first source rows: 1" in caplog.text
+    with pytest.raises(ValueError, match=r"no pair left after truncation .*: 1 with chosen identical to rejected"):
+        tokenize_dataset([same_opening], tokenizer, max_length=6)
+
+
 def test_conversational_rows_need_a_chat_template(tokenizer):
     tokenizer.chat_template = None
     with pytest.raises(ValueError, match=r"row 0: conversational data needs a tokenizer with a chat template"):
@@ -276,6 +289,40 @@ def test_a_streamed_dataset_gives_the_same_token_ids_on_the_fly(tmp_path, tokeni
     assert [row["chosen_ids"] for row in streamed] == whole["chosen_ids"]
 
 
+def test_a_stream_counts_what_it_drops_as_it_is_read(tmp_path, tokenizer):
+    from dpo_min.data import STREAM_COUNTS, describe_stream_counts
+
+    haiku, long = [{"role": "user", "content": "Write a haiku."}], [{"role": "user", "content": "word " * 60}]
+    opening = "the same opening words, " * 8
+    rows = [{"context": haiku, "response1": "Leaves fall", "response2": "no", "overall_preference": -2},
+            {"context": haiku, "response1": "a", "response2": "b", "overall_preference": 0},  # a tie
+            {"context": long, "response1": "a", "response2": "b", "overall_preference": 1},  # the prompt fills it
+            {"context": haiku, "response1": opening + "yes", "response2": opening + "no", "overall_preference": 1}]
+    path = write_jsonl(tmp_path / "helpsteer3.jsonl", rows)
+    stream = tokenize_dataset(load_preference_dataset(str(path), streaming=True), tokenizer, max_length=48)
+    before = STREAM_COUNTS.copy()  # building the stream read its first rows to learn their columns
+    assert len(list(stream)) == 1
+    counts = STREAM_COUNTS.copy()
+    counts.subtract(before)
+    assert describe_stream_counts(counts) == (
+        "read 4 rows, dropped 3: 1 skipped by the layout (ties), 1 with no completion token left after truncation, "
+        "1 with chosen identical to rejected after truncation")
+
+
+def test_streaming_evaluates_the_whole_eval_split_or_max_eval_samples(tmp_path, monkeypatch, capsys):
+    from dpo_min import DPOMinConfig, train
+    from dpo_min.cli_args import DataArguments
+
+    test_split = write_jsonl(tmp_path / "test.jsonl", [dict(STANDARD, prompt=f"Q{i}") for i in range(150)])
+    monkeypatch.setattr(train, "_load", lambda *_: load_preference_dataset(str(test_split), streaming=True))
+    args = DPOMinConfig(output_dir=str(tmp_path / "out"), max_steps=1, precompute_ref_log_probs=False)
+    for cap, expected in ((None, 150), (20, 20)):
+        data_args = DataArguments(dataset="org/pairs", streaming=True, eval_split="test", max_eval_samples=cap)
+        _, held_out = train._stream_pairs("the train stream", "org/pairs", data_args, args)
+        assert len(held_out) == expected and held_out["prompt"] == [f"Q{i}" for i in range(expected)]
+    assert "held out 150 pairs: split 'test', the whole split" in capsys.readouterr().out
+
+
 def test_the_command_trains_orca_rows_on_their_question_and_reads_a_yaml_mixture(tmp_path, tiny_model_dir):
     from dpo_min.train import main
 
@@ -301,7 +348,7 @@ def test_the_command_trains_orca_rows_on_their_question_and_reads_a_yaml_mixture
     assert metrics["train_pairs"] + metrics["held_out_pairs"] <= 10
 
 
-def test_the_command_streams_with_max_steps(tmp_path, tiny_model_dir):
+def test_the_command_streams_with_max_steps(tmp_path, tiny_model_dir, capsys):
     from dpo_min.train import main
 
     path = write_jsonl(tmp_path / "orca.jsonl", ORCA_ROWS)
@@ -315,3 +362,4 @@ def test_the_command_streams_with_max_steps(tmp_path, tiny_model_dir):
     assert metrics["train_pairs"] == "streamed" and metrics["held_out_pairs"] == 2
     state = json.loads((output_dir / "trainer_state.json").read_text())
     assert [entry["step"] for entry in state["log_history"] if "loss" in entry] == [1, 2]
+    assert "stream, in the run: read 8 rows, dropped 0\n" in capsys.readouterr().out
