@@ -20,7 +20,7 @@ import datasets
 import torch
 from datasets import Dataset
 from peft import LoraConfig
-from transformers import ProgressCallback
+from transformers import ProgressCallback, TrainerCallback
 
 from .card import hub_repo_id, model_card, push_to_hub
 from .cli_args import (  # noqa: F401  (COMMAND_DEFAULTS, DEMO_DEFAULTS: re-exported for scripts and tests)
@@ -33,7 +33,7 @@ from .cli_args import (  # noqa: F401  (COMMAND_DEFAULTS, DEMO_DEFAULTS: re-expo
     parse_args,
 )
 from .config import DPOMinConfig
-from .data import load_mixture, load_preference_dataset
+from .data import SKIPPED, STREAM_COUNTS, describe_stream_counts, load_mixture, load_preference_dataset
 from .models import load_model_and_tokenizer, quantization_config
 from .report import (
     CompletionLogger,
@@ -152,13 +152,47 @@ def _stream_pairs(train: Any, source: str, data_args: DataArguments, args: DPOMi
         raise UsageError("--streaming needs --max_steps (a stream has no length to count epochs by)")
     if args.precompute_ref_log_probs:
         raise UsageError("--streaming computes the reference on the fly: pass --precompute_ref_log_probs false")
-    count = data_args.max_eval_samples or 0
-    if data_args.eval_split:
-        return train, Dataset.from_list(list(_load(source, data_args.eval_split, data_args, args).take(count or 100)))
-    if data_args.eval_fraction == 0 or count == 0:
+    count = data_args.max_eval_samples
+    if data_args.eval_split:  # the whole split, as without --streaming, or its first --max_eval_samples pairs
+        split = _load(source, data_args.eval_split, data_args, args)
+        return train, _held_out_of_stream(split if count is None else split.take(count), source,
+                                          f"split {data_args.eval_split!r}", whole=count is None)
+    if data_args.eval_fraction == 0 or not count:
         return train, None
     # A stream cannot be split by fraction: the first max_eval_samples pairs are held out, training skips them.
-    return train.skip(count), Dataset.from_list(list(train.take(count)))
+    return train.skip(count), _held_out_of_stream(train.take(count), source, "the stream's first pairs", whole=False)
+
+
+def _held_out_of_stream(stream: Any, source: str, what: str, whole: bool) -> Dataset:
+    before = STREAM_COUNTS.copy()
+    pairs = list(stream)
+    if not pairs:
+        raise InputError(f"{source}: {what} holds no pair to evaluate on")
+    skipped = STREAM_COUNTS[SKIPPED] - before[SKIPPED]
+    # Read whole, the split's count of skipped rows is exact; a capped read converts rows beyond the cap too.
+    print(f"held out {len(pairs)} pairs: {what}{', the whole split' if whole else ''}"
+          f"{f' ({skipped} rows {SKIPPED})' if whole and skipped else ''}")
+    return Dataset.from_list(pairs)
+
+
+class StreamCountsLogger(TrainerCallback):
+    """What the training stream read and dropped (rows its layout skips, pairs cut unusable by truncation), said at
+    the end of each pass over the data and of the run. Map-style data says it once, as it is prepared."""
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.start = STREAM_COUNTS.copy()  # reading the held-out pairs and the first row happened before
+
+    def on_epoch_end(self, args, state, control, **kwargs):
+        self._say(state, f"at the end of a pass over the data (step {state.global_step})")
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self._say(state, "in the run")
+
+    def _say(self, state, when: str) -> None:
+        if state.is_world_process_zero:
+            counts = STREAM_COUNTS.copy()
+            counts.subtract(self.start)
+            print(f"stream, {when}: {describe_stream_counts(counts)}")
 
 
 def _columns(data_args: DataArguments) -> dict[str, str] | None:
@@ -241,6 +275,8 @@ def main(argv: list[str] | None = None) -> int:
         if trainer.pop_callback(ProgressCallback) is not None:
             trainer.add_callback(LiveLossBar())
         trainer.add_callback(HeldOutPrinter())
+        if data_args.streaming:
+            trainer.add_callback(StreamCountsLogger())
         run(trainer, model_args, data_args, held_out, output_dir, started, push)
     except (UsageError, InputError, OutputDirError, FloatingPointError) as error:
         if owned is not None:
