@@ -164,7 +164,11 @@ def _show_data_log(is_main: bool) -> None:
     if not data_logger.handlers:
         handler = logging.StreamHandler(sys.stdout)
         handler.setFormatter(logging.Formatter("%(message)s"))
+        handler.set_name(PROG)
         data_logger.addHandler(handler)
+    for handler in data_logger.handlers:
+        if handler.get_name() == PROG:  # ours: each run prints to the stdout it has now, not an earlier run's
+            handler.stream = sys.stdout  # (setStream would flush the old one, which may be closed)
     data_logger.setLevel(logging.INFO if is_main else logging.WARNING)
 
 
