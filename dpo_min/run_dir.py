@@ -88,7 +88,7 @@ class RunFolder:
     @property
     def shown(self) -> str:
         """The folder as named, and where it really is when a link leads elsewhere."""
-        return str(self.named) if self.named == self.output_dir else f"{self.named} (a link to {self.output_dir})"
+        return str(self.named) if self.named == self.output_dir else f"{self.named} (-> {self.output_dir})"
 
     # ---- the lock -----------------------------------------------------------------------------------------------
     def lock(self) -> None:

@@ -352,12 +352,16 @@ def run(trainer: DPOMinTrainer, model_args: ModelArguments, data_args: DataArgum
     say(f"wrote {', '.join(sorted(path.name for path in folder.output_dir.iterdir()))} to {output_dir} "
         f"in {wall_time:.0f} s")
     if push:
-        try:
-            say(f"pushed to {push_to_hub(folder.output_dir, repo_id, args.hub_token, args.hub_private_repo)}")
-        except Exception as error:  # the network, the token, the Hub: the run itself is published already
-            reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-            raise InputError(f"the push to {repo_id} failed ({reason}); the run is safe in {output_dir}: upload it "
-                             f"with `hf upload {repo_id} {output_dir}`") from None
+        say(f"pushed to {_push(folder, repo_id, args)}")
+
+
+def _push(folder: RunFolder, repo_id: str, args: DPOMinConfig) -> str:
+    try:
+        return push_to_hub(folder.output_dir, repo_id, args.hub_token, args.hub_private_repo)
+    except Exception as error:  # the network, the token, the Hub: the run itself is published already
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise InputError(f"the push to {repo_id} failed ({reason}); the run is safe in {folder.named}: upload it "
+                         f"with `hf upload {repo_id} {folder.named}`") from None
 
 
 def _check_push(repo_id: str, token: str | None) -> None:

@@ -331,7 +331,7 @@ def test_a_link_to_a_foreign_folder_is_refused_and_the_folder_kept(tmp_path, cap
     code = main(["--model", str(tmp_path / "no-model"), "--output_dir", str(tmp_path / "out")])
     assert code == 2
     line = one_error_line(capsys)
-    assert f"--output_dir {tmp_path / 'out'} (a link to {tmp_path / 'mine'}) holds files that are not" in line
+    assert f"--output_dir {tmp_path / 'out'} (-> {tmp_path / 'mine'}) holds files that are not" in line
     assert tree(tmp_path / "mine") == {"notes.txt": "mine"} and sorted(os.listdir(tmp_path)) == ["mine", "out"]
 
 
