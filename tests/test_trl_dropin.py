@@ -342,7 +342,8 @@ def test_trls_dpo_script_with_the_classes_swapped_logs_the_same_numbers(title, t
                                                            "--output_dir", str(tmp_path / "o")])
     assert type(our_args) is DPOMinConfig and type(their_args) is trl.DPOConfig
     for field in dataclasses.fields(trl.DPOConfig):  # every option the command set means the same on both sides
-        if f"--{field.name}" in commands[title] + changes and field.name != "output_dir":
+        named = {f"--{field.name}", f"--no_{field.name}"} & set(commands[title] + changes)
+        if named and field.name != "output_dir":
             assert getattr(our_args, field.name) == getattr(their_args, field.name), field.name
     assert [entry["step"] for entry in ours.state.log_history if "loss" in entry] == [1, 2]
     assert_same_logs(ours, theirs)
