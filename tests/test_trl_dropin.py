@@ -125,7 +125,8 @@ def assert_same_logs(ours, theirs):
             if key.endswith(TIMINGS) or (key not in mine_entry and _not_yet_logged(key)):
                 continue
             assert key in mine_entry, (reference_entry["step"], key)
-            floor = DIFFERENCE_ABS if "rewards/" in key or key.endswith("loss") else 1e-8
+            # Mean logits sit near 0 on a random model, where relative 1e-5 is below float32 noise after a step.
+            floor = DIFFERENCE_ABS if "rewards/" in key or key.endswith("loss") else 1e-6 if "logits/" in key else 1e-8
             assert mine_entry[key] == pytest.approx(expected, rel=1e-5, abs=floor), (reference_entry["step"], key)
             compared += 1
     assert compared > 10
@@ -326,9 +327,12 @@ def test_trls_dpo_script_with_the_classes_swapped_logs_the_same_numbers(title, t
     assert set(commands) == {"Full training", "LoRA"}
     data = tmp_path / "pairs"  # a folder load_dataset reads as a train and a test split
     data.mkdir()
+    # The 4 shortest pairs train (2 steps of 2), 2 of them are the test split: short rows keep the test cheap, and
+    # nothing is cut (TRL and dpo_min cut over-long rows differently: README, "What still differs").
     columns = hh_pairs.select_columns(["prompt", "chosen", "rejected"])
-    columns.to_json(data / "train.jsonl")
-    columns.select(range(2)).to_json(data / "test.jsonl")
+    shortest = sorted(range(len(columns)), key=lambda i: len(json.dumps(columns[i])))[:4]
+    columns.select(shortest).to_json(data / "train.jsonl")
+    columns.select(shortest[:2]).to_json(data / "test.jsonl")
     # The docstring's command as written, then only locations and sizes changed (later flags win; its eval_steps 50
     # leaves no evaluation in 2 steps, which keeps the test cheap: the scripts above compare evaluations), and TRL's
     # CPU differences set alike: bf16 (TRL's default) is no bf16 on this CPU, no gradient checkpointing (speed only).
