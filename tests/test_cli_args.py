@@ -339,3 +339,19 @@ def test_hub_model_revision_pushes_to_that_branch(tmp_path, monkeypatch):
     calls.clear()
     push_to_hub(tmp_path, "me/zephyr")  # no revision: the main branch, as before
     assert calls == [("upload_folder", "me/zephyr", None)]
+
+
+def test_a_dataset_flag_overrides_the_recipes_mixture_and_both_in_one_place_train_the_mixture(tmp_path, capsys):
+    mixture = [{"dataset": "a.jsonl"}, {"dataset": "b.jsonl"}]
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump({"datasets": mixture}))
+    _, data_args, _ = parse_args([str(path), "--dataset", "x.jsonl"])  # flags override the recipe
+    assert (data_args.dataset, data_args.datasets) == ("x.jsonl", None)
+    path.write_text(yaml.safe_dump({"dataset_name": "x.jsonl"}))
+    _, data_args, _ = parse_args([str(path), "--datasets", json.dumps(mixture)])
+    assert (data_args.dataset, data_args.datasets) == (None, json.dumps(mixture))
+    assert capsys.readouterr().err == ""
+    path.write_text(yaml.safe_dump({"dataset_name": "x.jsonl", "datasets": mixture}))  # TRL's rule: the mixture
+    _, data_args, _ = parse_args([str(path)])
+    assert (data_args.dataset, data_args.datasets) == (None, mixture)
+    assert "the mixture is trained, dataset ignored" in capsys.readouterr().err
