@@ -170,12 +170,18 @@ def check_hub_access(repo_id: str, token: str | None = None) -> None:
                       "login` or pass --hub_token, or train without --push_to_hub and upload later") from None
 
 
-def push_to_hub(folder: Path, repo_id: str, token: str | None = None, private: bool | None = None) -> str:
-    """Upload the finished output folder (model or adapter, tokenizer, card, curves, metrics); returns the URL."""
+def push_to_hub(folder: Path, repo_id: str, token: str | None = None, private: bool | None = None,
+                revision: str | None = None) -> str:
+    """Upload the finished output folder (model or adapter, tokenizer, card, curves, metrics) to the repository's
+    `revision` branch (made if missing; default: main); returns the URL."""
     from huggingface_hub import HfApi
 
     api = HfApi(token=token)
     repo = api.create_repo(repo_id, private=private, exist_ok=True)
+    branch = {}
+    if revision is not None:
+        api.create_branch(repo.repo_id, branch=revision, exist_ok=True)
+        branch = {"revision": revision}
     api.upload_folder(repo_id=repo.repo_id, folder_path=str(folder), commit_message="dpo_min: trained model",
-                      ignore_patterns=["checkpoint-*", "checkpoint-*/**"])
+                      ignore_patterns=["checkpoint-*", "checkpoint-*/**"], **branch)
     return repo.url if hasattr(repo, "url") else str(repo)

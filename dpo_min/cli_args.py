@@ -40,8 +40,9 @@ class ModelArguments:
     attn_implementation: str | None = field(default=None, metadata={
         "help": "Attention kernel (sdpa, eager, ...); default: transformers' choice."})
     use_peft: bool = field(default=True, metadata={
-        "help": "Train a LoRA adapter (the reference is the model with the adapter off). --no_use_peft: full "
-                "fine-tuning against a frozen copy of the model."})
+        "help": "Train a LoRA adapter (the reference is the model with the adapter off). On by default only without "
+                "--model and without a recipe (the demo); with either, off unless asked for, as in TRL. "
+                "--no_use_peft: full fine-tuning against a frozen copy of the model."})
     lora_r: int = field(default=16, metadata={"help": "LoRA rank."})
     lora_alpha: int = field(default=32, metadata={"help": "LoRA scaling numerator (scale = alpha / r)."})
     lora_dropout: float = field(default=0.0, metadata={"help": "Dropout on the LoRA input."})
@@ -60,6 +61,9 @@ class ModelArguments:
     use_bnb_nested_quant: bool = field(default=False, metadata={"help": "Quantise the 4-bit scales too."})
     merge_adapter: bool = field(default=False, metadata={
         "help": "Save the adapter merged into the weights: a plain model for AutoModelForCausalLM.from_pretrained."})
+    chat_template: str | None = field(default=None, metadata={
+        "help": "A Jinja chat template set on the tokenizer before the data is rendered (alignment-handbook's "
+                "DPOConfig key)."})
 
 
 @dataclass
@@ -139,7 +143,6 @@ DEMO_DEFAULTS = {
 # TRL's (ScriptArguments, ModelConfig, DPOConfig) names for options dpo_min calls otherwise.
 TRL_NAMES = {
     "model_name_or_path": "model",
-    "torch_dtype": "dtype",
     "dataset_name": "dataset",
     "dataset_train_split": "split",
     "dataset_test_split": "eval_split",
@@ -152,6 +155,47 @@ TRL_WITHOUT_COUNTERPART: dict[str, tuple[Any, str]] = {
     "ignore_bias_buffers": (_ANY, "LoRA on every linear layer leaves no bias buffers to skip"),
     "bnb_4bit_quant_storage": (_ANY, "the storage dtype is bitsandbytes' default"),
     "lora_target_parameters": (None, "LoRA on parameters (not modules) is not exposed"),
+}
+
+
+# Keys of the alignment-handbook's recipes (written for transformers 4 and older TRL) that dpo_min spells otherwise:
+# key -> its value -> the options it means here ({} when it changes nothing). Each refuses, in one line that says
+# what to write instead, a value it cannot honour.
+def _warmup_ratio(value: Any) -> dict[str, Any]:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
+        raise ValueError(f"warmup_ratio must be in [0, 1), got {value!r} (transformers 5 reads a warmup_steps of 1 or "
+                         "more as a step count: for warmup over N steps write warmup_steps: N)")
+    # transformers 5 folded warmup_ratio into warmup_steps: a value below 1 is the same ratio of the training steps,
+    # rounded up as transformers 4 rounded warmup_ratio.
+    return {"warmup_steps": float(value)}
+
+
+def _torch_dtype(value: Any) -> dict[str, Any]:
+    # The handbook passes torch_dtype to from_pretrained, whose default under transformers 4 is float32: `null` meant
+    # float32 weights (bf16: true then trains them in bf16 autocast).
+    return {"dtype": "float32" if value is None else value}
+
+
+def _overwrite_output_dir(value: Any) -> dict[str, Any]:
+    if value is not True:
+        raise ValueError(f"overwrite_output_dir={value!r} is not supported: dpo_min replaces an earlier run's own "
+                         "files in output_dir and refuses a folder holding anything else; drop the key")
+    return {}
+
+
+def _do_train(value: Any) -> dict[str, Any]:
+    if value is not True:
+        raise ValueError(f"do_train={value!r} is not supported: the command always trains; drop the key (to evaluate "
+                         "only, call DPOMinTrainer.evaluate() in Python)")
+    return {}
+
+
+RECIPE_KEYS: dict[str, Any] = {
+    "warmup_ratio": _warmup_ratio,
+    "torch_dtype": _torch_dtype,
+    "overwrite_output_dir": _overwrite_output_dir,
+    "do_train": _do_train,
+    "hub_model_revision": lambda value: {"hub_revision": value},  # the hub branch the model is pushed to
 }
 
 
@@ -204,6 +248,10 @@ def parse_args(argv: list[str] | None = None) -> tuple[ModelArguments, DataArgum
             recipe.pop(other, None)  # a flag overrides the recipe: --dataset X trains X, not the recipe's mixture
     named = set(recipe) | flags
     parser = build_parser(demo=not named & {"model", "dataset", "help"} and "-h" not in argv)
+    if recipe_path or "model" in named:
+        # A recipe or a model of one's own trains what TRL would train from the same keys: LoRA only when asked for
+        # (ModelConfig's use_peft=False). Only the demo, on its default model, keeps its LoRA adapter.
+        parser.set_defaults(use_peft=False)
     parser.set_defaults(**recipe)
     try:
         model_args, data_args, args, remaining = parser.parse_args_into_dataclasses(
@@ -226,8 +274,21 @@ def parse_args(argv: list[str] | None = None) -> tuple[ModelArguments, DataArgum
     if model_args.load_in_4bit and model_args.load_in_8bit:
         raise UsageError("choose one of --load_in_4bit and --load_in_8bit")
     if (model_args.load_in_4bit or model_args.load_in_8bit) and not model_args.use_peft:
-        raise UsageError("--load_in_4bit/--load_in_8bit train an adapter on frozen quantized weights: keep --use_peft")
+        raise UsageError("--load_in_4bit/--load_in_8bit train an adapter on frozen quantized weights: add --use_peft")
+    if model_args.merge_adapter and not model_args.use_peft:
+        raise UsageError("--merge_adapter merges a LoRA adapter, and this run trains none: add --use_peft")
+    if "do_eval" in named and not args.do_eval:
+        _evaluate_nothing(data_args, named)
     return model_args, data_args, args
+
+
+def _evaluate_nothing(data_args: DataArguments, named: set[str]) -> None:
+    """do_eval: false (with eval_strategy: no, else TrainingArguments sets it back to true): as in the handbook, no
+    pair is held out and nothing is evaluated, so every pair trains."""
+    asked = sorted(named & {"eval_fraction", "eval_split", "max_eval_samples"})
+    if asked:
+        raise UsageError(f"do_eval: false evaluates nothing, but {', '.join(asked)} asks for held-out pairs: drop one")
+    data_args.eval_fraction = 0.0
 
 
 def _pop_config(argv: list[str]) -> str | None:
@@ -246,25 +307,44 @@ def _pop_config(argv: list[str]) -> str | None:
 
 
 def _did_you_mean(name: str) -> str:
-    close = difflib.get_close_matches(name, sorted(known_options() | set(TRL_NAMES)), n=1)
+    close = difflib.get_close_matches(name, sorted(known_options() | set(TRL_NAMES) | set(RECIPE_KEYS)), n=1)
     return f" (did you mean --{close[0]}?)" if close else ""
 
 
-def _canonical(name: str, value: Any, where: str) -> str | None:
-    """TRL's name -> ours; None for an accepted TRL option without a counterpart. Raises UsageError for the rest."""
-    name = name.replace("-", "_") if name.replace("-", "_") in TRL_NAMES | TRL_WITHOUT_COUNTERPART else name
+def _translate(name: str, value: Any, where: str) -> dict[str, Any]:
+    """An option as TRL, the handbook or dpo_min writes it -> {dpo_min's option: value}; {} for one that changes
+    nothing here. Raises UsageError for a value dpo_min cannot honour."""
+    if name.replace("-", "_") in TRL_NAMES | TRL_WITHOUT_COUNTERPART | RECIPE_KEYS:
+        name = name.replace("-", "_")
+    if name in RECIPE_KEYS:
+        try:
+            return RECIPE_KEYS[name](value)
+        except ValueError as error:
+            raise UsageError(f"{where}: {error}") from None
     if name in TRL_NAMES:
-        return TRL_NAMES[name]
+        return {TRL_NAMES[name]: value}
     if name in TRL_WITHOUT_COUNTERPART and name not in known_options():
         accepted, why = TRL_WITHOUT_COUNTERPART[name]
         if accepted is not _ANY and value != accepted:
             raise UsageError(f"{where}: TRL's {name}={value!r} is not supported by dpo_min ({why})")
-        return None
-    return name
+        return {}
+    return {name: value}
+
+
+class _SpelledOnce:
+    """Refuses two spellings of one option in one place (warmup_ratio and warmup_steps, dataset_name and dataset)."""
+
+    def __init__(self, where: str):
+        self.where, self.spelling = where, {}
+
+    def check(self, written: str, option: str) -> None:
+        first = self.spelling.setdefault(option, written)
+        if first.replace("-", "_") != written.replace("-", "_"):
+            raise UsageError(f"{self.where}: {first} and {written} both set {option}: give one of them")
 
 
 def _translate_argv(argv: list[str]) -> list[str]:
-    translated, index = [], 0
+    translated, index, spelled = [], 0, _SpelledOnce("the command line")
     while index < len(argv):
         token = argv[index]
         index += 1
@@ -273,12 +353,15 @@ def _translate_argv(argv: list[str]) -> list[str]:
             continue
         name, equals, inline = token[2:].partition("=")
         has_value = not equals and index < len(argv) and not argv[index].startswith("--")
-        value = inline if equals else argv[index] if has_value else True
-        canonical = _canonical(name, _parse_scalar(value), f"--{name}")
-        if canonical is None:
-            index += has_value  # the option and its value are dropped
-            continue
-        translated.append(f"--{canonical}{equals}{inline}")
+        value = _parse_scalar(inline if equals else argv[index] if has_value else True)
+        written = [f"={inline}"] if equals else [argv[index]] if has_value else []
+        index += has_value
+        for option, option_value in _translate(name, value, f"--{name}").items():
+            spelled.check(f"--{name}", option)
+            if option_value is value:  # the same value under our name: the tokens as written
+                translated.extend([f"--{option}{written[0]}"] if equals else [f"--{option}", *written])
+            else:
+                translated.append(f"--{option}={option_value}")
     return translated
 
 
@@ -296,14 +379,13 @@ def _read_recipe(path: str) -> dict[str, Any]:
         raise UsageError(f"{path} is not valid YAML: {str(error).splitlines()[0]}") from None
     if not isinstance(values, dict):
         raise UsageError(f"{path} must hold a mapping of option: value")
-    recipe = {}
+    recipe, spelled = {}, _SpelledOnce(path)
     for name, value in values.items():
-        canonical = _canonical(str(name), value, path)
-        if canonical is None:
-            continue
-        if canonical not in known_options():
-            raise UsageError(f"{path}: unknown option {name!r}{_did_you_mean(str(name))}")
-        recipe[canonical] = value
+        for option, option_value in _translate(str(name), value, path).items():
+            if option not in known_options():
+                raise UsageError(f"{path}: unknown option {name!r}{_did_you_mean(str(name))}")
+            spelled.check(str(name), option)
+            recipe[option] = option_value
     # argparse converts a flag's text, not a recipe's values: 2.5, [1, 2] or null would reach an option unchanged.
     types = {name: hint for dataclass_type in ARGUMENT_TYPES for name, hint in get_type_hints(dataclass_type).items()}
     for name, value in recipe.items():

@@ -1,6 +1,7 @@
 """DPOMinConfig: transformers.TrainingArguments plus the DPO knobs."""
 
 import json
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -10,6 +11,7 @@ from .compat import TRLOnlyFields, check_trl_fields
 from .losses import ALPHAPO_LOSSES, F_DIVERGENCES, LOSS_TYPES, LOSSES, needs_reference
 
 TRUNCATION_MODES = ("keep_end", "keep_start")
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -129,8 +131,18 @@ class DPOMinConfig(TRLOnlyFields, TrainingArguments):
     remove_unused_columns: bool = field(
         default=False, metadata={"help": "Kept False: the collator picks the columns it needs."}
     )
+    # TRL's DPOConfig defaults these two to True, so HfArgumentParser gives TRL's command line `--no_<name>` for
+    # them (TRL's own docstring commands pass --no_remove_unused_columns); here they default to False or None and
+    # would get no such flag. These fields give it, with TRL's meaning.
+    no_gradient_checkpointing: bool = field(
+        default=False, metadata={"help": "TRL's --no_gradient_checkpointing: gradient_checkpointing=False."}
+    )
+    no_remove_unused_columns: bool = field(
+        default=False, metadata={"help": "TRL's --no_remove_unused_columns: remove_unused_columns=False."}
+    )
 
     def __post_init__(self):
+        self._apply_negative_flags()
         super().__post_init__()
         check_trl_fields(self)
         if isinstance(self.chat_template_kwargs, str):
@@ -143,8 +155,7 @@ class DPOMinConfig(TRLOnlyFields, TrainingArguments):
         if self.beta <= 0:
             raise ValueError(f"beta must be > 0, got {self.beta}")
         if self.use_liger_kernel:
-            raise ValueError("use_liger_kernel is not supported: Liger replaces the model's forward, which dpo_min "
-                             "asks for completion positions only (already no [2B, T, V] logits); leave it False")
+            self._accept_liger_kernel()
         if self.truncation_mode not in TRUNCATION_MODES:
             raise ValueError(f"truncation_mode must be one of {TRUNCATION_MODES}, got {self.truncation_mode!r}")
         if self.max_length is not None and self.max_length < 2:
@@ -158,6 +169,25 @@ class DPOMinConfig(TRLOnlyFields, TrainingArguments):
                 raise ValueError(f"{name} must be >= 1 or None, got {getattr(self, name)}")
         if self.router_aux_loss_coef is not None and self.router_aux_loss_coef < 0:
             raise ValueError(f"router_aux_loss_coef must be >= 0 or None, got {self.router_aux_loss_coef}")
+
+    def _apply_negative_flags(self) -> None:
+        for name in ("gradient_checkpointing", "remove_unused_columns"):
+            if getattr(self, f"no_{name}"):
+                if getattr(self, name):
+                    raise ValueError(f"{name}=True and no_{name}=True contradict each other: give one")
+                setattr(self, name, False)
+
+    def _accept_liger_kernel(self) -> None:
+        # What TRL 1.16 asks of Liger in DPO is memory: a fused LM head that never holds the [2B, T, V] logits (the
+        # layer kernels it also patches in compute the same numbers). dpo_min's log-probs already come from the
+        # completion positions only, reduced in chunks; Liger's fused cross-entropy would replace the model's forward,
+        # which TRL refuses too.
+        if (self.liger_kernel_config or {}).get("fused_linear_cross_entropy"):
+            raise ValueError('liger_kernel_config={"fused_linear_cross_entropy": True} is not supported: it replaces '
+                             "the model's forward, as in TRL; drop it")
+        logger.warning("use_liger_kernel: dpo_min's own log-probs already hold no [2B, T, V] logits (what Liger's "
+                       "fused loss saves); the model keeps its own kernels, and use_liger_kernel is set to False")
+        self.use_liger_kernel = False
 
     def _check_steps(self) -> None:
         # Trainer takes any max_steps <= 0 as "use num_train_epochs", and trains zero steps for 0 epochs: both hide

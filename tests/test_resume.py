@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 
 STEPS, SAVE_EVERY = 8, 2
 KILL_AT = (2, 6)  # kill once checkpoint-2 exists, resume, kill once checkpoint-6 exists, resume to the end
-VARIANTS = {"lora": ([], "adapter_model.safetensors"), "full": (["--no_use_peft"], "model.safetensors")}
+VARIANTS = {"lora": (["--use_peft"], "adapter_model.safetensors"), "full": (["--no_use_peft"], "model.safetensors")}
 
 
 def command(model_dir, data_file, output_dir, *extra):

@@ -35,7 +35,7 @@ def tiny_run_args(model_dir, data_file, output_dir, *extra):
             "--eval_fraction", "0.25", "--max_steps", "3", "--per_device_train_batch_size", "2",
             "--per_device_eval_batch_size", "4", "--learning_rate", "5e-3", "--num_samples", "3",
             "--max_new_tokens", "4", "--logging_steps", "1", "--precompute_ref_log_probs", "true",
-            "--save_strategy", "no", "--disable_tqdm", "true", *extra]
+            "--save_strategy", "no", "--disable_tqdm", "true", "--use_peft", *extra]
 
 
 def held_out_pairs(output_dir, data_file):
