@@ -1,7 +1,6 @@
 """DPOMinTrainer: transformers.Trainer whose loss is DPO over one concatenated chosen+rejected forward."""
 
 import contextlib
-import copy
 import logging
 import os
 import shutil
@@ -28,14 +27,9 @@ from .logps import SequenceLogps, sequence_logps
 from .losses import dpo_loss, needs_reference
 from .models import load_causal_lm, load_tokenizer
 from .offload import OffloadActivations
-
-try:
-    from peft import PeftConfig, PeftModel, get_peft_model
-except ImportError:  # peft is a dependency, but keep the full fine-tuning path importable without it
-    PeftConfig = PeftModel = get_peft_model = None
+from .reference import ModelReference, Reference, choose_reference
 
 logger = logging.getLogger(__name__)
-REF_ADAPTER = "ref"
 
 
 def _tokenized(dataset: Any, tokenizer: Any, args: DPOMinConfig) -> Any:
@@ -58,32 +52,6 @@ def _datasets_progress_bars(show: bool):
         yield
     finally:
         (datasets.enable_progress_bars if were_shown else datasets.disable_progress_bars)()
-
-
-def _is_peft(model: Any) -> bool:
-    return PeftModel is not None and isinstance(model, PeftModel)
-
-
-@torch.no_grad()
-def _mix_into(target: dict[str, torch.Tensor], source: dict[str, torch.Tensor], alpha: float) -> None:
-    """target <- alpha * source + (1 - alpha) * target, name by name (TRL's SyncRefModelCallback arithmetic)."""
-    for name, value in source.items():
-        target[name].mul_(1.0 - alpha).add_(value, alpha=alpha)
-
-
-def _adapter_parameters(model: "PeftModel", adapter: str) -> dict[str, torch.Tensor]:
-    """The parameters of one adapter, keyed by their name with the adapter's name taken out."""
-    tag = f".{adapter}."
-    return {name.replace(tag, "."): param for name, param in model.named_parameters() if tag in name}
-
-
-def _add_adapter_copy(model: "PeftModel", name: str) -> str:
-    """Add adapter `name`, frozen, with the weights of the active adapter; the active adapter stays active."""
-    active = model.active_adapter
-    model.add_adapter(name, model.peft_config[active])
-    _mix_into(_adapter_parameters(model, name), _adapter_parameters(model, active), alpha=1.0)
-    model.set_adapter(active)  # only the active adapter trains
-    return name
 
 
 class _SyncReference(TrainerCallback):
@@ -156,7 +124,7 @@ class DPOMinTrainer(Trainer):
 
     def __init__(
         self,
-        model: "str | PreTrainedModel | PeftModel",
+        model: "str | PreTrainedModel",
         ref_model: "str | PreTrainedModel | None" = None,
         args: DPOMinConfig | None = None,
         data_collator: Callable | None = None,
@@ -167,7 +135,7 @@ class DPOMinTrainer(Trainer):
         callbacks: list[TrainerCallback] | None = None,
         optimizers: tuple[torch.optim.Optimizer | None, torch.optim.lr_scheduler.LambdaLR | None] = (None, None),
         quantization_config: Any = None,
-        peft_config: "PeftConfig | None" = None,
+        peft_config: Any = None,  # a peft.PeftConfig
     ):
         # TRL 1.16's signature, positional order included. `model` and `ref_model` may be hub ids or paths.
         if isinstance(ref_model, TrainingArguments):
@@ -206,8 +174,6 @@ class DPOMinTrainer(Trainer):
                                  "one from")
             revision = (args.model_init_kwargs or {}).get("revision")
             processing_class = load_tokenizer(source, revision=revision, trust_remote_code=args.trust_remote_code)
-        if ref_model is not None and ref_model is model:
-            raise ValueError("ref_model must be another object than model (omit it to get a frozen copy)")
         _check_layout(model.config, args)
         tokenizer = getattr(processing_class, "tokenizer", processing_class)
         if tokenizer.pad_token is None:
@@ -219,30 +185,12 @@ class DPOMinTrainer(Trainer):
         if getattr(model, "generation_config", None) is not None:
             model.generation_config.pad_token_id = tokenizer.pad_token_id
         # A loss that reads no reference gets none: no copy of the model or adapter, no reference forward.
-        uses_reference = needs_reference(args.loss_type, args.reference_free)
-        ref_model = ref_model if uses_reference else None
-        model, self.ref_adapter_name = self._set_up_adapters(model, args, ref_model, peft_config, uses_reference)
-        if ref_model is None and not _is_peft(model) and uses_reference and not args.precompute_ref_log_probs:
-            if zero.is_partitioned(model):  # a copy of ZeRO-3's placeholders would be no model at all
-                raise ValueError("full fine-tuning under DeepSpeed ZeRO-3 needs a reference: pass ref_model (an id or "
-                                 "path, loaded partitioned), or precompute_ref_log_probs=True, or a peft_config")
-            ref_model = copy.deepcopy(model)
+        model, self.reference = choose_reference(model, ref_model, args, peft_config,
+                                                 needs_reference(args.loss_type, args.reference_free))
         if args.sync_ref_model and zero.zero_stage(args) == 3:
             raise ValueError("sync_ref_model (TR-DPO) is not supported under DeepSpeed ZeRO-3: its mixing would "
                              "need every weight gathered; use ZeRO-2, or FSDP2 (shard_with_fsdp2), where it runs")
-        if args.sync_ref_model:
-            if ref_model is not None and _is_peft(model):
-                raise ValueError("sync_ref_model with a PeftModel syncs a reference adapter: omit ref_model")
-            if ref_model is not None:
-                policy, reference = dict(model.named_parameters()), dict(ref_model.named_parameters())
-            else:
-                policy = _adapter_parameters(model, model.active_adapter)
-                reference = _adapter_parameters(model, self.ref_adapter_name)
-            if {name: p.shape for name, p in policy.items()} != {name: p.shape for name, p in reference.items()}:
-                raise ValueError("sync_ref_model needs a reference (model or adapter) with the policy's parameters")
-        if ref_model is not None:
-            ref_model.eval().requires_grad_(False)
-        for module in [model] + ([ref_model] if ref_model is not None else []):
+        for module in [model, *self.reference.modules()]:
             if args.padding_free or args.share_prompt:
                 use_packed_attention(module)
             if args.disable_dropout:
@@ -269,11 +217,7 @@ class DPOMinTrainer(Trainer):
             self.model.add_model_tags(trl_hub_tags(model, os.environ))
         # The loss is a mean over pairs; Trainer must divide it by the accumulation steps itself.
         self.model_accepts_loss_kwargs = False
-        if ref_model is not None:
-            self.ref_model = zero.inference_engine(ref_model, self.accelerator) if self.is_deepspeed_enabled \
-                else self.accelerator.prepare_model(ref_model, evaluation_mode=True)
-        else:
-            self.ref_model = None
+        self.reference.prepare(self.accelerator, self.is_deepspeed_enabled)
         self._precompute_engine = None  # DeepSpeed: the policy's forward-only engine for the precompute pass
         self._metrics: dict[str, dict[str, list[float]]] = {"train": defaultdict(list), "eval": defaultdict(list)}
         if args.sync_ref_model:
@@ -284,89 +228,39 @@ class DPOMinTrainer(Trainer):
                              "router_aux_loss_coef=0 or drop share_prompt")
         self._total_train_tokens = 0
 
-    @staticmethod
-    def _set_up_adapters(model: Any, args: DPOMinConfig, ref_model: Any, peft_config: "PeftConfig | None",
-                         uses_reference: bool = True) -> tuple[Any, str | None]:
-        """Wrap or pick the trained adapter; return the model and the name of the reference adapter, if any."""
-        named = [name for name in (args.model_adapter_name, args.ref_adapter_name) if name is not None]
-        if named and (not _is_peft(model) or ref_model is not None):
-            raise ValueError("model_adapter_name / ref_adapter_name name adapters of the PeftModel passed as model "
-                             "(without ref_model)")
-        if peft_config is not None:
-            if _is_peft(model):
-                raise ValueError("pass either a PeftModel or a peft_config, not both")
-            # Under ZeRO-3 the adapter keeps the base weights' dtype: ZeRO-3 gathers each layer's parameters in one
-            # buffer of one dtype, and peft would otherwise upcast the adapter to float32 (TRL does the same).
-            model = get_peft_model(model, peft_config, autocast_adapter_dtype=zero.zero_stage(args) != 3)
-            # The reference is the model with the adapter disabled, unless TR-DPO must move it: then it needs
-            # weights of its own, a copy of the fresh adapter (equal to the bare model while B = 0).
-            return model, _add_adapter_copy(model, REF_ADAPTER) if args.sync_ref_model else None
-        if not _is_peft(model) or ref_model is not None:
-            return model, None
-        for name in named:
-            if name not in model.peft_config:
-                raise ValueError(f"no adapter named {name!r} in the model; it has {sorted(model.peft_config)}")
-        if args.model_adapter_name is not None:
-            model.set_adapter(args.model_adapter_name)  # also freezes every other adapter
-        if not uses_reference:
-            return model, None
-        if args.ref_adapter_name is not None:
-            return model, args.ref_adapter_name
-        # An adapter may arrive already trained: the reference is that adapter as it starts, kept frozen.
-        return model, _add_adapter_copy(model, REF_ADAPTER)
+    @property
+    def ref_model(self) -> torch.nn.Module | None:
+        """The separate reference model (prepared for the run), or None: TRL's attribute."""
+        return self.reference.model
 
-    @torch.no_grad()
+    @ref_model.setter
+    def ref_model(self, model: torch.nn.Module | None) -> None:
+        self.reference = Reference() if model is None else ModelReference(model)
+
+    @property
+    def ref_adapter_name(self) -> str | None:
+        """The reference adapter of a PEFT model, or None (the adapter disabled, or no adapter reference)."""
+        return self.reference.adapter
+
     def sync_reference(self) -> None:
         """TR-DPO: reference <- alpha * policy + (1 - alpha) * reference, for a reference model or adapter."""
-        alpha = self.args.ref_model_mixup_alpha
-        policy = self.accelerator.unwrap_model(self.model)
-        if self.ref_model is not None:
-            reference = self.accelerator.unwrap_model(self.ref_model)
-            sharding.reshard(policy, reference)
-            _mix_into(dict(reference.named_parameters()), dict(policy.named_parameters()), alpha)
-        elif self.ref_adapter_name is not None:
-            sharding.reshard(policy)
-            _mix_into(_adapter_parameters(policy, self.ref_adapter_name),
-                      _adapter_parameters(policy, policy.active_adapter), alpha)
-        else:
-            raise ValueError("no reference weights to sync: the reference log-probs were precomputed")
+        self.reference.sync(self.model, self.args.ref_model_mixup_alpha)
 
     # ---- reference --------------------------------------------------------------------------------------------
-    @contextlib.contextmanager
-    def _reference_context(self):
-        """Make `self.model` compute the reference: adapter disabled, or the frozen reference adapter active."""
-        unwrapped = self.accelerator.unwrap_model(self.model)
-        if not _is_peft(unwrapped):
-            yield
-        elif self.ref_adapter_name is None:
-            with unwrapped.disable_adapter():
-                yield
-        else:
-            active = unwrapped.active_adapter
-            unwrapped.set_adapter(self.ref_adapter_name, inference_mode=True)
-            try:
-                yield
-            finally:
-                unwrapped.set_adapter(active)
-
     @torch.no_grad()
     def reference_logps(self, inputs: dict[str, torch.Tensor]) -> SequenceLogps:
         """Reference log-probs of a collated batch."""
-        if self.ref_model is not None:
-            return sequence_logps(self.ref_model, inputs)
-        with self._reference_context():
-            return sequence_logps(self.model, inputs)
+        return self.reference.logps(self.model, inputs)
 
     def _with_reference_logps(self, dataset: Dataset, description: str) -> Dataset:
         """Add `ref_chosen_logps` / `ref_rejected_logps` columns: one reference pass over the data, up front."""
         if dataset is None or "ref_chosen_logps" in dataset.column_names:
             return dataset
-        if self.ref_model is None and not _is_peft(self.accelerator.unwrap_model(self.model)) \
-                and self.state.global_step > 0:
+        if self.reference.fixed_before_training() and self.state.global_step > 0:
             raise ValueError(f"cannot precompute reference log-probs for the {description} data after training "
                              "started: full fine-tuning without ref_model uses the untrained model as reference. "
                              "Pass eval_dataset at construction or a ref_model.")
-        key = ref_cache.cache_key(self._reference_weights(), dataset, self._reference_settings())
+        key = ref_cache.cache_key(self.reference.weights(self.model), dataset, self._reference_settings())
         cached = ref_cache.load(key, len(dataset))
         if self.accelerator.num_processes > 1:  # all processes must take the same branch: the pass below gathers
             cached = broadcast_object_list([cached])[0]
@@ -384,7 +278,7 @@ class DPOMinTrainer(Trainer):
         chosen, rejected = [], []
         was_training = self.model.training
         self.model.eval()
-        if self.ref_model is None and self.is_deepspeed_enabled and self._precompute_engine is None \
+        if self.reference.model is None and self.is_deepspeed_enabled and self._precompute_engine is None \
                 and self.model_wrapped is self.model:
             # Before train() builds the policy's engine: this one places the weights (and gathers ZeRO-3's shards).
             self._precompute_engine = zero.inference_engine(self.model, self.accelerator)
@@ -400,23 +294,9 @@ class DPOMinTrainer(Trainer):
         self.model.train(was_training)
         return torch.cat(chosen), torch.cat(rejected)
 
-    def _reference_weights(self) -> list[tuple[str, torch.Tensor]]:
-        """The tensors the reference log-probs depend on (for the precompute cache key)."""
-        if self.ref_model is not None:
-            return sharding.gathered(self.accelerator.unwrap_model(self.ref_model).state_dict(keep_vars=True).items())
-        model = self.accelerator.unwrap_model(self.model)
-        trained = f".{model.active_adapter}." if _is_peft(model) else None
-        # keep_vars: ZeRO-3's placeholders carry what gathers them (a plain state_dict would hash empty tensors).
-        return sharding.gathered((name, tensor) for name, tensor in model.state_dict(keep_vars=True).items()
-                                 if trained is None or trained not in name)
-
     def _reference_settings(self) -> dict[str, Any]:
         args = self.args
-        if self.ref_model is not None or not _is_peft(self.accelerator.unwrap_model(self.model)):
-            reference = "model"
-        else:
-            reference = f"adapter {self.ref_adapter_name}" if self.ref_adapter_name else "adapter disabled"
-        return {"reference": reference, "ld_alpha": args.ld_alpha, "max_length": args.max_length,
+        return {"reference": self.reference.cache_setting(), "ld_alpha": args.ld_alpha, "max_length": args.max_length,
                 "max_prompt_length": args.max_prompt_length, "truncation_mode": args.truncation_mode}
 
     def _precompute_all(self) -> None:
