@@ -24,7 +24,7 @@ from .compat import trl_hub_tags
 from .config import DPOMinConfig
 from .data import is_tokenized, tokenize_dataset
 from .logps import SequenceLogps, sequence_logps
-from .losses import dpo_loss, needs_reference
+from .losses import dpo_loss
 from .models import load_causal_lm, load_tokenizer
 from .offload import OffloadActivations
 from .reference import ModelReference, Reference, choose_reference
@@ -186,7 +186,7 @@ class DPOMinTrainer(Trainer):
             model.generation_config.pad_token_id = tokenizer.pad_token_id
         # A loss that reads no reference gets none: no copy of the model or adapter, no reference forward.
         model, self.reference = choose_reference(model, ref_model, args, peft_config,
-                                                 needs_reference(args.loss_type, args.reference_free))
+                                                 args.loss_settings.reads_reference)
         if args.sync_ref_model and zero.zero_stage(args) == 3:
             raise ValueError("sync_ref_model (TR-DPO) is not supported under DeepSpeed ZeRO-3: its mixing would "
                              "need every weight gathered; use ZeRO-2, or FSDP2 (shard_with_fsdp2), where it runs")
@@ -343,29 +343,24 @@ class DPOMinTrainer(Trainer):
                                     with_aux_loss=self.router_aux_loss_coef != 0.0)
         pair_logps = policy.pair_logps(args.ld_alpha)
         chosen_logps, rejected_logps = pair_logps.chunk(2)
-        if not needs_reference(args.loss_type, args.reference_free):
-            ref_chosen_logps, ref_rejected_logps = torch.zeros_like(chosen_logps), torch.zeros_like(rejected_logps)
+        settings = args.loss_settings
+        if not settings.reads_reference:
+            ref_chosen_logps = ref_rejected_logps = None
         elif "ref_chosen_logps" in inputs:
             ref_chosen_logps, ref_rejected_logps = inputs["ref_chosen_logps"], inputs["ref_rejected_logps"]
         else:
             ref_chosen_logps, ref_rejected_logps = self.reference_logps(inputs).pair_logps(args.ld_alpha).chunk(2)
         chosen_lengths, rejected_lengths = policy.token_counts.chunk(2)
         losses, chosen_rewards, rejected_rewards = dpo_loss(
-            chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, beta=args.beta,
-            label_smoothing=args.label_smoothing, reference_free=args.reference_free, loss_type=args.loss_type,
-            loss_weights=args.loss_weights, chosen_lengths=chosen_lengths, rejected_lengths=rejected_lengths,
-            chosen_nll=-policy.logps.chunk(2)[0], pair_weights=policy.wpo_weights() if args.use_weighting else None,
-            discopop_tau=args.discopop_tau, f_divergence_type=args.f_divergence_type,
-            f_alpha_divergence_coef=args.f_alpha_divergence_coef, simpo_gamma=args.simpo_gamma, alpha=args.alpha,
-            cpo_alpha=args.cpo_alpha,
-        )
+            chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, settings,
+            chosen_lengths=chosen_lengths, rejected_lengths=rejected_lengths, chosen_nll=-policy.logps.chunk(2)[0],
+            pair_weights=policy.wpo_weights() if args.use_weighting else None)
         loss = losses.mean()
         if policy.aux_loss is not None:
             loss = loss + self.router_aux_loss_coef * policy.aux_loss
         if not torch.isfinite(loss):
             self._raise_non_finite(loss, chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps)
-        reference = (torch.cat([ref_chosen_logps, ref_rejected_logps])
-                     if needs_reference(args.loss_type, args.reference_free) else None)
+        reference = torch.cat([ref_chosen_logps, ref_rejected_logps]) if settings.reads_reference else None
         self._record_metrics(policy, pair_logps, chosen_rewards, rejected_rewards, reference, inputs)
         if return_outputs:
             return loss, {"chosen_rewards": chosen_rewards, "rejected_rewards": rejected_rewards}
@@ -455,7 +450,8 @@ class DPOMinTrainer(Trainer):
     # ---- faults and checkpoints -----------------------------------------------------------------------------------
     def _raise_non_finite(self, loss: torch.Tensor, *logps: torch.Tensor) -> None:
         names = ("policy chosen logps", "policy rejected logps", "reference chosen logps", "reference rejected logps")
-        culprit = next((name for name, value in zip(names, logps) if not torch.isfinite(value).all()), "loss")
+        culprit = next((name for name, value in zip(names, logps)
+                        if value is not None and not torch.isfinite(value).all()), "loss")
         raise FloatingPointError(f"step {self.state.global_step + 1}: the DPO loss is {loss.item()} "
                                  f"(first non-finite quantity: {culprit}); training stopped, earlier checkpoints kept")
 
