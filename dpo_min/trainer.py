@@ -23,7 +23,7 @@ from .collator import IGNORE_INDEX, NON_MODEL_KEYS, make_collator
 from .compat import trl_hub_tags
 from .config import DPOMinConfig
 from .data import is_tokenized, tokenize_dataset
-from .logps import SequenceLogps, sequence_logps
+from .logps import ChosenRejected, SequenceLogps, sequence_logps
 from .losses import dpo_loss
 from .models import load_causal_lm, load_tokenizer
 from .offload import OffloadActivations
@@ -287,8 +287,7 @@ class DPOMinTrainer(Trainer):
         bar = tqdm(loader, desc="reference log-probs", unit="batch", leave=False,
                    disable=self.args.disable_tqdm or not self.is_local_process_zero())
         for batch in bar:
-            ref = self.reference_logps(batch).pair_logps(self.args.ld_alpha).chunk(2)
-            ref = self.accelerator.gather_for_metrics(ref)
+            ref = self.accelerator.gather_for_metrics(self._reference_halves(batch))
             chosen.append(ref[0].float().cpu())
             rejected.append(ref[1].float().cpu())
         self.model.train(was_training)
@@ -336,77 +335,72 @@ class DPOMinTrainer(Trainer):
 
     # ---- loss ---------------------------------------------------------------------------------------------------
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        args = self.args
+        args, settings = self.args, self.args.loss_settings
         offload = args.activation_offloading and model.training and torch.is_grad_enabled()
         with OffloadActivations(model) if offload else contextlib.nullcontext():
             policy = sequence_logps(model, inputs, with_sum_sq_probs=args.use_weighting,
-                                    with_aux_loss=self.router_aux_loss_coef != 0.0)
-        pair_logps = policy.pair_logps(args.ld_alpha)
-        chosen_logps, rejected_logps = pair_logps.chunk(2)
-        settings = args.loss_settings
-        if not settings.reads_reference:
-            ref_chosen_logps = ref_rejected_logps = None
-        elif "ref_chosen_logps" in inputs:
-            ref_chosen_logps, ref_rejected_logps = inputs["ref_chosen_logps"], inputs["ref_rejected_logps"]
-        else:
-            ref_chosen_logps, ref_rejected_logps = self.reference_logps(inputs).pair_logps(args.ld_alpha).chunk(2)
-        chosen_lengths, rejected_lengths = policy.token_counts.chunk(2)
+                                    with_aux_loss=self.router_aux_loss_coef != 0.0).split(args.ld_alpha,
+                                                                                          args.use_weighting)
+        reference = self._reference_halves(inputs) if settings.reads_reference else (None, None)
         losses, chosen_rewards, rejected_rewards = dpo_loss(
-            chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, settings,
-            chosen_lengths=chosen_lengths, rejected_lengths=rejected_lengths, chosen_nll=-policy.logps.chunk(2)[0],
-            pair_weights=policy.wpo_weights() if args.use_weighting else None)
+            policy.chosen_logps, policy.rejected_logps, *reference, settings, chosen_lengths=policy.chosen_lengths,
+            rejected_lengths=policy.rejected_lengths, chosen_nll=policy.chosen_nll, pair_weights=policy.pair_weights)
         loss = losses.mean()
         if policy.aux_loss is not None:
             loss = loss + self.router_aux_loss_coef * policy.aux_loss
         if not torch.isfinite(loss):
-            self._raise_non_finite(loss, chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps)
-        reference = torch.cat([ref_chosen_logps, ref_rejected_logps]) if settings.reads_reference else None
-        self._record_metrics(policy, pair_logps, chosen_rewards, rejected_rewards, reference, inputs)
+            self._raise_non_finite(loss, policy.chosen_logps, policy.rejected_logps, *reference)
+        self._record_metrics(policy, chosen_rewards, rejected_rewards, reference, inputs)
         if return_outputs:
             return loss, {"chosen_rewards": chosen_rewards, "rejected_rewards": rejected_rewards}
         return loss
 
-    def _record_metrics(self, policy: SequenceLogps, pair_logps: torch.Tensor, chosen_rewards: torch.Tensor,
-                        rejected_rewards: torch.Tensor, reference_logps: torch.Tensor | None,
+    def _reference_halves(self, inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """[B] chosen and rejected reference log-probs of a batch: its precomputed columns, or one forward."""
+        if "ref_chosen_logps" in inputs:
+            return inputs["ref_chosen_logps"], inputs["ref_rejected_logps"]
+        reference = self.reference_logps(inputs).split(self.args.ld_alpha)
+        return reference.chosen_logps, reference.rejected_logps
+
+    def _record_metrics(self, policy: ChosenRejected, chosen_rewards: torch.Tensor, rejected_rewards: torch.Tensor,
+                        reference: tuple[torch.Tensor | None, torch.Tensor | None],
                         inputs: dict[str, torch.Tensor]) -> None:
         mode = "train" if self.model.training else "eval"
+        chosen_logps, rejected_logps = policy.chosen_logps.detach(), policy.rejected_logps.detach()
+        per_pair = {"chosen_rewards": chosen_rewards, "rejected_rewards": rejected_rewards,
+                    "chosen_logps": chosen_logps, "rejected_logps": rejected_logps,
+                    "chosen_logits": policy.chosen_logits_sums, "rejected_logits": policy.rejected_logits_sums,
+                    "chosen_tokens": policy.chosen_lengths, "rejected_tokens": policy.rejected_lengths,
+                    "chosen_entropy": policy.chosen_entropy_sums, "rejected_entropy": policy.rejected_entropy_sums,
+                    "chosen_top1": policy.chosen_top1}
+        if reference[0] is not None:
+            per_pair |= {"chosen_drift": chosen_logps - reference[0], "rejected_drift": rejected_logps - reference[1]}
         # Only per-pair [B] tensors go through gather_for_metrics: it trims the last batch to the dataset's length.
-        chosen_logps, rejected_logps = pair_logps.detach().chunk(2)
-        chosen_logits, rejected_logits = policy.logits_sums.chunk(2)
-        chosen_tokens, rejected_tokens = policy.token_counts.chunk(2)
-        chosen_entropy, rejected_entropy = policy.entropy_sums.chunk(2)
-        chosen_top1 = policy.top1_counts.chunk(2)[0]
-        (chosen_rewards, rejected_rewards, chosen_logps, rejected_logps, chosen_logits, rejected_logits,
-         chosen_tokens, rejected_tokens, chosen_entropy, rejected_entropy, chosen_top1) = \
-            self.accelerator.gather_for_metrics(
-                (chosen_rewards, rejected_rewards, chosen_logps, rejected_logps, chosen_logits, rejected_logits,
-                 chosen_tokens, rejected_tokens, chosen_entropy, rejected_entropy, chosen_top1))
+        pairs = self.accelerator.gather_for_metrics(per_pair)
         metrics = self._metrics[mode]
+        tokens = pairs["chosen_tokens"].sum() + pairs["rejected_tokens"].sum()
         # TRL's definitions: entropy over every completion token; token accuracy (argmax = label) over the chosen
         # ones; num_tokens the running count of training tokens computed, padding excluded.
-        metrics["entropy"].append(((chosen_entropy.sum() + rejected_entropy.sum())
-                                   / (chosen_tokens.sum() + rejected_tokens.sum())).item())
-        metrics["mean_token_accuracy"].append((chosen_top1.sum() / chosen_tokens.sum()).item())
+        metrics["entropy"].append(((pairs["chosen_entropy"].sum() + pairs["rejected_entropy"].sum()) / tokens).item())
+        metrics["mean_token_accuracy"].append((pairs["chosen_top1"].sum() / pairs["chosen_tokens"].sum()).item())
         if mode == "train":
             self._total_train_tokens += int(self.accelerator.gather(_computed_tokens(inputs)).sum())
         metrics["num_tokens"] = [self._total_train_tokens]
         if policy.aux_loss is not None:
             metrics["aux_loss"].append(self.accelerator.gather_for_metrics(policy.aux_loss.detach()).mean().item())
-        metrics["rewards/chosen"].append(chosen_rewards.mean().item())
-        metrics["rewards/rejected"].append(rejected_rewards.mean().item())
-        metrics["rewards/accuracies"].append((chosen_rewards > rejected_rewards).float().mean().item())
-        metrics["rewards/margins"].append((chosen_rewards - rejected_rewards).mean().item())
-        metrics["logps/chosen"].append(chosen_logps.mean().item())
-        metrics["logps/rejected"].append(rejected_logps.mean().item())
-        # Mean logit over completion tokens, token-weighted across the batch (as TRL).
-        metrics["logits/chosen"].append((chosen_logits.sum() / chosen_tokens.sum()).item())
-        metrics["logits/rejected"].append((rejected_logits.sum() / rejected_tokens.sum()).item())
-        if reference_logps is not None:
+        chosen, rejected = pairs["chosen_rewards"], pairs["rejected_rewards"]
+        metrics["rewards/chosen"].append(chosen.mean().item())
+        metrics["rewards/rejected"].append(rejected.mean().item())
+        metrics["rewards/accuracies"].append((chosen > rejected).float().mean().item())
+        metrics["rewards/margins"].append((chosen - rejected).mean().item())
+        for half in ("chosen", "rejected"):
+            metrics[f"logps/{half}"].append(pairs[f"{half}_logps"].mean().item())
+        for half in ("chosen", "rejected"):  # mean logit over completion tokens, token-weighted across the batch (TRL)
+            metrics[f"logits/{half}"].append((pairs[f"{half}_logits"].sum() / pairs[f"{half}_tokens"].sum()).item())
+        for half in ("chosen", "rejected") if reference[0] is not None else ():
             # Drift from the reference: mean policy - reference log-ratio per completion token, token-weighted. A
             # model that collapses can still rank pairs "right"; this shows how far it went to do so.
-            drift = self.accelerator.gather_for_metrics(tuple((pair_logps.detach() - reference_logps).chunk(2)))
-            metrics["drift/chosen"].append((drift[0].sum() / chosen_tokens.sum()).item())
-            metrics["drift/rejected"].append((drift[1].sum() / rejected_tokens.sum()).item())
+            metrics[f"drift/{half}"].append((pairs[f"{half}_drift"].sum() / pairs[f"{half}_tokens"].sum()).item())
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         """The loss; with `compute_metrics`, also what TRL 1.16 passes it: the logits of a plain forward of the
