@@ -139,7 +139,7 @@ class DPOMinConfig(TRLOnlyFields, TrainingArguments):
             raise ValueError(f"dataset_num_proc must be >= 1 or None, got {self.dataset_num_proc}")
         self._check_losses()
         self._check_reference()
-        self._check_steps()
+        self._check_training_numbers()
         if self.use_liger_kernel:
             raise ValueError("use_liger_kernel is not supported: Liger replaces the model's forward, which dpo_min "
                              "asks for completion positions only (already no [2B, T, V] logits); leave it False")
@@ -157,7 +157,7 @@ class DPOMinConfig(TRLOnlyFields, TrainingArguments):
         if self.router_aux_loss_coef is not None and self.router_aux_loss_coef < 0:
             raise ValueError(f"router_aux_loss_coef must be >= 0 or None, got {self.router_aux_loss_coef}")
 
-    def _check_steps(self) -> None:
+    def _check_training_numbers(self) -> None:
         # Trainer takes any max_steps <= 0 as "use num_train_epochs", and trains zero steps for 0 epochs: both hide
         # a typo behind a run that reports success.
         if self.learning_rate < 0:

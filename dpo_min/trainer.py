@@ -14,26 +14,27 @@ from accelerate.utils import broadcast_object_list
 from datasets import Dataset, IterableDataset
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
-from transformers import EvalPrediction, PreTrainedModel, Trainer, TrainerCallback, TrainingArguments, set_seed
+from transformers import EvalPrediction, PreTrainedModel, Trainer, TrainerCallback, set_seed
 from transformers.trainer_utils import rotate_checkpoints
 
 from . import ref_cache, sharding, zero
-from .attention import packed_attention, use_packed_attention
-from .collator import IGNORE_INDEX, NON_MODEL_KEYS, make_collator
+from . import trainer_setup as phases
+from .collator import NON_MODEL_KEYS
 from .compat import trl_hub_tags
 from .config import DPOMinConfig
 from .data import is_tokenized, tokenize_dataset
-from .logps import ChosenRejected, SequenceLogps, sequence_logps
+from .logps import ChosenRejected, SequenceLogps, computed_tokens, sequence_logps
 from .losses import dpo_loss
-from .models import load_causal_lm, load_tokenizer
 from .offload import OffloadActivations
-from .reference import ModelReference, Reference, choose_reference
+from .reference import ModelReference, Reference, SyncReferenceCallback, choose_reference
 
 logger = logging.getLogger(__name__)
 
 
 def _tokenized(dataset: Any, tokenizer: Any, args: DPOMinConfig) -> Any:
     """Raw rows -> tokenized pairs, with the config's truncation; None and tokenized data pass through."""
+    if isinstance(dataset, dict):
+        return {name: _tokenized(split, tokenizer, args) for name, split in dataset.items()}
     if dataset is None or is_tokenized(dataset):
         return dataset
     # The main process tokenizes first; the others then read its datasets cache instead of tokenizing again.
@@ -54,73 +55,14 @@ def _datasets_progress_bars(show: bool):
         (datasets.enable_progress_bars if were_shown else datasets.disable_progress_bars)()
 
 
-class _SyncReference(TrainerCallback):
-    """TR-DPO: after every `ref_model_sync_steps` optimizer steps, move the reference towards the policy."""
-
-    def __init__(self, trainer: "DPOMinTrainer"):
-        self.trainer = trainer
-
-    def on_step_end(self, args, state, control, **kwargs):
-        if state.global_step % args.ref_model_sync_steps == 0:
-            self.trainer.sync_reference()
-
-
-def _router_aux_loss_coef(model_config: Any, coef: float | None) -> float:
-    """The weight of the router load-balancing loss: the config's own unless given; 0 for a model without routers."""
-    text_config = model_config.get_text_config()
-    is_moe = hasattr(text_config, "output_router_logits")
-    if coef and not is_moe:
-        raise ValueError(f"router_aux_loss_coef is {coef}, but the model ({type(model_config).__name__}) is not a "
-                         "mixture-of-experts model with router logits")
-    if not is_moe:
-        return 0.0
-    return getattr(text_config, "router_aux_loss_coef", 0.0) if coef is None else coef
-
-
-def _computed_tokens(batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """[1] tokens the forward computes, padding excluded: every row ends with its last completion token, so a row's
-    length is the position of its last label + 1 (TRL counts attention_mask.sum(), the same in the padded layout)."""
-    labels = batch["labels"]
-    positions = torch.arange(1, labels.size(1) + 1, device=labels.device)
-    return torch.where(labels != IGNORE_INDEX, positions, 0).amax(dim=1).sum().reshape(1)
-
-
-def _from_pretrained_kwargs(args: DPOMinConfig, quantization_config: Any, **defaults: Any) -> dict[str, Any]:
-    """`args.model_init_kwargs` completed as TRL completes them for a model it loads from an id."""
-    kwargs = dict(args.model_init_kwargs or {})
-    if quantization_config is not None:
-        if "quantization_config" in kwargs:
-            raise ValueError("quantization_config is set both as a trainer argument and in model_init_kwargs: set "
-                             "it once")
-        kwargs["quantization_config"] = quantization_config
-    if args.distributed_state.distributed_type in ("MULTI_GPU", "DEEPSPEED"):  # where device_map="auto" fails
-        kwargs["device_map"] = None
-    kwargs.setdefault("device_map", None if args.device.type in ("cpu", "mps") else "auto")
-    kwargs.setdefault("trust_remote_code", args.trust_remote_code)
-    for key, value in defaults.items():
-        kwargs.setdefault(key, value)
-    return kwargs
-
-
-def _check_layout(model_config: Any, args: DPOMinConfig) -> None:
-    if not (args.padding_free or args.share_prompt):
-        return
-    packed_attention(getattr(model_config, "_attn_implementation", None))  # raises for one that cannot
-    layer_types = getattr(model_config, "layer_types", None) or ["sliding_attention"]
-    if args.share_prompt and getattr(model_config, "sliding_window", None) and "sliding_attention" in layer_types:
-        raise ValueError("share_prompt's 4D attention mask has no sliding window, and this model uses one "
-                         f"(sliding_window={model_config.sliding_window})")
+def _trl_attribute(read: Callable[[DPOMinConfig], Any]) -> property:
+    return property(lambda self: read(self.args), doc="TRL DPOTrainer's attribute of this name, read from args.")
 
 
 class DPOMinTrainer(Trainer):
-    """Direct Preference Optimization on `transformers.Trainer`.
-
-    The reference is, in this order of preference: for a PEFT model, the adapter named `ref_adapter_name`, or the
-    model with its adapter disabled (`peft_config`), or a frozen copy of the adapter it arrives with; `ref_model`;
-    precomputed log-probs (`precompute_ref_log_probs=True`, cached on disk); otherwise a frozen copy of `model`.
-    `sync_ref_model` (TR-DPO) moves the reference model or reference adapter towards the policy during training.
-    The constructor is TRL 1.16 `DPOTrainer`'s (see README, "Coming from TRL").
-    """
+    """Direct Preference Optimization on `transformers.Trainer`; the constructor is TRL 1.16 `DPOTrainer`'s (see
+    README, "Coming from TRL"). Which reference applies is decided once, in `reference.choose_reference`;
+    `precompute_ref_log_probs=True` computes its log-probs once, up front (cached on disk)."""
 
     def __init__(
         self,
@@ -138,80 +80,21 @@ class DPOMinTrainer(Trainer):
         peft_config: Any = None,  # a peft.PeftConfig
     ):
         # TRL 1.16's signature, positional order included. `model` and `ref_model` may be hub ids or paths.
-        if isinstance(ref_model, TrainingArguments):
-            raise TypeError("the second positional argument is ref_model, as in TRL's DPOTrainer: pass the config "
-                            "as args=...")
-        if args is None:
-            name = model if isinstance(model, str) else model.config._name_or_path
-            args = DPOMinConfig(output_dir=f"{name.split('/')[-1]}-DPO")  # TRL's default folder
-        if not isinstance(args, DPOMinConfig):
-            raise TypeError(f"args must be a DPOMinConfig, got {type(args).__name__}")
-        if train_dataset is None:
-            raise ValueError("train_dataset is required")
-        evals = eval_dataset.values() if isinstance(eval_dataset, dict) else [eval_dataset]
-        if args.precompute_ref_log_probs and any(isinstance(d, IterableDataset) for d in (train_dataset, *evals)):
-            raise ValueError("precompute_ref_log_probs=True is not supported with an IterableDataset (as TRL): use "
-                             "a map-style Dataset or set precompute_ref_log_probs=False")
-        if compute_metrics is not None and (args.padding_free or args.share_prompt):
-            raise ValueError("compute_metrics receives [2B, T] logits (as TRL), which the padding_free and "
-                             "share_prompt layouts do not compute: turn them off to use compute_metrics")
+        args = phases.validated_args(model, ref_model, args, train_dataset, eval_dataset, compute_metrics,
+                               quantization_config)
         # The adapter's random init (and any weight a checkpoint lacks) must depend on the seed alone, as in TRL.
         set_seed(args.seed)
-        if isinstance(model, str):
-            model = load_causal_lm(model, **_from_pretrained_kwargs(args, quantization_config))
-        elif quantization_config is not None:
-            raise ValueError("quantization_config applies to a model loaded from an id or a path; this model is "
-                             "already loaded")
-        elif args.model_init_kwargs is not None:
-            logger.warning("model_init_kwargs is ignored: the model is already loaded (as TRL)")
-        if isinstance(ref_model, str):
-            ref_model = load_causal_lm(ref_model, **_from_pretrained_kwargs(
-                args, quantization_config, dtype=model.dtype, attn_implementation=model.config._attn_implementation))
-        if processing_class is None:
-            source = model.config._name_or_path
-            if not source:
-                raise ValueError("processing_class (the tokenizer) is required: the model has no id or path to load "
-                                 "one from")
-            revision = (args.model_init_kwargs or {}).get("revision")
-            processing_class = load_tokenizer(source, revision=revision, trust_remote_code=args.trust_remote_code)
-        _check_layout(model.config, args)
-        tokenizer = getattr(processing_class, "tokenizer", processing_class)
-        if tokenizer.pad_token is None:
-            # Padding never reaches the loss (labels are -100 there), so any token id serves; EOS is the usual one.
-            tokenizer.pad_token = tokenizer.eos_token
-
-        # As TRL: the model's config agrees with the tokenizer on the pad token (it is saved with the model).
-        model.config.get_text_config().pad_token_id = tokenizer.pad_token_id
-        if getattr(model, "generation_config", None) is not None:
-            model.generation_config.pad_token_id = tokenizer.pad_token_id
+        model, ref_model, processing_class = phases.load(model, ref_model, args, processing_class, quantization_config)
+        self.router_aux_loss_coef = phases.check_model(model, args)
         # A loss that reads no reference gets none: no copy of the model or adapter, no reference forward.
         model, self.reference = choose_reference(model, ref_model, args, peft_config,
                                                  args.loss_settings.reads_reference)
-        if args.sync_ref_model and zero.zero_stage(args) == 3:
-            raise ValueError("sync_ref_model (TR-DPO) is not supported under DeepSpeed ZeRO-3: its mixing would "
-                             "need every weight gathered; use ZeRO-2, or FSDP2 (shard_with_fsdp2), where it runs")
-        for module in [model, *self.reference.modules()]:
-            if args.padding_free or args.share_prompt:
-                use_packed_attention(module)
-            if args.disable_dropout:
-                for submodule in module.modules():
-                    if isinstance(submodule, torch.nn.Dropout):
-                        submodule.p = 0.0
-            if args.shard_with_fsdp2:
-                sharding.shard_model(module, args.device.type)
-
-        train_dataset = _tokenized(train_dataset, tokenizer, args)
-        if isinstance(eval_dataset, dict):
-            eval_dataset = {name: _tokenized(dataset, tokenizer, args) for name, dataset in eval_dataset.items()}
-        else:
-            eval_dataset = _tokenized(eval_dataset, tokenizer, args)
-        dense_mask = not (args.padding_free or args.share_prompt) or packed_attention(
-            model.config._attn_implementation).dense_mask
-        data_collator = data_collator or make_collator(tokenizer.pad_token_id, args.padding_free, args.share_prompt,
-                                                       dense_mask, args.pad_to_multiple_of)
-
-        super().__init__(model=model, args=args, data_collator=data_collator, train_dataset=train_dataset,
-                         eval_dataset=eval_dataset, processing_class=processing_class,
+        logger.info("reference: %s", self.reference.description)
+        phases.prepare_models([model, *self.reference.modules()], args)
+        tokenizer = getattr(processing_class, "tokenizer", processing_class)
+        super().__init__(model=model, args=args, data_collator=data_collator or phases.collator(model, tokenizer, args),
+                         train_dataset=_tokenized(train_dataset, tokenizer, args),
+                         eval_dataset=_tokenized(eval_dataset, tokenizer, args), processing_class=processing_class,
                          compute_metrics=compute_metrics, callbacks=callbacks, optimizers=optimizers)
         if hasattr(self.model, "add_model_tags"):  # Trainer puts the model's tags on the card it pushes
             self.model.add_model_tags(trl_hub_tags(model, os.environ))
@@ -220,13 +103,30 @@ class DPOMinTrainer(Trainer):
         self.reference.prepare(self.accelerator, self.is_deepspeed_enabled)
         self._precompute_engine = None  # DeepSpeed: the policy's forward-only engine for the precompute pass
         self._metrics: dict[str, dict[str, list[float]]] = {"train": defaultdict(list), "eval": defaultdict(list)}
-        if args.sync_ref_model:
-            self.add_callback(_SyncReference(self))
-        self.router_aux_loss_coef = _router_aux_loss_coef(model.config, args.router_aux_loss_coef)
-        if self.router_aux_loss_coef and args.share_prompt:
-            raise ValueError("share_prompt's 4D attention mask cannot go into the router load-balancing loss: set "
-                             "router_aux_loss_coef=0 or drop share_prompt")
         self._total_train_tokens = 0
+        if args.sync_ref_model:
+            self.add_callback(SyncReferenceCallback(self.sync_reference))
+
+    # TRL DPOTrainer's public attributes that scripts read, with TRL's meaning (from the config, which tests swap).
+    beta = _trl_attribute(lambda args: args.beta)
+    loss_types = _trl_attribute(lambda args: args.loss_type)
+    loss_weights = _trl_attribute(lambda args: args.loss_weights or [1.0] * len(args.loss_type))
+    label_smoothing = _trl_attribute(lambda args: args.label_smoothing)
+    ld_alpha = _trl_attribute(lambda args: args.ld_alpha)
+    use_weighting = _trl_attribute(lambda args: args.use_weighting)
+    f_divergence_type = _trl_attribute(lambda args: args.f_divergence_type)
+    f_alpha_divergence_coef = _trl_attribute(lambda args: args.f_alpha_divergence_coef)
+    precompute_ref_logps = _trl_attribute(lambda args: args.precompute_ref_log_probs)
+    padding_free = _trl_attribute(lambda args: args.padding_free)
+
+    @property
+    def aux_loss_enabled(self) -> bool:
+        """TRL's: a mixture-of-experts model whose router load-balancing loss joins the loss."""
+        return self.router_aux_loss_coef != 0.0
+
+    @property
+    def maybe_activation_offload_context(self) -> contextlib.AbstractContextManager:
+        return OffloadActivations(self.model) if self.args.activation_offloading else contextlib.nullcontext()
 
     @property
     def ref_model(self) -> torch.nn.Module | None:
@@ -250,17 +150,20 @@ class DPOMinTrainer(Trainer):
     @torch.no_grad()
     def reference_logps(self, inputs: dict[str, torch.Tensor]) -> SequenceLogps:
         """Reference log-probs of a collated batch."""
-        return self.reference.logps(self.model, inputs)
+        with self.reference.computing(self.model) as model:
+            return sequence_logps(model, inputs)
 
     def _with_reference_logps(self, dataset: Dataset, description: str) -> Dataset:
         """Add `ref_chosen_logps` / `ref_rejected_logps` columns: one reference pass over the data, up front."""
+        if isinstance(dataset, IterableDataset):
+            raise ValueError(phases.ITERABLE_REFUSAL)
         if dataset is None or "ref_chosen_logps" in dataset.column_names:
             return dataset
         if self.reference.fixed_before_training() and self.state.global_step > 0:
-            raise ValueError(f"cannot precompute reference log-probs for the {description} data after training "
-                             "started: full fine-tuning without ref_model uses the untrained model as reference. "
-                             "Pass eval_dataset at construction or a ref_model.")
-        key = ref_cache.cache_key(self.reference.weights(self.model), dataset, self._reference_settings())
+            raise ValueError(f"Cannot compute reference log-probs for a dataset passed to `evaluate()` after training "
+                             f"has started (the {description} data): full fine-tuning without ref_model uses the "
+                             "untrained model as reference; pass eval_dataset at construction or a ref_model")
+        key = ref_cache.cache_key(self.reference.weights(self.model), dataset, self.reference.cache_settings(self.args))
         cached = ref_cache.load(key, len(dataset))
         if self.accelerator.num_processes > 1:  # all processes must take the same branch: the pass below gathers
             cached = broadcast_object_list([cached])[0]
@@ -292,11 +195,6 @@ class DPOMinTrainer(Trainer):
             rejected.append(ref[1].float().cpu())
         self.model.train(was_training)
         return torch.cat(chosen), torch.cat(rejected)
-
-    def _reference_settings(self) -> dict[str, Any]:
-        args = self.args
-        return {"reference": self.reference.cache_setting(), "ld_alpha": args.ld_alpha, "max_length": args.max_length,
-                "max_prompt_length": args.max_prompt_length, "truncation_mode": args.truncation_mode}
 
     def _precompute_all(self) -> None:
         self.train_dataset = self._with_reference_logps(self.train_dataset, "train")
@@ -384,7 +282,7 @@ class DPOMinTrainer(Trainer):
         metrics["entropy"].append(((pairs["chosen_entropy"].sum() + pairs["rejected_entropy"].sum()) / tokens).item())
         metrics["mean_token_accuracy"].append((pairs["chosen_top1"].sum() / pairs["chosen_tokens"].sum()).item())
         if mode == "train":
-            self._total_train_tokens += int(self.accelerator.gather(_computed_tokens(inputs)).sum())
+            self._total_train_tokens += int(self.accelerator.gather(computed_tokens(inputs)).sum())
         metrics["num_tokens"] = [self._total_train_tokens]
         if policy.aux_loss is not None:
             metrics["aux_loss"].append(self.accelerator.gather_for_metrics(policy.aux_loss.detach()).mean().item())
