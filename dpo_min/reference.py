@@ -4,30 +4,34 @@
 - none: the loss reads no reference (simpo, cpo, `reference_free`), so there is no copy and no reference forward;
 - `ref_model`: a separate frozen model, given by the caller;
 - for a PEFT model: the adapter named `ref_adapter_name`; the model with its adapter disabled (for a `peft_config`,
-  or an adapter on `target_parameters`, of which peft cannot hold a second copy); otherwise a frozen copy of the
-  adapter the model arrives with (TR-DPO's `sync_ref_model` with a `peft_config` also gets such a copy, to move);
+  or, as TRL, an adapter on `target_parameters` under peft < 0.20, which cannot hold a second one); otherwise a
+  frozen copy of the adapter the model arrives with (TR-DPO with a `peft_config` also gets such a copy, to move);
 - full fine-tuning with `precompute_ref_log_probs`: the model itself, before its first step;
 - otherwise a frozen copy of the model.
-The trainer then asks the chosen `Reference` for log-probs of a batch, the weights and settings the precompute
+The trainer then asks the chosen `Reference` for the model that computes a batch's reference log-probs (`computing`,
+in the spirit of torchtune's `with torch.no_grad(), disable_adapter(model)`), the weights and settings the precompute
 cache key hashes, TR-DPO's sync, and a one-line description; it never asks which kind it holds.
 """
 
 import contextlib
 import copy
-from collections.abc import Iterator
+import logging
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from accelerate.utils import extract_model_from_parallel
+from packaging.version import Version
+from transformers import TrainerCallback
 
 from . import sharding, zero
-from .logps import SequenceLogps, sequence_logps
 
 try:
     from peft import LoraConfig, PeftModel, get_peft_model
 except ImportError:  # peft is a dependency, but keep the full fine-tuning path importable without it
     LoraConfig = PeftModel = get_peft_model = type(None)
 
+logger = logging.getLogger(__name__)
 REF_ADAPTER = "ref"
 
 
@@ -69,8 +73,11 @@ class Reference:
     model: torch.nn.Module | None = None  # a separate reference model (prepared for the run), if any
     adapter: str | None = None  # the name of a reference adapter of the policy, if any
 
-    def logps(self, policy: torch.nn.Module, inputs: dict[str, torch.Tensor]) -> SequenceLogps:
+    @contextlib.contextmanager
+    def computing(self, policy: torch.nn.Module) -> Iterator[torch.nn.Module]:
+        """The module whose forward gives the reference log-probs, for the duration of the block."""
         raise ValueError("this loss reads no reference log-probs")
+        yield policy  # a generator, like the others
 
     def weights(self, policy: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
         """The tensors the reference log-probs depend on (for the precompute cache key)."""
@@ -80,8 +87,12 @@ class Reference:
         return sharding.gathered((name, tensor) for name, tensor in policy.state_dict(keep_vars=True).items()
                                  if trained is None or trained not in name)
 
-    def cache_setting(self) -> str:
-        return "model"
+    def cache_settings(self, args: Any) -> dict[str, Any]:
+        """What else the reference log-probs depend on, for the precompute cache key."""
+        return {"reference": self.cache_name, "ld_alpha": args.ld_alpha, "max_length": args.max_length,
+                "max_prompt_length": args.max_prompt_length, "truncation_mode": args.truncation_mode}
+
+    cache_name = "model"
 
     def check_sync(self, policy: torch.nn.Module) -> None:
         raise ValueError("sync_ref_model needs a reference (model or adapter) with the policy's parameters")
@@ -108,8 +119,9 @@ class ModelReference(Reference):
         self.module = self.model = model
         self.description = description
 
-    def logps(self, policy: torch.nn.Module, inputs: dict[str, torch.Tensor]) -> SequenceLogps:
-        return sequence_logps(self.model, inputs)
+    @contextlib.contextmanager
+    def computing(self, policy: torch.nn.Module) -> Iterator[torch.nn.Module]:
+        yield self.model
 
     def weights(self, policy: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
         return sharding.gathered(self.module.state_dict(keep_vars=True).items())
@@ -137,8 +149,9 @@ class PolicyReference(Reference):
 
     description = "the model before its first step (log-probs precomputed)"
 
-    def logps(self, policy: torch.nn.Module, inputs: dict[str, torch.Tensor]) -> SequenceLogps:
-        return sequence_logps(policy, inputs)
+    @contextlib.contextmanager
+    def computing(self, policy: torch.nn.Module) -> Iterator[torch.nn.Module]:
+        yield policy
 
     def fixed_before_training(self) -> bool:
         return True
@@ -148,13 +161,12 @@ class AdapterOff(Reference):
     """A PEFT model with its adapter disabled: the base model."""
 
     description = "the model with its adapter disabled"
+    cache_name = "adapter disabled"
 
-    def logps(self, policy: torch.nn.Module, inputs: dict[str, torch.Tensor]) -> SequenceLogps:
+    @contextlib.contextmanager
+    def computing(self, policy: torch.nn.Module) -> Iterator[torch.nn.Module]:
         with extract_model_from_parallel(policy).disable_adapter():
-            return sequence_logps(policy, inputs)
-
-    def cache_setting(self) -> str:
-        return "adapter disabled"
+            yield policy
 
 
 class AdapterReference(Reference):
@@ -162,22 +174,17 @@ class AdapterReference(Reference):
 
     def __init__(self, adapter: str, description: str):
         self.adapter, self.description = adapter, description
+        self.cache_name = f"adapter {adapter}"
 
     @contextlib.contextmanager
-    def _active(self, policy: "PeftModel") -> Iterator[None]:
-        active = policy.active_adapter
-        policy.set_adapter(self.adapter, inference_mode=True)
+    def computing(self, policy: torch.nn.Module) -> Iterator[torch.nn.Module]:
+        peft_model = extract_model_from_parallel(policy)
+        active = peft_model.active_adapter
+        peft_model.set_adapter(self.adapter, inference_mode=True)
         try:
-            yield
+            yield policy
         finally:
-            policy.set_adapter(active)
-
-    def logps(self, policy: torch.nn.Module, inputs: dict[str, torch.Tensor]) -> SequenceLogps:
-        with self._active(extract_model_from_parallel(policy)):
-            return sequence_logps(policy, inputs)
-
-    def cache_setting(self) -> str:
-        return f"adapter {self.adapter}"
+            peft_model.set_adapter(active)
 
     def check_sync(self, policy: torch.nn.Module) -> None:
         _same_shapes(_adapter_parameters(policy, policy.active_adapter), _adapter_parameters(policy, self.adapter))
@@ -188,11 +195,25 @@ class AdapterReference(Reference):
         _mix_into(_adapter_parameters(policy, self.adapter), _adapter_parameters(policy, policy.active_adapter), alpha)
 
 
-def _on_target_parameters(model: "PeftModel") -> bool:
-    """A LoRA on `target_parameters` (MoE expert weights): peft cannot hold a second adapter beside it (TRL then
-    disables the adapter for the reference instead of copying it)."""
+class SyncReferenceCallback(TrainerCallback):
+    """TR-DPO: after every `ref_model_sync_steps` optimizer steps, move the reference towards the policy."""
+
+    def __init__(self, sync: Callable[[], None]):
+        self.sync = sync
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step % args.ref_model_sync_steps == 0:
+            self.sync()
+
+
+def _no_second_adapter(model: "PeftModel") -> bool:
+    """A LoRA on `target_parameters` (MoE expert weights) under peft 0.17-0.19, which cannot hold a second such
+    adapter (peft#3340, fixed in 0.20): TRL 1.16 then disables the adapter for the reference instead of copying it."""
+    import peft
+
     config = model.peft_config[model.active_adapter]
-    return isinstance(config, LoraConfig) and bool(getattr(config, "target_parameters", None))
+    old_peft = Version("0.17.0") <= Version(peft.__version__) < Version("0.20.0")
+    return old_peft and isinstance(config, LoraConfig) and bool(getattr(config, "target_parameters", None))
 
 
 def _peft_reference(model: "PeftModel", args: Any, from_peft_config: bool) -> Reference:
@@ -203,7 +224,9 @@ def _peft_reference(model: "PeftModel", args: Any, from_peft_config: bool) -> Re
             if args.sync_ref_model else AdapterOff()
     if args.ref_adapter_name is not None:
         return AdapterReference(args.ref_adapter_name, f"adapter {args.ref_adapter_name!r}")
-    if _on_target_parameters(model):
+    if _no_second_adapter(model):
+        logger.warning("peft<0.20 cannot add a frozen reference adapter beside one on target_parameters (peft#3340): "
+                       "the reference is the model with its adapter disabled, as in TRL; upgrade peft for a copy")
         return AdapterOff()
     # An adapter may arrive already trained: the reference is that adapter as it starts, kept frozen.
     return AdapterReference(_add_adapter_copy(model, REF_ADAPTER), "a frozen copy of the adapter the model came with")
@@ -232,8 +255,6 @@ def _set_up_adapters(model: Any, args: Any, ref_model: Any, peft_config: Any) ->
 def choose_reference(model: Any, ref_model: Any, args: Any, peft_config: Any,
                      reads_reference: bool) -> tuple[Any, Reference]:
     """The model (wrapped in `peft_config`, if given) and its reference, checked against TR-DPO's needs."""
-    if ref_model is not None and ref_model is model:
-        raise ValueError("ref_model must be another object than model (omit it to get a frozen copy)")
     model, wrapped = _set_up_adapters(model, args, ref_model, peft_config)
     if not reads_reference:  # a ref_model given to such a loss is not kept
         reference = Reference()
