@@ -153,12 +153,6 @@ class _LabelLogProbs(torch.autograd.Function):
         return grad_logits, None, None
 
 
-def label_logps(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(log p(label), mean logit) per row of [K, V] logits, both [K] in float32 (float64 for float64 logits)."""
-    token_logps, mean_logits, *_ = _LabelLogProbs.apply(logits, labels, False)
-    return token_logps, mean_logits
-
-
 def sequence_logps(model: torch.nn.Module, batch: dict[str, torch.Tensor],
                    with_sum_sq_probs: bool = False, with_aux_loss: bool = False) -> SequenceLogps:
     """One forward of `model` over a collated batch -> log-probs of each of its sequences.
@@ -200,6 +194,14 @@ def sequence_logps(model: torch.nn.Module, batch: dict[str, torch.Tensor],
         top1_counts=per_sequence(is_top1),
         aux_loss=outputs.aux_loss if with_aux_loss else None,
     )
+
+
+def computed_tokens(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """[1] tokens the forward computes, padding excluded: every row ends with its last completion token, so a row's
+    length is the position of its last label + 1 (TRL counts attention_mask.sum(), the same in the padded layout)."""
+    labels = batch["labels"]
+    positions = torch.arange(1, labels.size(1) + 1, device=labels.device)
+    return torch.where(labels != IGNORE_INDEX, positions, 0).amax(dim=1).sum().reshape(1)
 
 
 def _positions_in_sequence(token_sequence: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
