@@ -1,0 +1,66 @@
+"""README.md and docs/: every `dpo_min.train` command they show parses as written, and every page they link exists.
+
+Parsing is the part of "works as written" a test can afford for all of them: an option renamed or removed, a value
+the parser refuses, a recipe path that moved. The runs themselves are covered by the tests of each feature."""
+
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+
+from dpo_min.cli_args import parse_args
+
+ROOT = Path(__file__).resolve().parent.parent
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+ENTRY = re.compile(r"(?:python -m dpo_min\.train|dpo-min-train|-m dpo_min\.train)(?=\s|$)")
+
+
+HEREDOC = re.compile(r"^ *cat > (\S+) <<'(\w+)'\n(.*?)^ *\2$", flags=re.M | re.S)
+
+
+def _bash_blocks(text: str) -> list[str]:
+    return re.findall(r"^ *```bash\n(.*?)^ *```", text, flags=re.M | re.S)
+
+
+def _train_commands() -> list[tuple[str, str, dict[str, str]]]:
+    """(page, the arguments after the entry point, the files the page's blocks write with heredocs before it)."""
+    commands = []
+    for page in PAGES:
+        files: dict[str, str] = {}
+        for block in _bash_blocks(page.read_text()):
+            files.update({name: body for name, _, body in HEREDOC.findall(block)})
+            for line in HEREDOC.sub("", block).replace("\\\n", " ").splitlines():
+                match = ENTRY.search(line.strip())
+                if match and not line.strip().startswith("#"):
+                    commands.append((page.relative_to(ROOT).as_posix(), line.strip()[match.end():], dict(files)))
+    return commands
+
+
+COMMANDS = _train_commands()
+
+
+def test_the_pages_show_commands():
+    assert len(COMMANDS) >= 10  # a broken extraction would make the test below pass on nothing
+
+
+@pytest.mark.parametrize(("page", "arguments", "files"), COMMANDS,
+                         ids=[f"{page}:{args[:60]}" for page, args, _ in COMMANDS])
+def test_every_command_in_the_pages_parses(page, arguments, files, tmp_path, monkeypatch):
+    # Run where the page's own heredocs wrote their files, with the checkout's folders beside them.
+    for folder in ("data", "recipes", "tests"):
+        (tmp_path / folder).symlink_to(ROOT / folder)
+    for name, body in files.items():
+        (tmp_path / name).write_text(body)
+    monkeypatch.chdir(tmp_path)
+    argv = shlex.split(arguments, comments=True)
+    if "--bf16" in argv:  # a GPU command: on this CPU machine bf16 parses only beside use_cpu
+        argv += ["--use_cpu", "true"]
+    parse_args(argv)  # raises UsageError (with the one-line message) for anything the command would refuse
+
+
+@pytest.mark.parametrize("page", PAGES, ids=[page.name for page in PAGES])
+def test_every_local_link_in_the_pages_exists(page):
+    targets = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", page.read_text())
+    missing = [target for target in targets if "://" not in target and not (page.parent / target).exists()]
+    assert not missing, f"{page.name} links to missing files: {missing}"
