@@ -8,7 +8,8 @@ import difflib
 import os
 import sys
 from dataclasses import dataclass, field, fields
-from typing import Any
+from types import UnionType
+from typing import Any, Union, get_args, get_origin, get_type_hints
 
 import torch
 import yaml
@@ -197,7 +198,11 @@ def parse_args(argv: list[str] | None = None) -> tuple[ModelArguments, DataArgum
     recipe_path = argv.pop(0) if argv and argv[0].endswith((".yaml", ".yml")) else _pop_config(argv)
     recipe = _read_recipe(recipe_path) if recipe_path else {}
     argv = _translate_argv(argv)
-    named = set(recipe) | {token[2:].split("=")[0] for token in argv if token.startswith("--")}
+    flags = {token[2:].split("=")[0] for token in argv if token.startswith("--")}
+    for flag, other in (("dataset", "datasets"), ("datasets", "dataset")):
+        if flag in flags and other not in flags:
+            recipe.pop(other, None)  # a flag overrides the recipe: --dataset X trains X, not the recipe's mixture
+    named = set(recipe) | flags
     parser = build_parser(demo=not named & {"model", "dataset", "help"} and "-h" not in argv)
     parser.set_defaults(**recipe)
     try:
@@ -208,6 +213,11 @@ def parse_args(argv: list[str] | None = None) -> tuple[ModelArguments, DataArgum
     if remaining:
         flag = next((token for token in remaining if token.startswith("--")), "")
         raise UsageError(f"unknown argument(s): {' '.join(remaining)}{_did_you_mean(flag[2:].split('=')[0])}")
+    if data_args.datasets is not None and data_args.dataset is not None:
+        # Both in one place (the recipe, or the command line): TRL's rule, the mixture is trained.
+        print(f"warning: both datasets (a mixture) and dataset {data_args.dataset} are given; the mixture is "
+              "trained, dataset ignored", file=sys.stderr)
+        data_args.dataset = None
     if not 0 <= data_args.eval_fraction < 1:
         raise UsageError(f"--eval_fraction must be in [0, 1), got {data_args.eval_fraction}")
     if data_args.num_samples > 0 and data_args.max_new_tokens < 1:
@@ -294,9 +304,24 @@ def _read_recipe(path: str) -> dict[str, Any]:
         if canonical not in known_options():
             raise UsageError(f"{path}: unknown option {name!r}{_did_you_mean(str(name))}")
         recipe[canonical] = value
-    # argparse converts a flag's text, not a recipe's numbers: 2.5 would reach an int option unchanged.
-    types = {f.name: f.type for dataclass_type in ARGUMENT_TYPES for f in fields(dataclass_type)}
+    # argparse converts a flag's text, not a recipe's values: 2.5, [1, 2] or null would reach an option unchanged.
+    types = {name: hint for dataclass_type in ARGUMENT_TYPES for name, hint in get_type_hints(dataclass_type).items()}
     for name, value in recipe.items():
         if types[name] in (int, int | None) and isinstance(value, (float, bool)):
             raise UsageError(f"{path}: {name} must be an integer, got {value!r}")
+        kinds = _kinds(types[name])
+        if value is None and not kinds & {type(None), Any}:
+            raise UsageError(f"{path}: {name} cannot be null; give a value, or leave the key out for the default")
+        if isinstance(value, (list, dict)) and not kinds & {list, dict, Any} and name not in RECIPE_LISTS:
+            raise UsageError(f"{path}: {name} takes a single value, got {value!r}")
     return recipe
+
+
+# Options typed as text on the command line (a JSON list there) that a recipe writes as a YAML list.
+RECIPE_LISTS = ("datasets",)
+
+
+def _kinds(hint: Any) -> set[Any]:
+    """The plain types a field's type admits: {int, NoneType} for `int | None`, {list} for `list[str]`."""
+    members = get_args(hint) if get_origin(hint) in (Union, UnionType) else (hint,)
+    return {get_origin(member) or member for member in members}

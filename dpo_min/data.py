@@ -79,7 +79,24 @@ def _load_raw(path_or_name: str, split: str, config: str | None, streaming: bool
         raise ValueError(f"{path_or_name}: {_why_unreadable(path_or_name, builder, error)}") from error
     if not streaming and len(dataset) == 0:
         raise ValueError(f"{path_or_name}: the file holds no rows")
-    return dataset
+    return _columns_object(dataset, path_or_name) if builder == "json" and not streaming else dataset
+
+
+def _columns_object(dataset: Dataset, path: str) -> Dataset:
+    """A JSON object of equal-length lists ({"prompt": [...], "chosen": [...], ...}, as `Dataset.to_dict()` writes)
+    is columns, not one row of lists as pyarrow reads it. A real one-row file differs: its values are texts or
+    message lists (lists of objects), never lists of texts or of message lists."""
+    if len(dataset) != 1:
+        return dataset
+    row = dataset[0]
+    values = list(row.values())
+    if not all(isinstance(value, list) for value in values) or any(
+            value and all(isinstance(item, dict) for item in value) for value in values):
+        return dataset
+    lengths = {name: len(value) for name, value in row.items()}
+    if len(set(lengths.values())) > 1:
+        raise ValueError(f"{path}: a JSON object of columns must hold lists of one length, got {lengths}")
+    return Dataset.from_dict(row)
 
 
 def _why_unreadable(path: str, builder: str, error: Exception) -> str:

@@ -13,6 +13,7 @@ import signal
 import sys
 import time
 import warnings
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +23,7 @@ from datasets import Dataset
 from peft import LoraConfig
 from transformers import ProgressCallback
 
-from .card import hub_repo_id, model_card, push_to_hub
+from .card import check_hub_access, hub_repo_id, model_card, push_to_hub
 from .cli_args import (  # noqa: F401  (COMMAND_DEFAULTS, DEMO_DEFAULTS: re-exported for scripts and tests)
     COMMAND_DEFAULTS,
     DEMO_DEFAULTS,
@@ -33,7 +34,7 @@ from .cli_args import (  # noqa: F401  (COMMAND_DEFAULTS, DEMO_DEFAULTS: re-expo
     parse_args,
 )
 from .config import DPOMinConfig
-from .data import load_mixture, load_preference_dataset
+from .data import SOURCE_DATASET, load_mixture, load_preference_dataset
 from .models import load_model_and_tokenizer, quantization_config
 from .report import (
     CompletionLogger,
@@ -48,7 +49,15 @@ from .report import (
     greedy_completions,
     plot_training,
 )
-from .run_dir import OutputDirError, RunFolder, check_same_data, data_settings, resolve_checkpoint
+from .run_dir import (
+    PAIRS_DIGEST,
+    OutputDirError,
+    RunFolder,
+    check_same_run,
+    pairs_digest,
+    resolve_checkpoint,
+    resume_settings,
+)
 from .trainer import DPOMinTrainer
 
 EMBEDDED_DATA = Path(__file__).resolve().parent.parent / "data" / "hh-rlhf-harmless-base-test.jsonl.gz"
@@ -101,6 +110,9 @@ def load_pairs(data_args: DataArguments, args: DPOMinConfig) -> tuple[Dataset, D
     _show_data_log(args.process_index == 0)
     seed = args.data_seed if args.data_seed is not None else args.seed
     if data_args.datasets is not None:
+        if data_args.eval_split:
+            raise UsageError("--eval_split picks a split of one dataset; a mixture holds out --eval_fraction of its "
+                             "pairs")
         train = _load_mixture(data_args, seed, args.dataset_num_proc)
         source = "the mixture"
     else:
@@ -137,13 +149,26 @@ def load_pairs(data_args: DataArguments, args: DPOMinConfig) -> tuple[Dataset, D
     return train, held_out
 
 
+def trained_sources(train_pairs: Any, data_args: DataArguments) -> dict[str, Any]:
+    """The datasets the train pairs came from, each with its number of pairs: a mixture's from the pairs' own
+    source column, whatever the mixture's entries look like; else the one dataset."""
+    if SOURCE_DATASET in (getattr(train_pairs, "column_names", None) or []):
+        return dict(sorted(Counter(train_pairs[SOURCE_DATASET]).items()))
+    pairs = len(train_pairs) if hasattr(train_pairs, "__len__") else "streamed"
+    return {data_args.dataset or EMBEDDED_DATASET_NAME: pairs}
+
+
 def _show_data_log(is_main: bool) -> None:
     """The data module's one line naming each dataset's layout, and its warnings, on stdout."""
     data_logger = logging.getLogger("dpo_min.data")
     if not data_logger.handlers:
         handler = logging.StreamHandler(sys.stdout)
         handler.setFormatter(logging.Formatter("%(message)s"))
+        handler.set_name(PROG)
         data_logger.addHandler(handler)
+    for handler in data_logger.handlers:
+        if handler.get_name() == PROG:  # ours: each run prints to the stdout it has now, not an earlier run's
+            handler.stream = sys.stdout  # (setStream would flush the old one, which may be closed)
     data_logger.setLevel(logging.INFO if is_main else logging.WARNING)
 
 
@@ -213,8 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     owned = None  # ... and once the staging folder is this run's to discard
     try:
         model_args, data_args, args = parse_args(argv)
-        output_dir = Path(args.output_dir)
-        folder = RunFolder(output_dir)  # refuses the working folder or above it
+        folder = RunFolder(args.output_dir)  # follows links once; refuses the working folder or above it
         is_main = args.process_index == 0
         if is_main:  # the other processes of a run neither lock nor look: the main one may have made the folder
             folder.lock()
@@ -222,11 +246,17 @@ def main(argv: list[str] | None = None) -> int:
             folder.prepare(args.resume_from_checkpoint)
         args.resume_from_checkpoint = resolve_checkpoint(args.resume_from_checkpoint, folder.staging,
                                                          warn=print if is_main else lambda text: None)
-        check_same_data(args.resume_from_checkpoint, data_settings(args))
-        if is_main:
-            folder.begin(data_settings(args))
-            owned = folder
+        if args.push_to_hub and is_main:
+            _check_push(hub_repo_id(folder.named, args.hub_model_id), args.hub_token)
+        settings = resume_settings(data_args, args)
+        check_same_run(args.resume_from_checkpoint, settings)  # the options first: no data read for a refusal
         train_pairs, held_out = load_pairs(data_args, args)  # before the model: a bad file fails in a second
+        if args.save_strategy != "no" or args.resume_from_checkpoint:  # only a run with checkpoints is resumed
+            settings[PAIRS_DIGEST] = pairs_digest(train_pairs, held_out)
+            check_same_run(args.resume_from_checkpoint, settings)
+        if is_main:
+            folder.begin(settings)
+            owned = folder
         model, tokenizer, peft_config = load_model(model_args, args)
         args.output_dir = str(folder.staging)
         # dpo_min pushes the finished folder itself: Trainer would name the repo after the staging folder.
@@ -241,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
         if trainer.pop_callback(ProgressCallback) is not None:
             trainer.add_callback(LiveLossBar())
         trainer.add_callback(HeldOutPrinter())
-        run(trainer, model_args, data_args, held_out, output_dir, started, push)
+        run(trainer, model_args, data_args, held_out, folder, trained_sources(train_pairs, data_args), started, push)
     except (UsageError, InputError, OutputDirError, FloatingPointError) as error:
         if owned is not None:
             owned.discard()
@@ -258,8 +288,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(trainer: DPOMinTrainer, model_args: ModelArguments, data_args: DataArguments, held_out: Dataset | None,
-        output_dir: Path, started: float, push: bool = False) -> None:
-    args, staging = trainer.args, Path(trainer.args.output_dir)
+        folder: RunFolder, sources: dict[str, Any], started: float, push: bool = False) -> None:
+    """`sources`: what the train pairs came from, for the card (`trained_sources`)."""
+    args, staging, output_dir = trainer.args, Path(trainer.args.output_dir), folder.named
     is_main = trainer.is_world_process_zero()
     say = print if is_main else (lambda *_, **__: None)
     tokenizer = trainer.processing_class
@@ -310,28 +341,46 @@ def run(trainer: DPOMinTrainer, model_args: ModelArguments, data_args: DataArgum
     plot_training(trainer.state.log_history, staging / "training_curves.png")
     samples = format_samples(prompts, reference_texts, completions.latest)
     repo_id = hub_repo_id(output_dir, args.hub_model_id)
-    (staging / "README.md").write_text(run_card(model_args, data_args, args, metrics, repo_id))
-    RunFolder(output_dir).publish()
+    (staging / "README.md").write_text(run_card(model_args, args, metrics, sources, repo_id))
+    folder.publish()  # the folder resolved and locked at the start, wherever a link may point by now
     if samples:
         say(f"\ngreedy completions of held-out prompts (reference, then trained policy):\n{samples}")
     if after and not all_finite(after):
         say("warning: the held-out figures are not finite")
     for warning in collapse_warnings(after, completions.latest):
         say(f"WARNING: {warning}")
-    say(f"wrote {', '.join(sorted(path.name for path in output_dir.iterdir()))} to {output_dir} "
+    say(f"wrote {', '.join(sorted(path.name for path in folder.output_dir.iterdir()))} to {output_dir} "
         f"in {wall_time:.0f} s")
     if push:
-        say(f"pushed to {push_to_hub(output_dir, repo_id, args.hub_token, args.hub_private_repo)}")
+        say(f"pushed to {_push(folder, repo_id, args)}")
 
 
-def run_card(model_args: ModelArguments, data_args: DataArguments, args: DPOMinConfig, metrics: dict[str, Any],
+def _push(folder: RunFolder, repo_id: str, args: DPOMinConfig) -> str:
+    try:
+        return push_to_hub(folder.output_dir, repo_id, args.hub_token, args.hub_private_repo)
+    except Exception as error:  # the network, the token, the Hub: the run itself is published already
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise InputError(f"the push to {repo_id} failed ({reason}); the run is safe in {folder.named}: upload it "
+                         f"with `hf upload {repo_id} {folder.named}`") from None
+
+
+def _check_push(repo_id: str, token: str | None) -> None:
+    try:
+        check_hub_access(repo_id, token)
+    except ValueError as error:
+        raise UsageError(str(error)) from None
+    except OSError as error:
+        raise InputError(str(error)) from None
+
+
+def run_card(model_args: ModelArguments, args: DPOMinConfig, metrics: dict[str, Any], sources: dict[str, Any],
              repo_id: str) -> str:
     """The model card of this run, for what it saved: an adapter, a merged model or a fully fine-tuned one."""
     kind = "full" if not model_args.use_peft else "merged" if model_args.merge_adapter else "adapter"
     lora = {"r": model_args.lora_r, "alpha": model_args.lora_alpha, "dropout": model_args.lora_dropout,
             "target_modules": ", ".join(model_args.lora_target_modules), "use_rslora": model_args.use_rslora,
             "use_dora": model_args.use_dora} if model_args.use_peft else None
-    return model_card(model=model_args.model, kind=kind, dataset=data_args.dataset or EMBEDDED_DATASET_NAME,
+    return model_card(model=model_args.model, kind=kind, datasets=sources,
                       train_pairs=metrics["train_pairs"], held_out_pairs=metrics["held_out_pairs"], args=args,
                       lora=lora, before=metrics["before"], after=metrics["after"], repo_id=repo_id)
 

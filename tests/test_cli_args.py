@@ -110,3 +110,19 @@ def test_qlora_where_bitsandbytes_cannot_run_is_one_line(tmp_path, capsys, monke
     error_lines = capsys.readouterr().err.strip().splitlines()
     assert code == 1 and len(error_lines) == 1 and message in error_lines[0], error_lines
     assert not (tmp_path / "out").exists()
+
+
+def test_a_dataset_flag_overrides_the_recipes_mixture_and_both_in_one_place_train_the_mixture(tmp_path, capsys):
+    mixture = [{"dataset": "a.jsonl"}, {"dataset": "b.jsonl"}]
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump({"datasets": mixture}))
+    _, data_args, _ = parse_args([str(path), "--dataset", "x.jsonl"])  # flags override the recipe
+    assert (data_args.dataset, data_args.datasets) == ("x.jsonl", None)
+    path.write_text(yaml.safe_dump({"dataset_name": "x.jsonl"}))
+    _, data_args, _ = parse_args([str(path), "--datasets", json.dumps(mixture)])
+    assert (data_args.dataset, data_args.datasets) == (None, json.dumps(mixture))
+    assert capsys.readouterr().err == ""
+    path.write_text(yaml.safe_dump({"dataset_name": "x.jsonl", "datasets": mixture}))  # TRL's rule: the mixture
+    _, data_args, _ = parse_args([str(path)])
+    assert (data_args.dataset, data_args.datasets) == (None, mixture)
+    assert "the mixture is trained, dataset ignored" in capsys.readouterr().err
