@@ -353,3 +353,42 @@ def test_trls_dpo_script_with_the_classes_swapped_logs_the_same_numbers(title, t
     assert_same_logs(ours, theirs)
     adapter = (tmp_path / "o" / "adapter_model.safetensors").exists()
     assert adapter == (title == "LoRA") == (tmp_path / "t" / "adapter_model.safetensors").exists()
+
+
+# ---- TRL's attributes and refusals, read as scripts written for TRL read them ------------------------------------
+def both_trainers(tmp_path, model_id, dataset, **options):
+    """(TRL's trainer, ours), built alike."""
+    return tuple(trainer_class(model=model_id, args=config_class(output_dir=str(tmp_path / name),
+                                                                 **{**NEUTRAL, **options}), train_dataset=dataset)
+                 for name, trainer_class, config_class in (("trl", trl.DPOTrainer, trl.DPOConfig),
+                                                           ("dpo_min", DPOMinTrainer, DPOMinConfig)))
+
+
+def test_trls_public_trainer_attributes_exist_with_trls_values(tmp_path, tiny_model_dir, hh_pairs):
+    options = {"loss_type": ["sigmoid", "sft"], "loss_weights": [1.0, 0.5], "ld_alpha": 0.5, "use_weighting": True,
+               "label_smoothing": 0.1, "precompute_ref_log_probs": True, "max_steps": 1}
+    theirs, ours = both_trainers(tmp_path, str(tiny_model_dir), hh_pairs.select(range(4)), **options)
+    public = sorted(name for name in vars(theirs) if not name.startswith("_"))
+    assert [name for name in public if not hasattr(ours, name)] == []
+    # The ones DPOTrainer adds to Trainer's, with TRL's values (Trainer's own are the same code on both sides).
+    added = [name for name in public if name not in vars(ours) and name != "maybe_activation_offload_context"]
+    assert {"aux_loss_enabled", "beta", "loss_types", "precompute_ref_logps"} <= set(added)
+    for name in added:
+        assert getattr(ours, name) == getattr(theirs, name), name
+    # evaluate() on a streamed dataset with precomputed reference log-probs: one line, TRL's words, on both.
+    streamed = IterableDataset.from_generator(lambda: iter(hh_pairs.select(range(2))))
+    for trainer in (theirs, ours):
+        with pytest.raises(ValueError, match=r"`precompute_ref_log_probs=True` is not supported with IterableDataset"):
+            trainer.evaluate(eval_dataset=streamed)
+
+
+def test_refusals_carry_trls_key_phrases(tmp_path, tiny_model_dir, hh_pairs):
+    for trainer_class, config_class in ((trl.DPOTrainer, trl.DPOConfig), (DPOMinTrainer, DPOMinConfig)):
+        with pytest.raises(ValueError, match="`train_dataset` is required"):
+            trainer_class(model=str(tiny_model_dir), args=config_class(output_dir=str(tmp_path), **NEUTRAL))
+    # Full fine-tuning, precomputed, no ref_model: after a step the untrained reference is gone.
+    for trainer in both_trainers(tmp_path, str(tiny_model_dir), hh_pairs.select(range(2)),
+                                 precompute_ref_log_probs=True, max_steps=1):
+        trainer.train()
+        with pytest.raises(ValueError, match="Cannot compute reference log-probs for a dataset passed to `evaluate"):
+            trainer.evaluate(eval_dataset=hh_pairs.select(range(2, 4)))
