@@ -71,7 +71,8 @@ class DataArguments:
     _argument_group_name = "data"
 
     dataset: str | None = field(default=None, metadata={
-        "help": "A .json/.jsonl/.parquet/.csv file (optionally .gz) or a datasets name (TRL: dataset_name). "
+        "help": "A .json/.jsonl/.parquet/.csv file (optionally .gz), a dataset folder (a hub repository's copy, or "
+                "save_to_disk's) or a datasets name (TRL: dataset_name). "
                 "Default: the HH-RLHF harmless pairs in data/."})
     dataset_config: str | None = field(default=None, metadata={"help": "The datasets name's configuration."})
     split: str = field(default="train", metadata={
@@ -79,8 +80,9 @@ class DataArguments:
     eval_split: str | None = field(default=None, metadata={
         "help": "Split to evaluate on (TRL: dataset_test_split). Without it, --eval_fraction of the data is held "
                 "out."})
-    eval_fraction: float = field(default=0.05, metadata={
-        "help": "Fraction of the data held out, seeded by --data_seed or --seed (0: no evaluation)."})
+    eval_fraction: float | None = field(default=None, metadata={
+        "help": "Fraction of the data held out, seeded by --data_seed or --seed (0: no evaluation). Default: 0.05 of "
+                "one dataset; none of a mixture, whose held-out rows are its own (test_split_size, test splits)."})
     max_eval_samples: int | None = field(default=None, metadata={"help": "Most held-out pairs evaluated."})
     num_samples: int = field(default=3, metadata={
         "help": "Held-out prompts completed greedily by the reference and the trained policy (samples.jsonl)."})
@@ -101,8 +103,22 @@ class DataArguments:
         "help": "Stream the dataset (an IterableDataset, tokenized on the fly); needs --max_steps, held-out pairs "
                 "from --eval_split or the stream's first --max_eval_samples (TRL: dataset_streaming)."})
     datasets: str | None = field(default=None, metadata={
-        "help": "A mixture, in the YAML recipe: a list of {dataset, config, split, columns, fraction} (or that list "
-                "as JSON here); replaces --dataset."})
+        "help": "TRL's mixture, in the YAML recipe: a list of {path, name, data_dir, data_files, split, columns, "
+                "fraction} (or that list as JSON here), plus dpo_min's rename_columns; replaces --dataset."})
+    test_split_size: str | None = field(default=None, metadata={
+        "help": "A mixture's held-out rows (TRL's and the handbook's key): a count, or a fraction of the mixture. "
+                "Overrides dataset_mixture's own."})
+    dataset_mixture: str | None = field(default=None, metadata={
+        "help": "The alignment-handbook's mixture: {datasets: [{id, config, split, columns, weight}], seed, "
+                "test_split_size} (JSON here)."})
+    dataset_mixer: str | None = field(default=None, metadata={
+        "help": "The handbook's legacy mixture: {dataset: fraction of its train rows} (JSON here), with "
+                "--dataset_splits."})
+    dataset_splits: list[str] | None = field(default=None, metadata={
+        "help": "With dataset_mixer: the splits read from each dataset (train* ones trained on, test* ones held "
+                "out). Default: train test."})
+    dataset_configs: list[str] | None = field(default=None, metadata={
+        "help": "With dataset_mixer: each dataset's configuration, in order."})
 
 
 class _TrainingArguments(DPOMinConfig):
@@ -243,9 +259,11 @@ def parse_args(argv: list[str] | None = None) -> tuple[ModelArguments, DataArgum
     recipe = _read_recipe(recipe_path) if recipe_path else {}
     argv = _translate_argv(argv)
     flags = {token[2:].split("=")[0] for token in argv if token.startswith("--")}
-    for flag, other in (("dataset", "datasets"), ("datasets", "dataset")):
-        if flag in flags and other not in flags:
-            recipe.pop(other, None)  # a flag overrides the recipe: --dataset X trains X, not the recipe's mixture
+    if "dataset" in flags and not flags & set(MIXTURE_KEYS):
+        for name in (*MIXTURE_KEYS, *MIXTURE_OPTIONS):  # a flag overrides the recipe: --dataset X trains X alone
+            recipe.pop(name, None)
+    if flags & set(MIXTURE_KEYS) and "dataset" not in flags:
+        recipe.pop("dataset", None)
     named = set(recipe) | flags
     parser = build_parser(demo=not named & {"model", "dataset", "help"} and "-h" not in argv)
     if recipe_path or "model" in named:
@@ -261,12 +279,13 @@ def parse_args(argv: list[str] | None = None) -> tuple[ModelArguments, DataArgum
     if remaining:
         flag = next((token for token in remaining if token.startswith("--")), "")
         raise UsageError(f"unknown argument(s): {' '.join(remaining)}{_did_you_mean(flag[2:].split('=')[0])}")
-    if data_args.datasets is not None and data_args.dataset is not None:
+    mixture = next((name for name in MIXTURE_KEYS if getattr(data_args, name) is not None), None)
+    if mixture is not None and data_args.dataset is not None:
         # Both in one place (the recipe, or the command line): TRL's rule, the mixture is trained.
-        print(f"warning: both datasets (a mixture) and dataset {data_args.dataset} are given; the mixture is "
+        print(f"warning: both {mixture} (a mixture) and dataset {data_args.dataset} are given; the mixture is "
               "trained, dataset ignored", file=sys.stderr)
         data_args.dataset = None
-    if not 0 <= data_args.eval_fraction < 1:
+    if data_args.eval_fraction is not None and not 0 <= data_args.eval_fraction < 1:
         raise UsageError(f"--eval_fraction must be in [0, 1), got {data_args.eval_fraction}")
     if data_args.num_samples > 0 and data_args.max_new_tokens < 1:
         raise UsageError(f"--max_new_tokens must be >= 1 to sample completions, got {data_args.max_new_tokens} "
@@ -400,7 +419,10 @@ def _read_recipe(path: str) -> dict[str, Any]:
 
 
 # Options typed as text on the command line (a JSON list there) that a recipe writes as a YAML list.
-RECIPE_LISTS = ("datasets",)
+RECIPE_LISTS = ("datasets", "dataset_mixture", "dataset_mixer")
+# The three mixture forms (TRL's, the alignment-handbook's, its legacy one) and the options that only go with one.
+MIXTURE_KEYS = ("datasets", "dataset_mixture", "dataset_mixer")
+MIXTURE_OPTIONS = ("test_split_size", "dataset_splits", "dataset_configs")
 
 
 def _kinds(hint: Any) -> set[Any]:

@@ -10,14 +10,22 @@ in a mixture) and the field.
 import gzip
 import json
 import logging
-import math
 import os
 from collections import Counter
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 import numpy as np
-from datasets import Dataset, IterableDataset, concatenate_datasets, load_dataset
+from datasets import (
+    Dataset,
+    DatasetDict,
+    IterableDataset,
+    ReadInstruction,
+    concatenate_datasets,
+    get_dataset_split_names,
+    load_dataset,
+    load_from_disk,
+)
 
 from .layouts import (
     CARRIED_COLUMNS,
@@ -73,15 +81,20 @@ def load_preference_dataset(path_or_name: str, split: str = "train", *, config: 
 
 def _load_raw(path_or_name: str, split: str, config: str | None, streaming: bool,
               load_kwargs: dict[str, Any]) -> AnyDataset:
-    if not os.path.exists(path_or_name):
-        return load_dataset(path_or_name, config, split=split, streaming=streaming, **load_kwargs)
+    """One split of a file, a local folder (one `load_dataset` reads, or a `save_to_disk` one) or a hub name."""
+    if os.path.isdir(path_or_name) and _is_saved_to_disk(path_or_name, split):
+        return _load_saved(path_or_name, split, config, streaming)
+    if os.path.isdir(path_or_name) or not os.path.exists(path_or_name):
+        return _load_named(path_or_name, split, config, streaming, load_kwargs)
     stem = path_or_name[:-3] if path_or_name.endswith(".gz") else path_or_name
     builder = _FILE_BUILDERS.get(os.path.splitext(stem)[1].lower())
     if builder is None:
-        raise ValueError(f"{path_or_name}: unknown file type; use .json, .jsonl, .parquet or .csv (optionally .gz)")
+        raise ValueError(f"{path_or_name}: unknown file type; use .json, .jsonl, .parquet or .csv (optionally .gz), "
+                         "or a dataset folder")
     try:
-        dataset = load_dataset(builder, data_files={"train": path_or_name}, split="train", streaming=streaming,
-                               **load_kwargs)
+        # A file is one split, "train"; a slice of it (train[:10%]) is honoured.
+        dataset = load_dataset(builder, data_files={"train": path_or_name}, streaming=streaming, **load_kwargs,
+                               split=split if _split_base(split) == "train" else "train")
     except Exception as error:  # datasets wraps parse errors in several exception types
         raise ValueError(f"{path_or_name}: {_why_unreadable(path_or_name, builder, error)}") from error
     if not streaming and len(dataset) == 0:
@@ -104,6 +117,55 @@ def _columns_object(dataset: Dataset, path: str) -> Dataset:
     if len(set(lengths.values())) > 1:
         raise ValueError(f"{path}: a JSON object of columns must hold lists of one length, got {lengths}")
     return Dataset.from_dict(row)
+
+
+def _load_named(path_or_name: str, split: str, config: str | None, streaming: bool,
+                load_kwargs: dict[str, Any]) -> AnyDataset:
+    """`datasets.load_dataset(name or folder, config, split=...)`: a folder's README.md `configs:`, or its data files
+    named by split (data/train_prefs-*.parquet), as for the hub dataset it is a copy of."""
+    try:
+        return load_dataset(path_or_name, config, split=split, streaming=streaming, **load_kwargs)
+    except ValueError as error:
+        if not str(error).startswith("Unknown split"):
+            raise
+        raise ValueError(f"{path_or_name}: no split {split!r}; it has {_split_names(path_or_name, config)}") from None
+
+
+def _split_names(path_or_name: str, config: str | None) -> str:
+    try:
+        return ", ".join(get_dataset_split_names(path_or_name, config))
+    except Exception:
+        return "other splits"
+
+
+def _is_saved_to_disk(folder: str, split: str) -> bool:
+    """A `Dataset.save_to_disk` or `DatasetDict.save_to_disk` folder (or one split's folder inside such a one)."""
+    names = ("dataset_dict.json", "state.json")
+    split_folder = os.path.join(folder, _split_base(split))
+    return any(os.path.isfile(os.path.join(place, name)) for place in (folder, split_folder) for name in names)
+
+
+def _split_base(split: str) -> str:
+    return split.split("[", 1)[0].strip()
+
+
+def _load_saved(folder: str, split: str, config: str | None, streaming: bool) -> AnyDataset:
+    if config not in (None, "default"):
+        raise ValueError(f"{folder}: a save_to_disk folder has no configs; drop config {config!r}")
+    base = _split_base(split)
+    whole = any(os.path.isfile(os.path.join(folder, name)) for name in ("dataset_dict.json", "state.json"))
+    # Otherwise folder/<split> is one split's save_to_disk folder (the layout the handbook's legacy loader reads).
+    saved = load_from_disk(folder if whole else os.path.join(folder, base))
+    if isinstance(saved, DatasetDict):
+        if base not in saved:
+            raise ValueError(f"{folder}: no split {base!r}; it has {', '.join(saved)}")
+        saved = saved[base]
+    else:
+        logger.info("%s: a save_to_disk folder of one split, read as split %r", folder, base)
+    if base != split:  # a slice such as train[:10%] or train[5:]
+        instructions = ReadInstruction.from_spec(split).to_absolute({base: len(saved)})
+        saved = concatenate_datasets([saved.select(range(one.from_, one.to)) for one in instructions])
+    return saved.to_iterable_dataset() if streaming else saved
 
 
 def _why_unreadable(path: str, builder: str, error: Exception) -> str:
@@ -149,55 +211,6 @@ def _mixed_kinds(index: int | str, field: str, kind: str, first_kind: str) -> st
     # TRL would treat every row as the first row's kind, so a file or dataset holds one kind of row.
     return (f"row {index}: field '{field}' is {_KIND_WORDS[kind]} but row 0's is {_KIND_WORDS[first_kind]}; "
             "standard (string) and conversational (message list) rows cannot be mixed")
-
-
-def load_mixture(entries: list[Mapping[str, Any]], seed: int = 42, num_proc: int | None = None,
-                 **options: Any) -> Dataset:
-    """Several preference datasets as one, shuffled with `seed`. Each entry: `dataset` (a name or file), and
-    optionally `config`, `split`, `columns`, and either `fraction` (of its rows) or `weight` (its share of the
-    mixture, relative to the other entries' weights; all entries or none have one). Rows are taken after a seeded
-    shuffle, and never repeated: weighted, the mixture is the largest one in those shares."""
-    known = {"dataset", "config", "split", "columns", "fraction", "weight"}
-    weighted = [isinstance(entry, Mapping) and "weight" in entry for entry in entries]
-    if any(weighted) and not all(weighted):
-        raise ValueError(f"datasets[{weighted.index(not weighted[0])}]: give every entry a weight, or none")
-    parts = []
-    for position, entry in enumerate(entries):
-        if not isinstance(entry, Mapping) or "dataset" not in entry or set(entry) - known:
-            raise ValueError(f"datasets[{position}]: an entry needs 'dataset' and may have "
-                             f"{sorted(known - {'dataset'})}, got {entry!r}")
-        name = entry["dataset"]
-        fraction, weight = entry.get("fraction", 1.0), entry.get("weight")
-        if not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
-            raise ValueError(f"datasets[{position}] ({name}): fraction must be in (0, 1], got {fraction!r}")
-        if weight is not None and (not isinstance(weight, (int, float)) or isinstance(weight, bool) or weight <= 0
-                                   or "fraction" in entry):
-            raise ValueError(f"datasets[{position}] ({name}): weight must be a number > 0, without fraction, "
-                             f"got {entry!r}")
-        try:
-            part = load_preference_dataset(name, entry.get("split", "train"), config=entry.get("config"),
-                                           columns=entry.get("columns"), num_proc=num_proc, **options)
-        except ValueError as error:
-            raise ValueError(f"{name}: {error}" if name not in str(error) else str(error)) from None
-        if fraction < 1:
-            part = part.shuffle(seed=seed).select(range(max(1, round(len(part) * fraction))))
-        parts.append(part.add_column(SOURCE_DATASET, [name] * len(part)))
-    if all(weighted) and parts:
-        weights = [entry["weight"] for entry in entries]
-        shares = [weight / sum(weights) for weight in weights]
-        total = min(len(part) / share for part, share in zip(parts, shares))  # the entry that runs out first
-        parts = [part.shuffle(seed=seed).select(range(max(1, math.floor(total * share + 1e-9))))
-                 for part, share in zip(parts, shares)]
-    if not parts:
-        raise ValueError("datasets: the mixture lists no dataset")
-    logger.info("mixture: %s", ", ".join(f"{entry['dataset']} {len(part)} rows" for entry, part in zip(entries, parts)))
-    kinds = {entry["dataset"]: feature_kind(part.features["prompt"]) for entry, part in zip(entries, parts)}
-    if len(set(kinds.values())) > 1:
-        raise ValueError(f"a mixture cannot mix string and message-list prompts: {kinds}; use as_messages")
-    try:
-        return concatenate_datasets(parts).shuffle(seed=seed)
-    except ValueError as error:  # columns that differ (tools in one dataset only)
-        raise ValueError(f"the datasets of the mixture do not have the same columns: {error}") from None
 
 
 # ---- layouts -> pairs: every row is validated here, once -----------------------------------------------------

@@ -40,6 +40,7 @@ RESUME_SETTINGS = (
     "seed", "data_seed",
     # the data and its held-out split
     "dataset", "dataset_config", "split", "datasets", "eval_split", "eval_fraction", "max_eval_samples",
+    "dataset_mixture", "dataset_mixer", "dataset_splits", "dataset_configs", "test_split_size",
     # truncation
     "max_length", "max_prompt_length", "truncation_mode",
     # the loss

@@ -28,6 +28,7 @@ from .card import check_hub_access, hub_repo_id, model_card, push_to_hub
 from .cli_args import (  # noqa: F401  (COMMAND_DEFAULTS, DEMO_DEFAULTS: re-exported for scripts and tests)
     COMMAND_DEFAULTS,
     DEMO_DEFAULTS,
+    MIXTURE_KEYS,
     PROG,
     DataArguments,
     ModelArguments,
@@ -40,10 +41,11 @@ from .data import (
     SOURCE_DATASET,
     STREAM_COUNTS,
     describe_stream_counts,
-    load_mixture,
     load_preference_dataset,
 )
+from .layouts import LayoutOptions
 from .losses import needs_reference
+from .mixtures import Mixture, handbook_mixture, legacy_mixer, trl_mixture
 from .models import load_model_and_tokenizer, quantization_config
 from .report import (
     CompletionLogger,
@@ -72,6 +74,9 @@ from .trainer import DPOMinTrainer
 EMBEDDED_DATA = Path(__file__).resolve().parent.parent / "data" / "hh-rlhf-harmless-base-test.jsonl.gz"
 EMBEDDED_DATASET_NAME = "Anthropic/hh-rlhf"  # its harmless-base test split, the file in data/
 DATA_SUFFIXES = (".json", ".jsonl", ".parquet", ".csv")
+
+
+logger = logging.getLogger("dpo_min.data")  # shown on stdout by _show_data_log
 
 
 class InputError(Exception):
@@ -127,35 +132,34 @@ def load_pairs(data_args: DataArguments, args: DPOMinConfig) -> tuple[Dataset, D
     """(train pairs, held-out pairs or None), validated."""
     _show_data_log(args.process_index == 0)
     seed = args.data_seed if args.data_seed is not None else args.seed
-    if data_args.datasets is not None:
-        if data_args.eval_split:
-            raise UsageError("--eval_split picks a split of one dataset; a mixture holds out --eval_fraction of its "
-                             "pairs")
-        train = _load_mixture(data_args, seed, args.dataset_num_proc)
-        source = "the mixture"
+    mixture = _load_mixture(data_args, seed, args.dataset_num_proc)
+    if mixture is not None:
+        train, held_out, source = mixture.train, mixture.held_out, "the mixture"
+        if held_out is not None and data_args.eval_fraction is not None:
+            raise UsageError("the mixture holds out its own rows (test_split_size, or test splits): drop "
+                             "--eval_fraction")
     else:
         source = data_args.dataset or str(EMBEDDED_DATA)
-        is_file = os.path.exists(source)
+        is_file = os.path.isfile(source)
         stem = source[:-3] if source.endswith(".gz") else source
-        if not is_file and data_args.dataset is None:
+        if not os.path.exists(source) and data_args.dataset is None:
             raise InputError(f"the embedded pairs ({source}) come with a source checkout of dpo_min; pass --dataset")
-        if not is_file and stem.endswith(DATA_SUFFIXES):
+        if not os.path.exists(source) and stem.endswith(DATA_SUFFIXES):
             raise UsageError(f"no such dataset file: {source}")
         if data_args.eval_split and is_file:
             raise UsageError("--eval_split picks a split of a datasets name; a file has one split, use --eval_fraction")
         train = _load(source, data_args.split, data_args, args)
-    held_out = None
+        held_out = _load(source, data_args.eval_split, data_args, args) if data_args.eval_split and not \
+            data_args.streaming else None
     if data_args.streaming:
         return _stream_pairs(train, source, data_args, args)
-    if data_args.eval_split:
-        held_out = _load(source, data_args.eval_split, data_args, args)
-    elif data_args.eval_fraction > 0:
-        if round(len(train) * data_args.eval_fraction) < 1 or len(train) < 2:
-            raise UsageError(f"--eval_fraction {data_args.eval_fraction} of {len(train)} pairs holds out no pair")
-        if len(train) - math.ceil(len(train) * data_args.eval_fraction) < 1:
-            raise UsageError(f"--eval_fraction {data_args.eval_fraction} of {len(train)} pairs leaves no pair to "
-                             "train on")
-        parts = train.train_test_split(test_size=data_args.eval_fraction, seed=seed)
+    eval_fraction = data_args.eval_fraction if data_args.eval_fraction is not None else 0.0 if mixture else 0.05
+    if held_out is None and eval_fraction > 0:
+        if round(len(train) * eval_fraction) < 1 or len(train) < 2:
+            raise UsageError(f"--eval_fraction {eval_fraction} of {len(train)} pairs holds out no pair")
+        if len(train) - math.ceil(len(train) * eval_fraction) < 1:
+            raise UsageError(f"--eval_fraction {eval_fraction} of {len(train)} pairs leaves no pair to train on")
+        parts = train.train_test_split(test_size=eval_fraction, seed=seed)
         train, held_out = parts["train"], parts["test"]
     if held_out is not None and data_args.max_eval_samples is not None:
         held_out = held_out.select(range(min(data_args.max_eval_samples, len(held_out))))
@@ -259,23 +263,55 @@ def _load(source: str, split: str, data_args: DataArguments, args: DPOMinConfig)
         raise InputError(f"cannot load dataset {source!r} (split {split!r}): {str(error).splitlines()[0]}") from None
 
 
-def _load_mixture(data_args: DataArguments, seed: int, num_proc: int | None) -> Dataset:
-    entries = data_args.datasets
-    if isinstance(entries, str):
-        try:
-            entries = json.loads(entries)
-        except json.JSONDecodeError as error:
-            raise UsageError(f"--datasets must be a JSON list of entries: {error}") from None
-    if not isinstance(entries, list):
-        raise UsageError("datasets: must be a list of {dataset, config, split, columns, fraction} entries")
-    if data_args.streaming:
-        raise UsageError("--streaming reads one dataset; a mixture of several is read whole")
+def _load_mixture(data_args: DataArguments, seed: int, num_proc: int | None) -> Mixture | None:
+    """The recipe's mixture, in whichever of the three published forms it is written; None without one."""
+    given = [name for name in MIXTURE_KEYS if getattr(data_args, name) is not None]
+    if not given:
+        for name in ("test_split_size", "dataset_splits", "dataset_configs"):
+            if getattr(data_args, name) is not None:
+                raise UsageError(f"{name} belongs to a mixture (datasets, dataset_mixture or dataset_mixer); "
+                                 "there is none")
+        return None
+    if len(given) > 1:
+        raise UsageError(f"one mixture per run: {' and '.join(given)} are both given")
+    if data_args.eval_split:
+        raise UsageError("--eval_split picks a split of one dataset; a mixture holds out --eval_fraction of its "
+                         "pairs, or its own test_split_size (dataset_mixer: its test splits)")
+    if data_args.dataset:  # as TRL's scripts do (parse_args says so for the forms it knows are both given)
+        logger.warning("both %s and --dataset are given: the mixture is used, --dataset is ignored", given[0])
+    value = _mapping_or_list(getattr(data_args, given[0]), given[0])
+    options = LayoutOptions(**_layout_options(data_args))
+    if data_args.streaming and given[0] != "datasets":
+        raise UsageError(f"--streaming: {given[0]} is read whole (TRL's datasets: mixture streams)")
     try:
-        return load_mixture(entries, seed=seed, num_proc=num_proc, **_layout_options(data_args))
+        if given[0] == "datasets":
+            mixture = trl_mixture(value, test_split_size=data_args.test_split_size, streaming=data_args.streaming,
+                                  seed=seed, num_proc=num_proc, options=options)
+        elif given[0] == "dataset_mixture":
+            mixture = handbook_mixture(value, test_split_size=data_args.test_split_size, num_proc=num_proc,
+                                       options=options)
+        else:
+            if data_args.test_split_size is not None:
+                raise UsageError("test_split_size: dataset_mixer holds out its test splits (dataset_splits)")
+            mixture = legacy_mixer(value, data_args.dataset_splits, data_args.dataset_configs, num_proc=num_proc,
+                                   options=options)
     except ValueError as error:
         raise InputError(str(error).splitlines()[0]) from None
     except Exception as error:  # datasets' own errors for a name it cannot find or fetch
         raise InputError(f"cannot load the mixture: {str(error).splitlines()[0]}") from None
+    for line in mixture.lines:
+        logger.info("mixture: %s", line)
+    return mixture
+
+
+def _mapping_or_list(value: Any, name: str) -> Any:
+    """A recipe's value as it is; a flag's, JSON."""
+    if not isinstance(value, str):
+        return value
+    try:
+        return json.loads(value)
+    except json.JSONDecodeError as error:
+        raise UsageError(f"--{name} must be JSON (or write it in the YAML recipe): {error}") from None
 
 
 # ---- the run ----------------------------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ from conftest import write_hh_rows
 from dpo_min.card import base_model_name, hub_repo_id, model_card
 from dpo_min.cli_args import DataArguments
 from dpo_min.config import DPOMinConfig
-from dpo_min.data import load_mixture
+from dpo_min.mixtures import load_mixture
 from dpo_min.models import cache_dir
 from dpo_min.report import wilson_interval
 from dpo_min.train import main, trained_sources
@@ -53,7 +53,7 @@ def test_card_of_the_default_model_names_the_hub_model_not_the_cache():
 
 def test_card_of_a_mixture_names_every_dataset_that_trained(tmp_path):
     first, second = write_hh_rows(tmp_path / "first.jsonl", 6), write_hh_rows(tmp_path / "second.jsonl", 4)
-    mixture = load_mixture([{"dataset": str(first)}, {"dataset": str(second), "fraction": 0.5}], seed=0)
+    mixture = load_mixture([{"path": str(first)}, {"path": str(second), "split": "train[:50%]"}], seed=0)["train"]
     sources = trained_sources(mixture, DataArguments(dataset="ignored/by-a-mixture"))
     assert sources == {str(first): 6, str(second): 2}  # counted from the pairs themselves
     args = DPOMinConfig(output_dir="unused")

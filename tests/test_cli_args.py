@@ -137,7 +137,7 @@ HANDBOOK_KEYS = [
     ("bf16", True, lambda m, d, a: a.bf16),
     ("beta", 0.01, lambda m, d, a: a.beta == 0.01),
     ("loss_type", "apo_zero", lambda m, d, a: a.loss_type == ["apo_zero"]),
-    ("do_eval", True, lambda m, d, a: d.eval_fraction == 0.05),
+    ("do_eval", True, lambda m, d, a: d.eval_fraction is None),  # 0.05 of one dataset, a mixture its own
     ("do_train", True, lambda m, d, a: True),
     ("eval_strategy", "steps", lambda m, d, a: a.eval_strategy == "steps"),
     ("eval_steps", 100, lambda m, d, a: a.eval_steps == 100),
@@ -342,7 +342,7 @@ def test_hub_model_revision_pushes_to_that_branch(tmp_path, monkeypatch):
 
 
 def test_a_dataset_flag_overrides_the_recipes_mixture_and_both_in_one_place_train_the_mixture(tmp_path, capsys):
-    mixture = [{"dataset": "a.jsonl"}, {"dataset": "b.jsonl"}]
+    mixture = [{"path": "a.jsonl"}, {"path": "b.jsonl"}]
     path = tmp_path / "recipe.yaml"
     path.write_text(yaml.safe_dump({"datasets": mixture}))
     _, data_args, _ = parse_args([str(path), "--dataset", "x.jsonl"])  # flags override the recipe

@@ -242,40 +242,35 @@ def write_jsonl(path, rows):
     return path
 
 
-def test_a_mixture_takes_fractions_names_each_source_and_names_the_dataset_of_a_bad_row(tmp_path):
-    from dpo_min.data import load_mixture
+def test_a_mixture_names_each_source_and_names_the_dataset_and_row_of_a_bad_row(tmp_path):
+    from dpo_min.mixtures import load_mixture
 
     orca = write_jsonl(tmp_path / "orca.jsonl", ORCA_ROWS)
     plain = write_jsonl(tmp_path / "plain.jsonl", [dict(STANDARD, prompt=f"Q{i}") for i in range(4)])
-    mixed = load_mixture([{"dataset": str(orca), "fraction": 0.5}, {"dataset": str(plain)}], seed=1)
+    mixed = load_mixture([{"path": str(orca), "split": "train[:50%]"}, {"path": str(plain)}], seed=1)["train"]
     assert len(mixed) == 8 and sorted(set(mixed["source_dataset"])) == sorted([str(orca), str(plain)])
-    assert {row["prompt"] for row in mixed if row["source_dataset"] == str(orca)} <= {
-        row["question"] for row in ORCA_ROWS}
-    broken = write_jsonl(tmp_path / "broken.jsonl", [STANDARD, dict(STANDARD, chosen=None)])
-    with pytest.raises(ValueError, match=r"broken\.jsonl: row 1: field 'chosen' is missing"):
-        load_mixture([{"dataset": str(orca)}, {"dataset": str(broken)}])
+    assert list(mixed["prompt"][:4]) == [row["question"] for row in ORCA_ROWS[:4]]  # TRL's order: concatenated
+    broken = write_jsonl(tmp_path / "broken.jsonl", [STANDARD, STANDARD, dict(STANDARD, chosen=None)])
+    with pytest.raises(ValueError, match=r"broken\.jsonl\[train\]: row 2: field 'chosen' is missing"):
+        load_mixture([{"path": str(orca), "fraction": 1}, {"path": str(broken), "fraction": 1}])
 
 
-def test_mixture_weights_are_shares_of_the_largest_mixture_without_repeated_rows(tmp_path):
-    from dpo_min.data import load_mixture
+def test_mixture_fractions_are_trls_shares_of_the_largest_mixture_without_repeated_rows(tmp_path):
+    from dpo_min.mixtures import load_mixture
 
     small = write_jsonl(tmp_path / "small.jsonl", [dict(STANDARD, prompt=f"S{i}") for i in range(6)])
     large = write_jsonl(tmp_path / "large.jsonl", [dict(STANDARD, prompt=f"L{i}") for i in range(40)])
-    # 1:3 by weight. The small set runs out first: 6 rows are a quarter of 24, so 18 of the large set's 40 go in.
-    mixed = load_mixture([{"dataset": str(small), "weight": 1}, {"dataset": str(large), "weight": 3}], seed=3)
-    counts = {name: mixed["source_dataset"].count(name) for name in (str(small), str(large))}
-    assert counts == {str(small): 6, str(large): 18}
-    assert len(set(mixed["prompt"])) == 24  # no row twice
-    again = load_mixture([{"dataset": str(small), "weight": 1}, {"dataset": str(large), "weight": 3}], seed=3)
-    assert again["prompt"] == mixed["prompt"]  # seeded
-    # 1:4 by weight: the small set limits again, 6 rows are 20% of 30, so 24 of the large set's rows go in.
-    mixed = load_mixture([{"dataset": str(small), "weight": 0.2}, {"dataset": str(large), "weight": 0.8}])
-    assert [mixed["source_dataset"].count(name) for name in (str(small), str(large))] == [6, 24]
+    # 1:3 by fraction. The small set runs out first: 6 rows are a quarter of 24, so 18 of the large set's 40 go in,
+    # its first 18 (TRL takes the first rows, unshuffled).
+    mixed = load_mixture([{"path": str(small), "fraction": 1}, {"path": str(large), "fraction": 3}])["train"]
+    assert list(mixed["prompt"]) == [f"S{i}" for i in range(6)] + [f"L{i}" for i in range(18)]
+    # 0.2 : 0.8, the small set limits again: 6 rows are 20% of 30, so 24 of the large set's rows go in.
+    mixed = load_mixture([{"path": str(small), "fraction": 0.2}, {"path": str(large), "fraction": 0.8}])["train"]
+    assert [mixed["source_dataset"].count(str(name)) for name in (small, large)] == [6, 24]
     for entries, message in [
-        ([{"dataset": str(small), "weight": 1}, {"dataset": str(large)}], r"datasets\[1\].*every entry a weight"),
-        ([{"dataset": str(small)}, {"dataset": str(large), "weight": 2}], r"datasets\[1\].*every entry a weight"),
-        ([{"dataset": str(small), "weight": 0}], r"datasets\[0\].*weight must be a number > 0"),
-        ([{"dataset": str(small), "weight": 1, "fraction": 0.5}], r"without fraction"),
+        ([{"path": str(small), "fraction": 1}, {"path": str(large)}], r"`fraction` must be set for either all"),
+        ([{"path": str(small), "fraction": -1}], r"datasets\[0\]: fraction is its share of the mixture"),
+        ([{"path": str(small), "fraction": 0}], r"every fraction is 0"),
     ]:
         with pytest.raises(ValueError, match=message):
             load_mixture(entries)
@@ -331,10 +326,10 @@ def test_the_command_trains_orca_rows_on_their_question_and_reads_a_yaml_mixture
                                                     for i in range(4)])
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(f"""datasets:
-  - dataset: {orca}
-  - dataset: {renamed}
-    fraction: 0.5
-    columns: {{prompt: instruction, chosen: good, rejected: bad}}
+  - path: {orca}
+  - path: {renamed}
+    split: train[:50%]
+    rename_columns: {{instruction: prompt, good: chosen, bad: rejected}}
 """)
     output_dir = tmp_path / "run"
     code = main([str(recipe), "--model", str(tiny_model_dir), "--output_dir", str(output_dir), "--max_steps", "2",

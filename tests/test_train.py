@@ -244,7 +244,7 @@ def json_object_of_columns(tmp_path):
 
 
 def mixture_with_eval_split(tmp_path):
-    return [*recipe(f"datasets:\n  - dataset: {write_hh_rows(tmp_path / 'p.jsonl', 4)}\n")(tmp_path),
+    return [*recipe(f"datasets:\n  - path: {write_hh_rows(tmp_path / 'p.jsonl', 4)}\n")(tmp_path),
             "--eval_split", "test"]
 
 
