@@ -303,7 +303,7 @@ def test_a_link_to_a_run_publishes_into_the_real_folder_and_keeps_the_link(tmp_p
     assert RunFolder(runs / "latest").lock_path == RunFolder(runs / "run-1").lock_path == runs / "run-1.lock"
     data = write_hh_rows(tmp_path / "pairs.jsonl", 12)
     code = main(["--model", str(tiny_model_dir), "--dataset", str(data), "--output_dir", str(runs / "latest"),
-                 *RUNNABLE])
+                 "--use_peft", *RUNNABLE])
     assert code == 0, capsys.readouterr().err
     assert "kept" not in capsys.readouterr().err
     assert sorted(os.listdir(runs)) == ["latest", "run-1"] and os.readlink(runs / "latest") == "run-1"
