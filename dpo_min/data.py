@@ -10,14 +10,22 @@ in a mixture) and the field.
 import gzip
 import json
 import logging
-import math
 import os
+from collections import Counter
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 import numpy as np
-import pyarrow.compute as pc
-from datasets import Dataset, IterableDataset, concatenate_datasets, load_dataset
+from datasets import (
+    Dataset,
+    DatasetDict,
+    IterableDataset,
+    ReadInstruction,
+    concatenate_datasets,
+    get_dataset_split_names,
+    load_dataset,
+    load_from_disk,
+)
 
 from .layouts import (
     CARRIED_COLUMNS,
@@ -41,6 +49,13 @@ REFERENCE_COLUMNS = ("ref_chosen_logps", "ref_rejected_logps")
 SOURCE_ROW, SOURCE_DATASET = "source_row", "source_dataset"  # where a pair came from, for error messages
 AnyDataset = Dataset | IterableDataset
 DEFAULT_OPTIONS = LayoutOptions()
+DROPPED = "dropped_because"  # a pair's index in DROP_REASONS, between tokenizing and dropping
+SKIPPED = "skipped by the layout (ties)"
+DROP_REASONS = ("", "with no completion token left after truncation",
+                "with chosen identical to rejected after truncation")
+# What the streams of this process have read and dropped, by reason: a stream is converted and tokenized as it is
+# read, so its drops are counted as they happen (the command logs them); map-style data logs its drops once.
+STREAM_COUNTS: Counter[str] = Counter()
 
 
 # ---- loading ----------------------------------------------------------------------------------------------------
@@ -66,20 +81,91 @@ def load_preference_dataset(path_or_name: str, split: str = "train", *, config: 
 
 def _load_raw(path_or_name: str, split: str, config: str | None, streaming: bool,
               load_kwargs: dict[str, Any]) -> AnyDataset:
-    if not os.path.exists(path_or_name):
-        return load_dataset(path_or_name, config, split=split, streaming=streaming, **load_kwargs)
+    """One split of a file, a local folder (one `load_dataset` reads, or a `save_to_disk` one) or a hub name."""
+    if os.path.isdir(path_or_name) and _is_saved_to_disk(path_or_name, split):
+        return _load_saved(path_or_name, split, config, streaming)
+    if os.path.isdir(path_or_name) or not os.path.exists(path_or_name):
+        return _load_named(path_or_name, split, config, streaming, load_kwargs)
     stem = path_or_name[:-3] if path_or_name.endswith(".gz") else path_or_name
     builder = _FILE_BUILDERS.get(os.path.splitext(stem)[1].lower())
     if builder is None:
-        raise ValueError(f"{path_or_name}: unknown file type; use .json, .jsonl, .parquet or .csv (optionally .gz)")
+        raise ValueError(f"{path_or_name}: unknown file type; use .json, .jsonl, .parquet or .csv (optionally .gz), "
+                         "or a dataset folder")
     try:
-        dataset = load_dataset(builder, data_files={"train": path_or_name}, split="train", streaming=streaming,
-                               **load_kwargs)
+        # A file is one split, "train"; a slice of it (train[:10%]) is honoured.
+        dataset = load_dataset(builder, data_files={"train": path_or_name}, streaming=streaming, **load_kwargs,
+                               split=split if _split_base(split) == "train" else "train")
     except Exception as error:  # datasets wraps parse errors in several exception types
         raise ValueError(f"{path_or_name}: {_why_unreadable(path_or_name, builder, error)}") from error
     if not streaming and len(dataset) == 0:
         raise ValueError(f"{path_or_name}: the file holds no rows")
-    return dataset
+    return _columns_object(dataset, path_or_name) if builder == "json" and not streaming else dataset
+
+
+def _columns_object(dataset: Dataset, path: str) -> Dataset:
+    """A JSON object of equal-length lists ({"prompt": [...], "chosen": [...], ...}, as `Dataset.to_dict()` writes)
+    is columns, not one row of lists as pyarrow reads it. A real one-row file differs: its values are texts or
+    message lists (lists of objects), never lists of texts or of message lists."""
+    if len(dataset) != 1:
+        return dataset
+    row = dataset[0]
+    values = list(row.values())
+    if not all(isinstance(value, list) for value in values) or any(
+            value and all(isinstance(item, dict) for item in value) for value in values):
+        return dataset
+    lengths = {name: len(value) for name, value in row.items()}
+    if len(set(lengths.values())) > 1:
+        raise ValueError(f"{path}: a JSON object of columns must hold lists of one length, got {lengths}")
+    return Dataset.from_dict(row)
+
+
+def _load_named(path_or_name: str, split: str, config: str | None, streaming: bool,
+                load_kwargs: dict[str, Any]) -> AnyDataset:
+    """`datasets.load_dataset(name or folder, config, split=...)`: a folder's README.md `configs:`, or its data files
+    named by split (data/train_prefs-*.parquet), as for the hub dataset it is a copy of."""
+    try:
+        return load_dataset(path_or_name, config, split=split, streaming=streaming, **load_kwargs)
+    except ValueError as error:
+        if not str(error).startswith("Unknown split"):
+            raise
+        raise ValueError(f"{path_or_name}: no split {split!r}; it has {_split_names(path_or_name, config)}") from None
+
+
+def _split_names(path_or_name: str, config: str | None) -> str:
+    try:
+        return ", ".join(get_dataset_split_names(path_or_name, config))
+    except Exception:
+        return "other splits"
+
+
+def _is_saved_to_disk(folder: str, split: str) -> bool:
+    """A `Dataset.save_to_disk` or `DatasetDict.save_to_disk` folder (or one split's folder inside such a one)."""
+    names = ("dataset_dict.json", "state.json")
+    split_folder = os.path.join(folder, _split_base(split))
+    return any(os.path.isfile(os.path.join(place, name)) for place in (folder, split_folder) for name in names)
+
+
+def _split_base(split: str) -> str:
+    return split.split("[", 1)[0].strip()
+
+
+def _load_saved(folder: str, split: str, config: str | None, streaming: bool) -> AnyDataset:
+    if config not in (None, "default"):
+        raise ValueError(f"{folder}: a save_to_disk folder has no configs; drop config {config!r}")
+    base = _split_base(split)
+    whole = any(os.path.isfile(os.path.join(folder, name)) for name in ("dataset_dict.json", "state.json"))
+    # Otherwise folder/<split> is one split's save_to_disk folder (the layout the handbook's legacy loader reads).
+    saved = load_from_disk(folder if whole else os.path.join(folder, base))
+    if isinstance(saved, DatasetDict):
+        if base not in saved:
+            raise ValueError(f"{folder}: no split {base!r}; it has {', '.join(saved)}")
+        saved = saved[base]
+    else:
+        logger.info("%s: a save_to_disk folder of one split, read as split %r", folder, base)
+    if base != split:  # a slice such as train[:10%] or train[5:]
+        instructions = ReadInstruction.from_spec(split).to_absolute({base: len(saved)})
+        saved = concatenate_datasets([saved.select(range(one.from_, one.to)) for one in instructions])
+    return saved.to_iterable_dataset() if streaming else saved
 
 
 def _why_unreadable(path: str, builder: str, error: Exception) -> str:
@@ -113,8 +199,7 @@ def _first_mixed_row(text: str) -> str | None:
         for name, value in row.items():
             kind, expected = value_kind(value), first.get(name)
             if kind != "null" and expected not in (None, "null", kind):
-                return (f"row {index}: field '{name}' is {_KIND_WORDS[kind]} but row 0's is {_KIND_WORDS[expected]}; "
-                        "standard (string) and conversational (message list) rows cannot be mixed in one file")
+                return _mixed_kinds(index, name, kind, expected)
     return None
 
 
@@ -122,90 +207,52 @@ _KIND_WORDS = {"text": "a string", "messages": "a message list", "turn": "an obj
                "boolean", "null": "null"}
 
 
-def load_mixture(entries: list[Mapping[str, Any]], seed: int = 42, num_proc: int | None = None,
-                 **options: Any) -> Dataset:
-    """Several preference datasets as one, shuffled with `seed`. Each entry: `dataset` (a name or file), and
-    optionally `config`, `split`, `columns`, and either `fraction` (of its rows) or `weight` (its share of the
-    mixture, relative to the other entries' weights; all entries or none have one). Rows are taken after a seeded
-    shuffle, and never repeated: weighted, the mixture is the largest one in those shares."""
-    known = {"dataset", "config", "split", "columns", "fraction", "weight"}
-    weighted = [isinstance(entry, Mapping) and "weight" in entry for entry in entries]
-    if any(weighted) and not all(weighted):
-        raise ValueError(f"datasets[{weighted.index(not weighted[0])}]: give every entry a weight, or none")
-    parts = []
-    for position, entry in enumerate(entries):
-        if not isinstance(entry, Mapping) or "dataset" not in entry or set(entry) - known:
-            raise ValueError(f"datasets[{position}]: an entry needs 'dataset' and may have "
-                             f"{sorted(known - {'dataset'})}, got {entry!r}")
-        name = entry["dataset"]
-        fraction, weight = entry.get("fraction", 1.0), entry.get("weight")
-        if not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
-            raise ValueError(f"datasets[{position}] ({name}): fraction must be in (0, 1], got {fraction!r}")
-        if weight is not None and (not isinstance(weight, (int, float)) or isinstance(weight, bool) or weight <= 0
-                                   or "fraction" in entry):
-            raise ValueError(f"datasets[{position}] ({name}): weight must be a number > 0, without fraction, "
-                             f"got {entry!r}")
-        try:
-            part = load_preference_dataset(name, entry.get("split", "train"), config=entry.get("config"),
-                                           columns=entry.get("columns"), num_proc=num_proc, **options)
-        except ValueError as error:
-            raise ValueError(f"{name}: {error}" if name not in str(error) else str(error)) from None
-        if fraction < 1:
-            part = part.shuffle(seed=seed).select(range(max(1, round(len(part) * fraction))))
-        parts.append(part.add_column(SOURCE_DATASET, [name] * len(part)))
-    if all(weighted) and parts:
-        weights = [entry["weight"] for entry in entries]
-        shares = [weight / sum(weights) for weight in weights]
-        total = min(len(part) / share for part, share in zip(parts, shares))  # the entry that runs out first
-        parts = [part.shuffle(seed=seed).select(range(max(1, math.floor(total * share + 1e-9))))
-                 for part, share in zip(parts, shares)]
-    if not parts:
-        raise ValueError("datasets: the mixture lists no dataset")
-    logger.info("mixture: %s", ", ".join(f"{entry['dataset']} {len(part)} rows" for entry, part in zip(entries, parts)))
-    kinds = {entry["dataset"]: feature_kind(part.features["prompt"]) for entry, part in zip(entries, parts)}
-    if len(set(kinds.values())) > 1:
-        raise ValueError(f"a mixture cannot mix string and message-list prompts: {kinds}; use as_messages")
-    try:
-        return concatenate_datasets(parts).shuffle(seed=seed)
-    except ValueError as error:  # columns that differ (tools in one dataset only)
-        raise ValueError(f"the datasets of the mixture do not have the same columns: {error}") from None
+def _mixed_kinds(index: int | str, field: str, kind: str, first_kind: str) -> str:
+    # TRL would treat every row as the first row's kind, so a file or dataset holds one kind of row.
+    return (f"row {index}: field '{field}' is {_KIND_WORDS[kind]} but row 0's is {_KIND_WORDS[first_kind]}; "
+            "standard (string) and conversational (message list) rows cannot be mixed")
 
 
-# ---- layouts -> pairs -------------------------------------------------------------------------------------------
+# ---- layouts -> pairs: every row is validated here, once -----------------------------------------------------
 def to_preference_rows(rows: Iterable[Mapping[str, Any]], columns: Mapping[str, str] | None = None,
                        options: LayoutOptions = DEFAULT_OPTIONS) -> list[dict[str, Any]]:
     """Bring each row to {prompt, chosen, rejected}, validating it. Raises ValueError naming row and field."""
+    return [{name: value for name, value in pair.items() if name != SOURCE_ROW}
+            for pair in _to_pairs(rows, columns, options)]
+
+
+def _to_pairs(rows: Iterable[Mapping[str, Any]], columns: Mapping[str, str] | None,
+              options: LayoutOptions) -> list[dict[str, Any]]:
     rows = list(rows)
     if not rows:
         return []
     if columns:
         check_mapping(columns, list(rows[0]))
         rows = [rename_columns(row, columns) for row in rows]
-    layout = _detect(rows[0] if isinstance(rows[0], Mapping) else {}, None)
+    layout = _detect(rows[0] if isinstance(rows[0], Mapping) else {}, None, options)
     pairs, first_conversational = [], None
     for index, row in enumerate(rows):
         pair = to_pair(layout, row, index, options)
         if pair is None:
             continue
         first_conversational = _check_kind(pair, index, first_conversational)
-        pairs.append(pair)
+        pairs.append({**pair, SOURCE_ROW: index})
     return pairs
 
 
 def _check_kind(pair: Mapping[str, Any], index: int | str, first_conversational: bool | None) -> bool:
-    """Standard and conversational pairs cannot share a dataset: TRL would treat all rows as the first row's kind."""
+    """Standard and conversational pairs cannot share a dataset (see `_mixed_kinds`)."""
     conversational = isinstance(pair["prompt"], list)
     if first_conversational is not None and conversational != first_conversational:
-        raise ValueError(f"row {index}: field 'prompt' is {_KIND_WORDS['messages' if conversational else 'text']} "
-                         f"but row 0's is {_KIND_WORDS['text' if conversational else 'messages']}; standard (string) "
-                         "and conversational (message list) rows cannot be mixed")
+        kinds = ("messages", "text") if conversational else ("text", "messages")
+        raise ValueError(_mixed_kinds(index, "prompt", *kinds))
     return conversational
 
 
-def _detect(first_row: Mapping[str, Any], features: Any, source: str = "") -> Layout:
+def _detect(first_row: Mapping[str, Any], features: Any, options: LayoutOptions, source: str = "") -> Layout:
     kinds = ({name: feature_kind(feature) for name, feature in features.items()} if features
              else {name: value_kind(value) for name, value in first_row.items()})
-    layout = detect_layout(kinds, first_row)
+    layout = detect_layout(kinds, first_row, options)
     logger.info("%slayout %s (as %s), from columns [%s]", f"{source}: " if source else "", layout.name,
                 layout.example, ", ".join(kinds))
     return layout
@@ -222,9 +269,10 @@ def _rows(batch: Mapping[str, list]) -> Iterable[dict[str, Any]]:
 
 
 def _convert_batch(batch: dict[str, list], indices: list[int], layout_name: str, options: LayoutOptions,
-                   columns: Mapping[str, str] | None, conversational: bool | None) -> dict[str, list]:
+                   columns: Mapping[str, str] | None, conversational: bool | None, keep: tuple[str, ...] = (),
+                   count: bool = False) -> dict[str, list]:
     layout = layout_by_name(layout_name)
-    carried = [name for name in CARRIED_COLUMNS if name in batch]
+    carried = [name for name in (*CARRIED_COLUMNS, *keep) if name in batch]
     out: dict[str, list] = {name: [] for name in (*PAIR_COLUMNS, SOURCE_ROW, *carried)}
     for position, (row, index) in enumerate(zip(_rows(batch), indices)):
         label = _row_label(batch, position, index)
@@ -237,27 +285,33 @@ def _convert_batch(batch: dict[str, list], indices: list[int], layout_name: str,
         out[SOURCE_ROW].append(row.get(SOURCE_ROW, index))
         for name in carried:
             out[name].append(row[name])
+    if count:  # a stream: its drops are counted as they happen (see STREAM_COUNTS)
+        STREAM_COUNTS.update({"read": len(indices), SKIPPED: len(indices) - len(out[SOURCE_ROW])})
     return out
 
 
 def to_preference_dataset(dataset: AnyDataset, columns: Mapping[str, str] | None = None,
                           options: LayoutOptions = DEFAULT_OPTIONS, num_proc: int | None = None,
-                          source: str = "") -> AnyDataset:
-    """A loaded dataset in any known layout -> prompt/chosen/rejected/source_row columns (a cached `map`)."""
+                          source: str = "", keep: tuple[str, ...] = ()) -> AnyDataset:
+    """A loaded dataset in any known layout -> validated prompt/chosen/rejected/source_row columns (a cached `map`),
+    and the columns named in `keep`."""
     first_row = _first_row(dataset)
     if columns:
         check_mapping(columns, list(first_row))
         first_row = rename_columns(first_row, columns)
     features = None if columns else dataset.features
-    layout = _detect(first_row, features, source)
-    first_pair = to_pair(layout, first_row, 0, options)  # None for a first row the layout skips (a tie)
-    conversational = None if first_pair is None else isinstance(first_pair["prompt"], list)
-    names = dataset.column_names if dataset.column_names is not None else list(_first_row(dataset))
-    map_kwargs: dict[str, Any] = {"batched": True, "with_indices": True, "remove_columns": names, "fn_kwargs": {
-        "layout_name": layout.name, "options": options, "columns": dict(columns) if columns else None,
-        "conversational": conversational}}
+    layout = _detect(first_row, features, options, source)
+    # The kind every row must have is the first row's; the map validates that row with the others.
+    first_pair = layout.to_pair(first_row, 0, options)  # None for a first row the layout skips (a tie)
+    conversational = None if first_pair is None else options.as_messages or isinstance(first_pair["prompt"], list)
+    fn_kwargs = {"layout_name": layout.name, "options": options, "columns": dict(columns) if columns else None,
+                 "conversational": conversational, "keep": tuple(keep)}
+    map_kwargs: dict[str, Any] = {"batched": True, "with_indices": True, "remove_columns": _column_names(dataset),
+                                  "fn_kwargs": fn_kwargs}
     if isinstance(dataset, Dataset):
         map_kwargs.update(num_proc=num_proc, desc=f"Reading {layout.name} pairs")
+    else:
+        fn_kwargs["count"] = True
     converted = dataset.map(_convert_batch, **map_kwargs)
     if isinstance(dataset, Dataset) and len(converted) < len(dataset):
         logger.warning("%s: dropped %d of %d rows that the %s layout skips (ties)", source or "data",
@@ -274,6 +328,10 @@ def _first_row(dataset: Any) -> dict[str, Any]:
         return dict(next(iter(dataset)))
     except StopIteration:
         raise ValueError("the dataset holds no rows") from None
+
+
+def _column_names(dataset: AnyDataset) -> list[str]:
+    return dataset.column_names if dataset.column_names is not None else list(_first_row(dataset))
 
 
 # ---- tokenization -----------------------------------------------------------------------------------------------
@@ -350,14 +408,11 @@ def truncate_pair(example: dict[str, list[int]], max_length: int | None, max_pro
             "rejected_ids": example["rejected_ids"][:room]}
 
 
-def _tokenize_batch(batch: dict[str, list], indices: list[int], layout_name: str, tokenizer: Any,
-                    truncation: dict[str, Any], chat_template_kwargs: dict[str, Any] | None) -> dict[str, list]:
-    layout = layout_by_name(layout_name)
-    pairs, labels, conversational = [], [], None
-    for position, (row, index) in enumerate(zip(_rows(batch), indices)):
-        labels.append(_row_label(batch, position, index))
-        pairs.append(to_pair(layout, row, labels[-1], DEFAULT_OPTIONS))
-        conversational = _check_kind(pairs[-1], labels[-1], conversational)
+def _tokenize_batch(batch: dict[str, list], indices: list[int], tokenizer: Any, truncation: dict[str, Any],
+                    chat_template_kwargs: dict[str, Any] | None) -> dict[str, list]:
+    """Validated pairs -> truncated token ids, and why a pair is unusable (`DROP_REASONS`; 0: it is not)."""
+    pairs = list(_rows(batch))
+    labels = [_row_label(batch, position, index) for position, index in enumerate(indices)]
     # Rows with their own tools or template arguments are tokenized alone; the rest together.
     alone = {i for i, pair in enumerate(pairs) if any(pair.get(name) is not None for name in CARRIED_COLUMNS)}
     together = [i for i in range(len(pairs)) if i not in alone]
@@ -369,12 +424,21 @@ def _tokenize_batch(batch: dict[str, list], indices: list[int], layout_name: str
             examples = [_tokenize_one(pairs[i], labels[i], tokenizer, chat_template_kwargs) for i in group]
         for i, example in zip(group, examples):
             tokenized[i] = example
-    out: dict[str, list] = {name: [] for name in (*TOKEN_COLUMNS, SOURCE_ROW)}
+    out: dict[str, list] = {name: [] for name in (*TOKEN_COLUMNS, SOURCE_ROW, DROPPED)}
     for example, label in zip(tokenized, labels):
-        for name, ids in truncate_pair(example, **truncation).items():
+        cut = truncate_pair(example, **truncation)
+        for name, ids in cut.items():
             out[name].append(ids)
         out[SOURCE_ROW].append(label)
+        out[DROPPED].append(_drop_reason(cut))
     return out
+
+
+def _drop_reason(example: Mapping[str, list[int]]) -> int:
+    if not example["chosen_ids"] or not example["rejected_ids"]:
+        return 1
+    # Both answers cut inside their shared opening: the same sequence twice, a loss of ln 2 and no gradient.
+    return 2 if example["chosen_ids"] == example["rejected_ids"] else 0
 
 
 def _tokenize_one(pair: Mapping[str, Any], label: int | str, tokenizer: Any,
@@ -389,52 +453,68 @@ def tokenize_dataset(dataset: AnyDataset | Iterable[Mapping[str, Any]], tokenize
                      max_length: int | None = None, max_prompt_length: int | None = None,
                      truncation_mode: str = "keep_end", num_proc: int | None = None,
                      chat_template_kwargs: Mapping[str, Any] | None = None) -> AnyDataset:
-    """Validate, tokenize and truncate every row (a batched, cached `datasets.map`, `num_proc` processes); pairs
-    left without a completion token are dropped with a warning naming their source rows.
+    """Tokenize and truncate every pair (a batched, cached `datasets.map`, `num_proc` processes); pairs left without
+    a completion token, or with chosen identical to rejected, are dropped with a warning naming their source rows.
 
-    Extra columns that hold precomputed reference log-probs are carried along. An `IterableDataset` is tokenized
-    on the fly.
+    Rows that `load_preference_dataset` has not read yet (a list, or a dataset in any layout) are first brought to
+    validated pairs by it; its own pairs are not validated again. Extra columns that hold precomputed reference
+    log-probs are carried along. An `IterableDataset` is tokenized on the fly.
     """
     if not isinstance(dataset, (Dataset, IterableDataset)):
-        dataset = Dataset.from_list(to_preference_rows(dataset))
-    first_row = _first_row(dataset)
-    layout = _detect(first_row, dataset.features)
+        dataset = Dataset.from_list(_to_pairs(dataset, None, DEFAULT_OPTIONS))
+    names = _column_names(dataset)
+    if not {*PAIR_COLUMNS, SOURCE_ROW} <= set(names):  # not yet read by to_preference_dataset, which marks its rows
+        dataset = to_preference_dataset(dataset, num_proc=num_proc, keep=REFERENCE_COLUMNS)
+        names = _column_names(dataset)
     streaming = isinstance(dataset, IterableDataset)
-    names = dataset.column_names if dataset.column_names is not None else list(first_row)
+    truncation = {"max_length": max_length, "max_prompt_length": max_prompt_length, "truncation_mode": truncation_mode}
     map_kwargs: dict[str, Any] = {
         "batched": True, "with_indices": True,
         "remove_columns": [name for name in names if name not in REFERENCE_COLUMNS],
-        "fn_kwargs": {"layout_name": layout.name, "tokenizer": tokenizer, "chat_template_kwargs": (
-            dict(chat_template_kwargs) if chat_template_kwargs else None), "truncation": {
-            "max_length": max_length, "max_prompt_length": max_prompt_length, "truncation_mode": truncation_mode}}}
+        "fn_kwargs": {"tokenizer": tokenizer, "truncation": truncation, "chat_template_kwargs": (
+            dict(chat_template_kwargs) if chat_template_kwargs else None)}}
     if not streaming:
         map_kwargs.update(num_proc=num_proc, desc="Tokenizing pairs")
     tokenized = dataset.map(_tokenize_batch, **map_kwargs)
     if streaming:
-        return tokenized.filter(_has_completions, input_columns=["chosen_ids", "rejected_ids"], batched=True)\
-            .remove_columns([SOURCE_ROW])
-    kept = _completion_mask(tokenized)
-    if not kept.all():
-        dropped = np.flatnonzero(~kept)
-        rows = [str(row) for row in tokenized.select(dropped[:10])[SOURCE_ROW]]
-        logger.warning("dropped %d of %d pairs with no completion token left after truncation "
-                       "(max_length=%s, max_prompt_length=%s); first source rows: %s", len(dropped), len(kept),
-                       max_length, max_prompt_length, ", ".join(rows))
-        if len(dropped) == len(kept):
-            raise ValueError(f"no pair left: every row's prompt fills max_length={max_length} "
-                             f"(rows {', '.join(rows)})")
-        tokenized = tokenized.select(np.flatnonzero(kept))
-    return tokenized.remove_columns([SOURCE_ROW])
+        return tokenized.filter(_count_usable, input_columns=[DROPPED], batched=True)\
+            .remove_columns([SOURCE_ROW, DROPPED])
+    return _drop_unusable(tokenized, truncation).remove_columns([SOURCE_ROW, DROPPED])
 
 
-def _has_completions(chosen_ids: list[list[int]], rejected_ids: list[list[int]]) -> list[bool]:
-    return [bool(chosen) and bool(rejected) for chosen, rejected in zip(chosen_ids, rejected_ids)]
+def describe_stream_counts(counts: Mapping[str, int]) -> str:
+    """'read 40 rows, dropped 3: 2 skipped by the layout (ties), 1 with no completion token left after truncation'."""
+    dropped = {reason: counts.get(reason, 0) for reason in (SKIPPED, *DROP_REASONS[1:]) if counts.get(reason, 0)}
+    listed = ", ".join(f"{number} {reason}" for reason, number in dropped.items())
+    return f"read {counts.get('read', 0)} rows, dropped {sum(dropped.values())}" + (f": {listed}" if listed else "")
 
 
-def _completion_mask(dataset: Dataset) -> np.ndarray:
-    table = dataset.with_format("arrow")[:] if dataset._indices is not None else dataset.data.table
-    lengths = [np.asarray(pc.list_value_length(table.column(name))) for name in ("chosen_ids", "rejected_ids")]
-    return (lengths[0] > 0) & (lengths[1] > 0)
+def _count_usable(reasons: list[int]) -> list[bool]:
+    STREAM_COUNTS.update(DROP_REASONS[reason] for reason in reasons if reason)
+    return [reason == 0 for reason in reasons]
+
+
+def _drop_unusable(tokenized: Dataset, truncation: Mapping[str, Any]) -> Dataset:
+    table = tokenized.with_format("arrow")[:] if tokenized._indices is not None else tokenized.data.table
+    reasons = np.asarray(table.column(DROPPED))
+    if not reasons.any():
+        return tokenized
+    settings = f"max_length={truncation['max_length']}, max_prompt_length={truncation['max_prompt_length']}"
+    rows = {}
+    for reason in (1, 2):
+        dropped = np.flatnonzero(reasons == reason)
+        if len(dropped):
+            rows[reason] = [str(row) for row in tokenized.select(dropped[:10])[SOURCE_ROW]]
+            logger.warning("dropped %d of %d pairs %s (%s); first source rows: %s", len(dropped), len(reasons),
+                           DROP_REASONS[reason], settings, ", ".join(rows[reason]))
+    if reasons.all():
+        if set(rows) == {1}:
+            raise ValueError(f"no pair left: every row's prompt fills max_length={truncation['max_length']} "
+                             f"(rows {', '.join(rows[1])})")
+        counts = ", ".join(f"{(reasons == reason).sum()} {DROP_REASONS[reason]}" for reason in rows)
+        raise ValueError(f"no pair left after truncation ({settings}): {counts} (rows "
+                         f"{', '.join(rows.get(1, []) + rows.get(2, []))})")
+    return tokenized.select(np.flatnonzero(reasons == 0))
 
 
 def is_tokenized(dataset: Any) -> bool:

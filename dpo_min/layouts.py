@@ -3,7 +3,8 @@
 A dataset's layout is detected once, from its columns and their kinds (text, message list, ...), never row by row.
 Adding a published layout is adding one `Layout` entry to `LAYOUTS`; the first entry whose `recognise` accepts
 the columns wins, so the more specific layouts come first. A row that does not fit the detected layout raises
-`ValueError("row N: field 'F' ...")`; nothing is guessed and no text is dropped.
+`ValueError("row N: field 'F' ...")`; nothing is guessed and no text is dropped. A `system` column is the system
+message of every layout (`to_pair` applies it, after the layout's adapter).
 """
 
 import re
@@ -40,12 +41,16 @@ class LayoutOptions:
 class Layout:
     """A published layout: `recognise(kinds, first_row)` says whether the columns are this layout's (kinds maps
     each column to 'text', 'messages', 'turn', 'null' or 'other'); `to_pair(row, index, options)` returns
-    {prompt, chosen, rejected}, or None for a row the layout itself says to skip (a tie)."""
+    {prompt, chosen, rejected}, or None for a row the layout itself says to skip (a tie).
+
+    reads_only: for a layout whose prompt is implicit, the columns it reads. Any other text column might be the
+    prompt it would drop, so data that has one is refused (None: the layout reads its prompt from a column)."""
 
     name: str
     example: str  # a dataset published in this layout, for the log line and README
     recognise: Callable[[Mapping[str, str], Mapping[str, Any]], bool]
     to_pair: Callable[[Mapping[str, Any], int, LayoutOptions], dict[str, Any] | None]
+    reads_only: tuple[str, ...] | None = None
 
 
 def value_kind(value: Any) -> str:
@@ -78,13 +83,19 @@ def _missing(row: Mapping[str, Any], index: int, *names: str) -> None:
 
 
 def _with_system(prompt: Any, system: Any, index: int) -> Any:
+    """The prompt with the row's system message: the first turn of a message list, or a string's opening paragraph."""
     if system is None or system == "":
         return prompt
     if not isinstance(system, str):
         raise ValueError(f"row {index}: field 'system' must be a string, got {type(system).__name__}")
-    if isinstance(prompt, list):
-        return [{"role": "system", "content": system}, *prompt]
-    return f"{system}\n\n{prompt}" if isinstance(prompt, str) else prompt
+    if not isinstance(prompt, list):
+        return f"{system}\n\n{prompt}" if isinstance(prompt, str) else prompt
+    first = prompt[0] if prompt else None
+    if isinstance(first, dict) and first.get("role") == "system":  # LLaMA-Factory: the conversation's own wins
+        if first.get("content") != system:
+            raise ValueError(f"row {index}: field 'system' differs from the prompt's own system turn; keep one")
+        return prompt
+    return [{"role": "system", "content": system}, *prompt]
 
 
 def _explicit(row: Mapping[str, Any], index: int, options: LayoutOptions, prompt_field: str = "prompt") -> dict:
@@ -92,8 +103,27 @@ def _explicit(row: Mapping[str, Any], index: int, options: LayoutOptions, prompt
     if row.get(prompt_field) is None:
         raise ValueError(f"row {index}: field '{prompt_field}' is missing (the data has a '{prompt_field}' column)")
     _missing(row, index, "chosen", "rejected")
-    return {"prompt": _with_system(row[prompt_field], row.get("system"), index), "chosen": row["chosen"],
-            "rejected": row["rejected"]}
+    return {"prompt": row[prompt_field], "chosen": row["chosen"], "rejected": row["rejected"]}
+
+
+def _alpaca(row: Mapping[str, Any], index: int, options: LayoutOptions) -> dict:
+    """LLaMA-Factory's alpaca preference rows: the prompt is instruction and input joined by a newline (each left out
+    when empty), after the turns of `history` ([[instruction, response], ...]) where the data has that column."""
+    _missing(row, index, "instruction", "chosen", "rejected")
+    for name in ("instruction", "input"):
+        if not isinstance(row.get(name) or "", str):
+            raise ValueError(f"row {index}: field '{name}' must be a string, got {type(row[name]).__name__}")
+    query = "\n".join(part for part in (row["instruction"], row.get("input")) if part)
+    if "history" not in row:
+        return {"prompt": query, "chosen": row["chosen"], "rejected": row["rejected"]}
+    turns = []
+    for turn in row["history"] or []:
+        if not (isinstance(turn, (list, tuple)) and len(turn) == 2 and all(isinstance(text, str) for text in turn)):
+            raise ValueError(f"row {index}: field 'history' must be a list of [instruction, response] pairs")
+        turns += [{"role": "user", "content": turn[0]}, {"role": "assistant", "content": turn[1]}]
+    return {"prompt": [*turns, {"role": "user", "content": query}],
+            "chosen": [{"role": "assistant", "content": row["chosen"]}],
+            "rejected": [{"role": "assistant", "content": row["rejected"]}]}
 
 
 def _shared_prefix(chosen: Any, rejected: Any, index: int) -> dict[str, Any]:
@@ -201,11 +231,13 @@ def _helpsteer3(row: Mapping[str, Any], index: int, options: LayoutOptions) -> d
 
 
 def _has(*names: str, **kinds: str) -> Callable[[Mapping[str, str], Mapping[str, Any]], bool]:
-    """Recognise columns by name, and some by kind ('text', 'messages', or 'absent')."""
+    """Recognise columns by name, and some by kind: 'text', 'messages', 'absent', or several joined by '|'."""
+    def fits(columns: Mapping[str, str], name: str, kind: str) -> bool:
+        allowed = kind.split("|")
+        return columns[name] in allowed if name in columns else "absent" in allowed
+
     def recognise(columns: Mapping[str, str], first_row: Mapping[str, Any]) -> bool:
-        return set(names) <= set(columns) and all(
-            (name not in columns) if kind == "absent" else columns.get(name) in kind.split("|")
-            for name, kind in kinds.items())
+        return set(names) <= set(columns) and all(fits(columns, name, kind) for name, kind in kinds.items())
     return recognise
 
 
@@ -223,6 +255,8 @@ LAYOUTS: tuple[Layout, ...] = (
            _has("context", "response1", "response2", "overall_preference"), _helpsteer3),
     Layout("orca", "Intel/orca_dpo_pairs", _has("question", "chosen", "rejected", prompt="absent"),
            lambda row, index, options: _explicit(row, index, options, prompt_field="question")),
+    Layout("alpaca", "LLaMA-Factory alpaca preference data (instruction, input, chosen, rejected)",
+           _has("instruction", "chosen", "rejected", prompt="absent", chosen="text"), _alpaca),
     Layout("ultrafeedback_h4", "HuggingFaceH4/ultrafeedback_binarized",
            _has("prompt", "chosen", "rejected", "messages", prompt="text", chosen="messages"), _ultrafeedback_h4),
     Layout("implicit_conversational", "trl-lib/ultrafeedback_binarized, argilla/dpo-mix-7k, tulu-3 mixture",
@@ -231,17 +265,33 @@ LAYOUTS: tuple[Layout, ...] = (
            _explicit),
     Layout("hh_transcripts", "Anthropic/hh-rlhf", _is_hh, _hh),
     Layout("implicit_standard", "chosen/rejected strings sharing their prompt",
-           _has("chosen", "rejected", prompt="absent"), _implicit),
+           _has("chosen", "rejected", prompt="absent"), _implicit, reads_only=("chosen", "rejected")),
 )
 LAYOUT_NAMES = tuple(layout.name for layout in LAYOUTS)
 
 
-def detect_layout(kinds: Mapping[str, str], first_row: Mapping[str, Any] | None = None) -> Layout:
+def detect_layout(kinds: Mapping[str, str], first_row: Mapping[str, Any] | None = None,
+                  options: LayoutOptions | None = None) -> Layout:
     """The layout of a dataset with these column kinds. Raises ValueError naming the columns and the options."""
     for layout in LAYOUTS:
         if layout.recognise(kinds, first_row or {}):
+            _check_nothing_unread(layout, kinds, options or LayoutOptions())
             return layout
     raise ValueError(f"no known preference layout has the columns [{', '.join(kinds)}]: {MAPPING_HINT}")
+
+
+def _check_nothing_unread(layout: Layout, kinds: Mapping[str, str], options: LayoutOptions) -> None:
+    # A layout with an implicit prompt takes the answers' common opening as the prompt: a text column it does not
+    # read (alpaca's 'instruction' under another name, a 'question') would be dropped, and the wrong prompt trained.
+    if layout.reads_only is None or options.no_prompt:
+        return
+    read = {*layout.reads_only, "system", *CARRIED_COLUMNS}
+    unread = [name for name, kind in kinds.items() if kind in ("text", "messages") and name not in read]
+    if unread:
+        raise ValueError(f"no known preference layout reads the column '{unread[0]}' of [{', '.join(kinds)}], and "
+                         f"the {layout.name} layout would take the answers' common opening as the prompt instead: "
+                         f"if it holds the prompt, name it (--prompt_column {unread[0]}); else remove the column, "
+                         "or say the data has no prompts (--no_prompt)")
 
 
 def layout_by_name(name: str) -> Layout:
@@ -276,19 +326,16 @@ def to_pair(layout: Layout, row: Mapping[str, Any], index: int, options: LayoutO
     if pair is None:
         return None
     if options.as_messages and isinstance(pair["prompt"], str):
-        pair = _as_messages(pair, row.get("system") if layout.name in ("orca", "explicit_prompt") else None, index)
+        pair = _as_messages(pair)
+    pair["prompt"] = _with_system(pair["prompt"], row.get("system"), index)
     validate_pair(pair, index)
     pair.update({name: row[name] for name in CARRIED_COLUMNS if row.get(name) is not None})
     return pair
 
 
-def _as_messages(pair: dict[str, Any], system: Any, index: int) -> dict[str, Any]:
-    # The system text was prepended to the prompt string; as messages it becomes the system turn instead.
+def _as_messages(pair: dict[str, Any]) -> dict[str, Any]:
     prompt = pair["prompt"]
-    if system and isinstance(prompt, str) and prompt.startswith(f"{system}\n\n"):
-        prompt = prompt[len(system) + 2:]
-    messages = [{"role": "user", "content": prompt}] if prompt else []
-    return {"prompt": _with_system(messages, system, index) if system else messages,
+    return {"prompt": [{"role": "user", "content": prompt}] if prompt else [],
             "chosen": [{"role": "assistant", "content": pair["chosen"]}],
             "rejected": [{"role": "assistant", "content": pair["rejected"]}]}
 

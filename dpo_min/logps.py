@@ -48,9 +48,9 @@ class SequenceLogps:
     def _per_sequence(self, values: torch.Tensor) -> torch.Tensor:
         return values.new_zeros(self.logps.shape).index_add(0, self.token_sequence, values)
 
-    def pair_logps(self, ld_alpha: float | None = None) -> torch.Tensor:
-        """[2B] summed log-probs; with `ld_alpha` (LD-DPO), the tokens of a completion beyond the length of the
-        shorter completion of its pair count `ld_alpha` times."""
+    def weighted_logps(self, ld_alpha: float | None = None) -> torch.Tensor:
+        """[2B] summed log-probs per sequence; with `ld_alpha` (LD-DPO), the tokens of a completion beyond the length
+        of the shorter completion of its pair count `ld_alpha` times."""
         if ld_alpha is None:
             return self.logps
         shared_lengths = torch.minimum(*self.token_counts.chunk(2)).repeat(2)
@@ -65,6 +65,46 @@ class SequenceLogps:
         aligned = self._per_sequence((self.token_logps - self.token_log_sum_sq_probs).detach())
         chosen, rejected = torch.exp(aligned / self.token_counts).chunk(2)
         return chosen * rejected
+
+
+    def split(self, ld_alpha: float | None = None, with_wpo_weights: bool = False) -> "ChosenRejected":
+        """The [2B] values split once into their chosen and rejected halves, [B] each."""
+        chosen_logps, rejected_logps = self.weighted_logps(ld_alpha).chunk(2)
+        chosen_lengths, rejected_lengths = self.token_counts.chunk(2)
+        chosen_logits, rejected_logits = self.logits_sums.chunk(2)
+        chosen_entropy, rejected_entropy = self.entropy_sums.chunk(2)
+        return ChosenRejected(
+            chosen_logps=chosen_logps, rejected_logps=rejected_logps, chosen_lengths=chosen_lengths,
+            rejected_lengths=rejected_lengths, chosen_nll=-self.logps.chunk(2)[0], chosen_logits_sums=chosen_logits,
+            rejected_logits_sums=rejected_logits, chosen_entropy_sums=chosen_entropy,
+            rejected_entropy_sums=rejected_entropy, chosen_top1=self.top1_counts.chunk(2)[0],
+            pair_weights=self.wpo_weights() if with_wpo_weights else None, aux_loss=self.aux_loss)
+
+
+@dataclass(frozen=True)
+class ChosenRejected:
+    """A forward's result for B pairs, split once into named halves (torchtune's ChosenRejectedOutputs); every
+    tensor is [B], one value per pair, except `aux_loss` (a scalar or None).
+
+    chosen_logps / rejected_logps:  summed log-probs of the completion (LD-DPO weighted when asked).
+    chosen_lengths / rejected_lengths:  completion tokens (float).
+    chosen_nll:  summed negative log-likelihood of the chosen completion, unweighted (sft, cpo_alpha).
+    *_logits_sums, *_entropy_sums, chosen_top1:  per-token sums for metrics (no grad).
+    pair_weights:  WPO weights, when asked for.
+    """
+
+    chosen_logps: torch.Tensor
+    rejected_logps: torch.Tensor
+    chosen_lengths: torch.Tensor
+    rejected_lengths: torch.Tensor
+    chosen_nll: torch.Tensor
+    chosen_logits_sums: torch.Tensor
+    rejected_logits_sums: torch.Tensor
+    chosen_entropy_sums: torch.Tensor
+    rejected_entropy_sums: torch.Tensor
+    chosen_top1: torch.Tensor
+    pair_weights: torch.Tensor | None = None
+    aux_loss: torch.Tensor | None = None
 
 
 class _LabelLogProbs(torch.autograd.Function):
@@ -113,12 +153,6 @@ class _LabelLogProbs(torch.autograd.Function):
         return grad_logits, None, None
 
 
-def label_logps(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(log p(label), mean logit) per row of [K, V] logits, both [K] in float32 (float64 for float64 logits)."""
-    token_logps, mean_logits, *_ = _LabelLogProbs.apply(logits, labels, False)
-    return token_logps, mean_logits
-
-
 def sequence_logps(model: torch.nn.Module, batch: dict[str, torch.Tensor],
                    with_sum_sq_probs: bool = False, with_aux_loss: bool = False) -> SequenceLogps:
     """One forward of `model` over a collated batch -> log-probs of each of its sequences.
@@ -160,6 +194,14 @@ def sequence_logps(model: torch.nn.Module, batch: dict[str, torch.Tensor],
         top1_counts=per_sequence(is_top1),
         aux_loss=outputs.aux_loss if with_aux_loss else None,
     )
+
+
+def computed_tokens(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """[1] tokens the forward computes, padding excluded: every row ends with its last completion token, so a row's
+    length is the position of its last label + 1 (TRL counts attention_mask.sum(), the same in the padded layout)."""
+    labels = batch["labels"]
+    positions = torch.arange(1, labels.size(1) + 1, device=labels.device)
+    return torch.where(labels != IGNORE_INDEX, positions, 0).amax(dim=1).sum().reshape(1)
 
 
 def _positions_in_sequence(token_sequence: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:

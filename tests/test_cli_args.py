@@ -2,12 +2,16 @@
 error where bitsandbytes cannot run, the closest option for a typo."""
 
 import json
+import logging
+import math
 from dataclasses import fields
+from types import SimpleNamespace
 
 import pytest
 import trl  # the independent reference for which names are TRL's
 import yaml
 from conftest import write_hh_rows
+from transformers import HfArgumentParser
 
 from dpo_min import models
 from dpo_min.cli_args import DEMO_DEFAULTS, TRL_NAMES, UsageError, parse_args
@@ -82,7 +86,7 @@ def test_trl_names_on_the_command_line_and_the_older_torch_dtype():
     (["--lora_rr", "4"], "unknown argument(s): --lora_rr 4 (did you mean --lora_r?)"),
     (["--learning_rat=1e-5"], "(did you mean --learning_rate?)"),
     (["--lora_target_parameters", "mlp.experts"], "TRL's lora_target_parameters='mlp.experts' is not supported"),
-    (["--load_in_4bit", "--no_use_peft"], "keep --use_peft"),
+    (["--load_in_4bit", "--no_use_peft"], "add --use_peft"),
 ], ids=["typo", "typo-inline-value", "trl-option-without-counterpart", "qlora-without-adapter"])
 def test_command_line_mistakes_name_the_fix(argv, message):
     with pytest.raises(UsageError) as error:
@@ -107,7 +111,248 @@ def test_qlora_where_bitsandbytes_cannot_run_is_one_line(tmp_path, capsys, monke
     monkeypatch.setattr(models.importlib.util, "find_spec", lambda name, *args: (
         object() if installed else None) if name == "bitsandbytes" else real_find_spec(name, *args))
     monkeypatch.setattr(models.torch.cuda, "is_available", lambda: False)
-    code = main(["--model", str(tiny_model_dir), "--load_in_4bit", "--output_dir", str(tmp_path / "out")])
+    code = main(["--model", str(tiny_model_dir), "--load_in_4bit", "--use_peft", "--output_dir", str(tmp_path / "out")])
     error_lines = capsys.readouterr().err.strip().splitlines()
     assert code == 1 and len(error_lines) == 1 and message in error_lines[0], error_lines
     assert not (tmp_path / "out").exists()
+
+
+# ---- the alignment-handbook's recipe keys ---------------------------------------------------------------------------
+# Every key of the handbook's ten DPO recipes (recipes/*/dpo/*.yaml: zephyr-7b-beta full and qlora, zephyr-7b-gemma,
+# smollm2 and smollm2 smol, smollm3 apo, starchat2-15b, pref_align_scan zephyr and openhermes, constitutional-ai) but
+# the data mixture (dataset_mixture, dataset_mixer, dataset_splits) and the model's location, with a value one of them
+# gives, and what it must mean here. The expectations are read off the handbook's scripts/dpo.py and the libraries
+# it was written for (transformers 4: warmup_ratio, torch_dtype=None -> float32, overwrite_output_dir).
+HANDBOOK_KEYS = [
+    ("torch_dtype", None, lambda m, d, a: m.dtype == "float32"),
+    ("torch_dtype", "bfloat16", lambda m, d, a: m.dtype == "bfloat16"),
+    ("model_revision", "it-SFT", lambda m, d, a: m.model_revision == "it-SFT"),
+    ("attn_implementation", "flash_attention_2", lambda m, d, a: m.attn_implementation == "flash_attention_2"),
+    ("trust_remote_code", True, lambda m, d, a: a.trust_remote_code),
+    ("use_peft", True, lambda m, d, a: m.use_peft),
+    ("lora_r", 128, lambda m, d, a: m.lora_r == 128),
+    ("lora_alpha", 128, lambda m, d, a: m.lora_alpha == 128),
+    ("lora_dropout", 0.05, lambda m, d, a: m.lora_dropout == 0.05),
+    ("lora_target_modules", ["q_proj", "k_proj"], lambda m, d, a: m.lora_target_modules == ["q_proj", "k_proj"]),
+    ("dataset_num_proc", 12, lambda m, d, a: a.dataset_num_proc == 12),
+    ("bf16", True, lambda m, d, a: a.bf16),
+    ("beta", 0.01, lambda m, d, a: a.beta == 0.01),
+    ("loss_type", "apo_zero", lambda m, d, a: a.loss_type == ["apo_zero"]),
+    ("do_eval", True, lambda m, d, a: d.eval_fraction is None),  # 0.05 of one dataset, a mixture its own
+    ("do_train", True, lambda m, d, a: True),
+    ("eval_strategy", "steps", lambda m, d, a: a.eval_strategy == "steps"),
+    ("eval_steps", 100, lambda m, d, a: a.eval_steps == 100),
+    ("gradient_accumulation_steps", 8, lambda m, d, a: a.gradient_accumulation_steps == 8),
+    ("gradient_checkpointing", True, lambda m, d, a: a.gradient_checkpointing),
+    ("gradient_checkpointing_kwargs", {"use_reentrant": True},
+     lambda m, d, a: a.gradient_checkpointing_kwargs == {"use_reentrant": True}),
+    ("hub_model_id", "zephyr-7b-dpo-full", lambda m, d, a: a.hub_model_id == "zephyr-7b-dpo-full"),
+    ("hub_model_revision", "dpo-beta-0.01", lambda m, d, a: a.hub_revision == "dpo-beta-0.01"),
+    ("hub_private_repo", True, lambda m, d, a: a.hub_private_repo),
+    ("hub_strategy", "every_save", lambda m, d, a: a.hub_strategy == "every_save"),
+    ("learning_rate", 5.0e-7, lambda m, d, a: a.learning_rate == 5e-7),
+    ("log_level", "info", lambda m, d, a: a.log_level == "info"),
+    ("logging_steps", 10, lambda m, d, a: a.logging_steps == 10),
+    ("logging_strategy", "steps", lambda m, d, a: a.logging_strategy == "steps"),
+    ("lr_scheduler_type", "cosine_with_min_lr", lambda m, d, a: a.lr_scheduler_type == "cosine_with_min_lr"),
+    ("lr_scheduler_kwargs", {"min_lr_rate": 0.1}, lambda m, d, a: a.lr_scheduler_kwargs == {"min_lr_rate": 0.1}),
+    ("max_grad_norm", 0.2, lambda m, d, a: a.max_grad_norm == 0.2),
+    ("max_length", 1024, lambda m, d, a: a.max_length == 1024),
+    ("max_prompt_length", 512, lambda m, d, a: a.max_prompt_length == 512),
+    ("num_train_epochs", 3, lambda m, d, a: a.num_train_epochs == 3),
+    ("optim", "rmsprop", lambda m, d, a: a.optim == "rmsprop"),
+    ("output_dir", "data/zephyr-7b-dpo-full", lambda m, d, a: a.output_dir == "data/zephyr-7b-dpo-full"),
+    ("overwrite_output_dir", True, lambda m, d, a: True),
+    ("padding_free", True, lambda m, d, a: a.padding_free),
+    ("per_device_train_batch_size", 8, lambda m, d, a: a.per_device_train_batch_size == 8),
+    ("per_device_eval_batch_size", 4, lambda m, d, a: a.per_device_eval_batch_size == 4),
+    ("push_to_hub", True, lambda m, d, a: a.push_to_hub),
+    ("report_to", ["tensorboard"], lambda m, d, a: a.report_to == ["tensorboard"]),
+    ("run_name", "SmolLM3-DPO", lambda m, d, a: a.run_name == "SmolLM3-DPO"),
+    ("save_strategy", "steps", lambda m, d, a: a.save_strategy == "steps"),
+    ("save_steps", 0.5, lambda m, d, a: a.save_steps == 0.5),  # a ratio of the steps, as in transformers
+    ("save_total_limit", 1, lambda m, d, a: a.save_total_limit == 1),
+    ("seed", 42, lambda m, d, a: a.seed == 42),
+    # transformers 5 reads a float warmup_steps below 1 as warmup_ratio's ratio, rounded up as transformers 4 did.
+    ("warmup_ratio", 0.1, lambda m, d, a: a.warmup_steps == 0.1 and a.get_warmup_steps(25) == math.ceil(25 * 0.1)),
+    ("use_liger_kernel", True, lambda m, d, a: a.use_liger_kernel is False),  # accepted; see the liger test
+    ("chat_template", "{{ messages }}", lambda m, d, a: m.chat_template == "{{ messages }}"),  # handbook DPOConfig
+]
+
+
+@pytest.mark.parametrize(("key", "value", "means"), HANDBOOK_KEYS,
+                         ids=[f"{key}={value}" for key, value, _ in HANDBOOK_KEYS])
+def test_every_handbook_recipe_key_is_accepted_with_its_meaning(tmp_path, key, value, means):
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(yaml.safe_dump({"model_name_or_path": "org/model", key: value}))
+    # bf16 on this CPU parses only beside use_cpu; push_to_hub needs a hub_model_id or an output_dir name.
+    model_args, data_args, args = parse_args(["--config", str(recipe), "--use_cpu", "true"])
+    assert means(model_args, data_args, args), (key, value)
+
+
+@pytest.mark.parametrize(("recipe", "argv", "message"), [
+    ({"warmup_ratio": 1.0}, [], "warmup_ratio must be in [0, 1), got 1.0"),
+    ({"warmup_ratio": 0.1, "warmup_steps": 5}, [], "warmup_ratio and warmup_steps both set warmup_steps: give one"),
+    ({}, ["--warmup_ratio", "0.1", "--warmup_steps=3"], "--warmup_ratio and --warmup_steps both set warmup_steps"),
+    ({"model_name_or_path": "a", "model": "b"}, [], "model and model_name_or_path both set model"),
+    ({"overwrite_output_dir": False}, [], "overwrite_output_dir=False is not supported: dpo_min replaces"),
+    ({"do_train": False}, [], "do_train=False is not supported: the command always trains"),
+    ({"do_eval": False, "eval_fraction": 0.1}, [], "do_eval: false evaluates nothing, but eval_fraction asks"),
+    ({"merge_adapter": True}, [], "--merge_adapter merges a LoRA adapter, and this run trains none: add --use_peft"),
+    ({"use_liger_kernel": True, "liger_kernel_config": {"fused_linear_cross_entropy": True}}, [],
+     "fused_linear_cross_entropy"),
+], ids=["warmup-ratio-1", "warmup-twice", "warmup-twice-flags", "model-twice", "overwrite-false", "do-train-false",
+        "do-eval-false-with-eval", "merge-without-lora", "liger-fused-ce"])
+def test_handbook_keys_dpo_min_cannot_honour_are_refused_in_one_line(tmp_path, recipe, argv, message):
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump({"model_name_or_path": "org/model", **recipe}))
+    with pytest.raises(UsageError) as error:
+        parse_args(["--config", str(path), *argv])
+    assert message in str(error.value) and "\n" not in str(error.value)
+
+
+def test_do_eval_false_holds_nothing_out_as_the_handbook(tmp_path):
+    data_file = write_hh_rows(tmp_path / "pairs.jsonl", 20)
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump({"dataset_name": str(data_file), "do_eval": False, "eval_strategy": "no",
+                                    "num_train_epochs": 1}))
+    _, data_args, args = parse_args(["--config", str(path)])
+    train, held_out = load_pairs(data_args, args)
+    assert (len(train), held_out) == (20, None)  # the handbook trains on every row when it evaluates nothing
+
+
+def test_use_liger_kernel_is_accepted_with_one_log_line(tmp_path, caplog):
+    with caplog.at_level(logging.WARNING, logger="dpo_min.config"):
+        args = DPOMinConfig(output_dir=str(tmp_path), use_liger_kernel=True)
+    [record] = caplog.records
+    assert "already hold no [2B, T, V] logits" in record.getMessage()
+    assert args.use_liger_kernel is False  # so that Trainer does not patch Liger's kernels into the model
+
+
+# ---- LoRA only when asked for ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize(("argv", "recipe", "lora"), [
+    ([], None, True),  # the demo keeps its LoRA adapter
+    (["--dataset", "my.jsonl"], None, True),  # the demo's model on other data: still the demo's setup
+    (["--model", "org/model"], None, False),  # TRL's ModelConfig: use_peft=False
+    (["--model_name_or_path", "org/model", "--use_peft"], None, True),
+    ([], {"dataset_name": "my.jsonl"}, False),  # a recipe: TRL's default
+    ([], {"model_name_or_path": "org/model", "use_peft": True}, True),
+    (["--no_use_peft"], None, False),
+], ids=["demo", "demo-model-other-data", "model", "model-use-peft", "recipe", "recipe-use-peft", "demo-no-peft"])
+def test_lora_only_where_asked_for_or_in_the_demo(tmp_path, argv, recipe, lora):
+    if recipe is not None:
+        (tmp_path / "r.yaml").write_text(yaml.safe_dump(recipe))
+        argv = ["--config", str(tmp_path / "r.yaml"), *argv]
+    model_args, _, _ = parse_args(argv)
+    assert model_args.use_peft is lora
+    if recipe is not None or "--model" in argv or "--model_name_or_path" in argv:  # what TRL trains from the keys
+        keys = {**(recipe or {}), **({"use_peft": True} if "--use_peft" in argv else {})}
+        (trl_model_args,) = HfArgumentParser(trl.ModelConfig).parse_dict(keys, allow_extra_keys=True)
+        assert (trl.get_peft_config(trl_model_args) is not None) is lora
+
+
+def test_a_handbook_recipe_without_use_peft_fine_tunes_every_weight(tmp_path, tiny_model_dir, capsys):
+    """zephyr-7b-beta's full recipe (its keys as the handbook writes them, the mixture replaced by a local file): no
+    LoRA, the warmup of warmup_ratio, the checkpoint of a save_steps ratio."""
+    recipe = yaml.safe_load(ZEPHYR_FULL_WITHOUT_DATA) | {
+        "model_name_or_path": str(tiny_model_dir), "dataset_name": str(write_hh_rows(tmp_path / "p.jsonl", 10))}
+    (tmp_path / "zephyr.yaml").write_text(yaml.safe_dump(recipe))
+    output_dir = tmp_path / "run"
+    # Sizes for a CPU, and what cannot run here (bf16 on a CPU, the hub), changed on the command line.
+    code = main(["--config", str(tmp_path / "zephyr.yaml"), "--output_dir", str(output_dir), "--bf16", "false",
+                 "--push_to_hub", "false", "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "1",
+                 "--eval_fraction", "0.2", "--max_length", "128", "--max_prompt_length", "64", "--num_samples", "0",
+                 "--logging_steps", "1", "--learning_rate", "1e-3", "--save_steps", "0.5", "--save_total_limit", "2",
+                 "--dataset_num_proc", "1", "--disable_tqdm", "true", "--log_level", "warning"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "| full fine-tuning |" in out and "LoRA" not in out
+    # 8 train pairs in steps of 2: 4 steps; warmup_ratio 0.1 -> ceil(0.4) = 1 step, as transformers 4 counted it.
+    assert "training: 4 steps" in out and "warmup 1 step (0.1 of 4)" in out
+    files = {path.name for path in output_dir.iterdir()}
+    assert "model.safetensors" in files and not {"adapter_model.safetensors", "adapter_config.json"} & files
+    state = json.loads((output_dir / "trainer_state.json").read_text())
+    rates = [entry["learning_rate"] for entry in state["log_history"] if "loss" in entry]
+    # Each step's rate, by hand: 0 in the one warmup step, then cosine over the other 3 (no warmup would start at 1e-3).
+    assert rates == pytest.approx([0.0] + [1e-3 * (1 + math.cos(math.pi * k / 3)) / 2 for k in range(3)], rel=1e-6)
+    assert state["save_steps"] == 2  # save_steps 0.5 of 4 steps
+
+
+ZEPHYR_FULL_WITHOUT_DATA = """
+torch_dtype: null
+dataset_num_proc: 12
+bf16: true
+beta: 0.01
+do_eval: true
+eval_strategy: steps
+eval_steps: 100
+gradient_accumulation_steps: 2
+gradient_checkpointing: true
+gradient_checkpointing_kwargs:
+  use_reentrant: False
+hub_model_id: zephyr-7b-dpo-full
+learning_rate: 5.0e-7
+log_level: info
+logging_steps: 10
+lr_scheduler_type: cosine
+max_length: 1024
+max_prompt_length: 512
+num_train_epochs: 1
+optim: adamw_torch
+output_dir: data/zephyr-7b-dpo-full
+per_device_train_batch_size: 8
+per_device_eval_batch_size: 8
+push_to_hub: true
+save_strategy: "steps"
+save_steps: 100
+save_total_limit: 1
+seed: 42
+warmup_ratio: 0.1
+"""
+
+
+def test_hub_model_revision_pushes_to_that_branch(tmp_path, monkeypatch):
+    import huggingface_hub
+
+    from dpo_min.card import push_to_hub
+
+    calls = []
+
+    class RecordingApi:
+        def __init__(self, token=None):
+            pass
+
+        def create_repo(self, repo_id, private=None, exist_ok=False):
+            return SimpleNamespace(repo_id=repo_id, url=f"https://huggingface.co/{repo_id}")
+
+        def create_branch(self, repo_id, branch, exist_ok=False):
+            calls.append(("create_branch", repo_id, branch))
+
+        def upload_folder(self, repo_id, folder_path, **kwargs):
+            calls.append(("upload_folder", repo_id, kwargs.get("revision")))
+
+    monkeypatch.setattr(huggingface_hub, "HfApi", RecordingApi)
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("model_name_or_path: org/model\nhub_model_revision: dpo-beta-0.01\n")
+    _, _, args = parse_args(["--config", str(recipe)])
+    push_to_hub(tmp_path, "me/zephyr", revision=args.hub_revision)
+    assert calls == [("create_branch", "me/zephyr", "dpo-beta-0.01"), ("upload_folder", "me/zephyr", "dpo-beta-0.01")]
+    calls.clear()
+    push_to_hub(tmp_path, "me/zephyr")  # no revision: the main branch, as before
+    assert calls == [("upload_folder", "me/zephyr", None)]
+
+
+def test_a_dataset_flag_overrides_the_recipes_mixture_and_both_in_one_place_train_the_mixture(tmp_path, capsys):
+    mixture = [{"path": "a.jsonl"}, {"path": "b.jsonl"}]
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump({"datasets": mixture}))
+    _, data_args, _ = parse_args([str(path), "--dataset", "x.jsonl"])  # flags override the recipe
+    assert (data_args.dataset, data_args.datasets) == ("x.jsonl", None)
+    path.write_text(yaml.safe_dump({"dataset_name": "x.jsonl"}))
+    _, data_args, _ = parse_args([str(path), "--datasets", json.dumps(mixture)])
+    assert (data_args.dataset, data_args.datasets) == (None, json.dumps(mixture))
+    assert capsys.readouterr().err == ""
+    path.write_text(yaml.safe_dump({"dataset_name": "x.jsonl", "datasets": mixture}))  # TRL's rule: the mixture
+    _, data_args, _ = parse_args([str(path)])
+    assert (data_args.dataset, data_args.datasets) == (None, mixture)
+    assert "the mixture is trained, dataset ignored" in capsys.readouterr().err

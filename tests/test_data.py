@@ -140,6 +140,19 @@ def test_pairs_without_completion_tokens_are_dropped_with_a_warning(tokenizer, c
     assert "dropped 1 of 2 pairs" in caplog.text
 
 
+def test_pairs_identical_after_truncation_are_dropped_and_counted(tokenizer, caplog):
+    # max_length cuts both answers inside their shared opening: the same sequence twice, a loss of ln 2, no gradient.
+    same_opening = {"prompt": "Q?", "chosen": " the same long opening words here, then yes",
+                    "rejected": " the same long opening words here, then no"}
+    with caplog.at_level("WARNING"):
+        dataset = tokenize_dataset(Dataset.from_list([STANDARD, same_opening]), tokenizer, max_length=6)
+    assert len(dataset) == 1 and dataset[0]["chosen_ids"] != dataset[0]["rejected_ids"]
+    assert "dropped 1 of 2 pairs with chosen identical to rejected after truncation" in caplog.text
+    assert "first source rows: 1" in caplog.text
+    with pytest.raises(ValueError, match=r"no pair left after truncation .*: 1 with chosen identical to rejected"):
+        tokenize_dataset([same_opening], tokenizer, max_length=6)
+
+
 def test_conversational_rows_need_a_chat_template(tokenizer):
     tokenizer.chat_template = None
     with pytest.raises(ValueError, match=r"row 0: conversational data needs a tokenizer with a chat template"):
@@ -229,40 +242,35 @@ def write_jsonl(path, rows):
     return path
 
 
-def test_a_mixture_takes_fractions_names_each_source_and_names_the_dataset_of_a_bad_row(tmp_path):
-    from dpo_min.data import load_mixture
+def test_a_mixture_names_each_source_and_names_the_dataset_and_row_of_a_bad_row(tmp_path):
+    from dpo_min.mixtures import load_mixture
 
     orca = write_jsonl(tmp_path / "orca.jsonl", ORCA_ROWS)
     plain = write_jsonl(tmp_path / "plain.jsonl", [dict(STANDARD, prompt=f"Q{i}") for i in range(4)])
-    mixed = load_mixture([{"dataset": str(orca), "fraction": 0.5}, {"dataset": str(plain)}], seed=1)
+    mixed = load_mixture([{"path": str(orca), "split": "train[:50%]"}, {"path": str(plain)}], seed=1)["train"]
     assert len(mixed) == 8 and sorted(set(mixed["source_dataset"])) == sorted([str(orca), str(plain)])
-    assert {row["prompt"] for row in mixed if row["source_dataset"] == str(orca)} <= {
-        row["question"] for row in ORCA_ROWS}
-    broken = write_jsonl(tmp_path / "broken.jsonl", [STANDARD, dict(STANDARD, chosen=None)])
-    with pytest.raises(ValueError, match=r"broken\.jsonl: row 1: field 'chosen' is missing"):
-        load_mixture([{"dataset": str(orca)}, {"dataset": str(broken)}])
+    assert list(mixed["prompt"][:4]) == [row["question"] for row in ORCA_ROWS[:4]]  # TRL's order: concatenated
+    broken = write_jsonl(tmp_path / "broken.jsonl", [STANDARD, STANDARD, dict(STANDARD, chosen=None)])
+    with pytest.raises(ValueError, match=r"broken\.jsonl\[train\]: row 2: field 'chosen' is missing"):
+        load_mixture([{"path": str(orca), "fraction": 1}, {"path": str(broken), "fraction": 1}])
 
 
-def test_mixture_weights_are_shares_of_the_largest_mixture_without_repeated_rows(tmp_path):
-    from dpo_min.data import load_mixture
+def test_mixture_fractions_are_trls_shares_of_the_largest_mixture_without_repeated_rows(tmp_path):
+    from dpo_min.mixtures import load_mixture
 
     small = write_jsonl(tmp_path / "small.jsonl", [dict(STANDARD, prompt=f"S{i}") for i in range(6)])
     large = write_jsonl(tmp_path / "large.jsonl", [dict(STANDARD, prompt=f"L{i}") for i in range(40)])
-    # 1:3 by weight. The small set runs out first: 6 rows are a quarter of 24, so 18 of the large set's 40 go in.
-    mixed = load_mixture([{"dataset": str(small), "weight": 1}, {"dataset": str(large), "weight": 3}], seed=3)
-    counts = {name: mixed["source_dataset"].count(name) for name in (str(small), str(large))}
-    assert counts == {str(small): 6, str(large): 18}
-    assert len(set(mixed["prompt"])) == 24  # no row twice
-    again = load_mixture([{"dataset": str(small), "weight": 1}, {"dataset": str(large), "weight": 3}], seed=3)
-    assert again["prompt"] == mixed["prompt"]  # seeded
-    # 1:4 by weight: the small set limits again, 6 rows are 20% of 30, so 24 of the large set's rows go in.
-    mixed = load_mixture([{"dataset": str(small), "weight": 0.2}, {"dataset": str(large), "weight": 0.8}])
-    assert [mixed["source_dataset"].count(name) for name in (str(small), str(large))] == [6, 24]
+    # 1:3 by fraction. The small set runs out first: 6 rows are a quarter of 24, so 18 of the large set's 40 go in,
+    # its first 18 (TRL takes the first rows, unshuffled).
+    mixed = load_mixture([{"path": str(small), "fraction": 1}, {"path": str(large), "fraction": 3}])["train"]
+    assert list(mixed["prompt"]) == [f"S{i}" for i in range(6)] + [f"L{i}" for i in range(18)]
+    # 0.2 : 0.8, the small set limits again: 6 rows are 20% of 30, so 24 of the large set's rows go in.
+    mixed = load_mixture([{"path": str(small), "fraction": 0.2}, {"path": str(large), "fraction": 0.8}])["train"]
+    assert [mixed["source_dataset"].count(str(name)) for name in (small, large)] == [6, 24]
     for entries, message in [
-        ([{"dataset": str(small), "weight": 1}, {"dataset": str(large)}], r"datasets\[1\].*every entry a weight"),
-        ([{"dataset": str(small)}, {"dataset": str(large), "weight": 2}], r"datasets\[1\].*every entry a weight"),
-        ([{"dataset": str(small), "weight": 0}], r"datasets\[0\].*weight must be a number > 0"),
-        ([{"dataset": str(small), "weight": 1, "fraction": 0.5}], r"without fraction"),
+        ([{"path": str(small), "fraction": 1}, {"path": str(large)}], r"`fraction` must be set for either all"),
+        ([{"path": str(small), "fraction": -1}], r"datasets\[0\]: fraction is its share of the mixture"),
+        ([{"path": str(small), "fraction": 0}], r"every fraction is 0"),
     ]:
         with pytest.raises(ValueError, match=message):
             load_mixture(entries)
@@ -276,6 +284,40 @@ def test_a_streamed_dataset_gives_the_same_token_ids_on_the_fly(tmp_path, tokeni
     assert [row["chosen_ids"] for row in streamed] == whole["chosen_ids"]
 
 
+def test_a_stream_counts_what_it_drops_as_it_is_read(tmp_path, tokenizer):
+    from dpo_min.data import STREAM_COUNTS, describe_stream_counts
+
+    haiku, long = [{"role": "user", "content": "Write a haiku."}], [{"role": "user", "content": "word " * 60}]
+    opening = "the same opening words, " * 8
+    rows = [{"context": haiku, "response1": "Leaves fall", "response2": "no", "overall_preference": -2},
+            {"context": haiku, "response1": "a", "response2": "b", "overall_preference": 0},  # a tie
+            {"context": long, "response1": "a", "response2": "b", "overall_preference": 1},  # the prompt fills it
+            {"context": haiku, "response1": opening + "yes", "response2": opening + "no", "overall_preference": 1}]
+    path = write_jsonl(tmp_path / "helpsteer3.jsonl", rows)
+    stream = tokenize_dataset(load_preference_dataset(str(path), streaming=True), tokenizer, max_length=48)
+    before = STREAM_COUNTS.copy()  # building the stream read its first rows to learn their columns
+    assert len(list(stream)) == 1
+    counts = STREAM_COUNTS.copy()
+    counts.subtract(before)
+    assert describe_stream_counts(counts) == (
+        "read 4 rows, dropped 3: 1 skipped by the layout (ties), 1 with no completion token left after truncation, "
+        "1 with chosen identical to rejected after truncation")
+
+
+def test_streaming_evaluates_the_whole_eval_split_or_max_eval_samples(tmp_path, monkeypatch, capsys):
+    from dpo_min import DPOMinConfig, train
+    from dpo_min.cli_args import DataArguments
+
+    test_split = write_jsonl(tmp_path / "test.jsonl", [dict(STANDARD, prompt=f"Q{i}") for i in range(150)])
+    monkeypatch.setattr(train, "_load", lambda *_: load_preference_dataset(str(test_split), streaming=True))
+    args = DPOMinConfig(output_dir=str(tmp_path / "out"), max_steps=1, precompute_ref_log_probs=False)
+    for cap, expected in ((None, 150), (20, 20)):
+        data_args = DataArguments(dataset="org/pairs", streaming=True, eval_split="test", max_eval_samples=cap)
+        _, held_out = train._stream_pairs("the train stream", "org/pairs", data_args, args)
+        assert len(held_out) == expected and held_out["prompt"] == [f"Q{i}" for i in range(expected)]
+    assert "held out 150 pairs: split 'test', the whole split" in capsys.readouterr().out
+
+
 def test_the_command_trains_orca_rows_on_their_question_and_reads_a_yaml_mixture(tmp_path, tiny_model_dir):
     from dpo_min.train import main
 
@@ -284,10 +326,10 @@ def test_the_command_trains_orca_rows_on_their_question_and_reads_a_yaml_mixture
                                                     for i in range(4)])
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(f"""datasets:
-  - dataset: {orca}
-  - dataset: {renamed}
-    fraction: 0.5
-    columns: {{prompt: instruction, chosen: good, rejected: bad}}
+  - path: {orca}
+  - path: {renamed}
+    split: train[:50%]
+    rename_columns: {{instruction: prompt, good: chosen, bad: rejected}}
 """)
     output_dir = tmp_path / "run"
     code = main([str(recipe), "--model", str(tiny_model_dir), "--output_dir", str(output_dir), "--max_steps", "2",
@@ -301,7 +343,7 @@ def test_the_command_trains_orca_rows_on_their_question_and_reads_a_yaml_mixture
     assert metrics["train_pairs"] + metrics["held_out_pairs"] <= 10
 
 
-def test_the_command_streams_with_max_steps(tmp_path, tiny_model_dir):
+def test_the_command_streams_with_max_steps(tmp_path, tiny_model_dir, capsys):
     from dpo_min.train import main
 
     path = write_jsonl(tmp_path / "orca.jsonl", ORCA_ROWS)
@@ -315,3 +357,4 @@ def test_the_command_streams_with_max_steps(tmp_path, tiny_model_dir):
     assert metrics["train_pairs"] == "streamed" and metrics["held_out_pairs"] == 2
     state = json.loads((output_dir / "trainer_state.json").read_text())
     assert [entry["step"] for entry in state["log_history"] if "loss" in entry] == [1, 2]
+    assert "stream, in the run: read 8 rows, dropped 0\n" in capsys.readouterr().out

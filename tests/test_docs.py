@@ -48,7 +48,7 @@ def test_the_pages_show_commands():
                          ids=[f"{page}:{args[:60]}" for page, args, _ in COMMANDS])
 def test_every_command_in_the_pages_parses(page, arguments, files, tmp_path, monkeypatch):
     # Run where the page's own heredocs wrote their files, with the checkout's folders beside them.
-    for folder in ("data", "recipes", "tests"):
+    for folder in ("data", "recipes", "tests", "shared"):
         (tmp_path / folder).symlink_to(ROOT / folder)
     for name, body in files.items():
         (tmp_path / name).write_text(body)

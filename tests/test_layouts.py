@@ -10,10 +10,24 @@ from datasets import Dataset
 from peft import LoraConfig
 from test_logps import naive_logps
 from test_trainer import METRICS, config, step_logs
-from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    BloomConfig,
+    GemmaConfig,
+    GPTNeoXConfig,
+    LlamaConfig,
+    MistralConfig,
+    MixtralConfig,
+    MptConfig,
+    Phi3Config,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+)
 
 from dpo_min import DPOMinConfig, DPOMinTrainer, tokenize_dataset
-from dpo_min.attention import SEGMENTED_SDPA, use_segmented_attention
+from dpo_min.attention import PACKED_FAMILIES, SEGMENTED_SDPA, use_segmented_attention
 from dpo_min.collator import PackedDPODataCollator, make_collator
 from dpo_min.logps import sequence_logps
 
@@ -29,6 +43,31 @@ def tiny_qwen2(seed: int = 0, vocab_size: int = 64, **overrides) -> Qwen2ForCaus
     return Qwen2ForCausalLM(config).float()
 
 
+SMALL = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+         "num_key_value_heads": 2, "max_position_embeddings": 2048}
+# A tiny random model of every family in PACKED_FAMILIES: config class and settings (vocab_size and attention apart).
+TINY_FAMILIES = {
+    "gemma": (GemmaConfig, dict(SMALL, head_dim=16)),
+    "gpt_neox": (GPTNeoXConfig, {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                                 "num_attention_heads": 4}),
+    "llama": (LlamaConfig, SMALL),
+    "mistral": (MistralConfig, SMALL),
+    "mixtral": (MixtralConfig, dict(SMALL, num_local_experts=4, num_experts_per_tok=2)),
+    "phi3": (Phi3Config, dict(SMALL, pad_token_id=0)),
+    "qwen2": (Qwen2Config, SMALL),
+    "qwen3": (Qwen3Config, dict(SMALL, head_dim=16)),
+    # ALiBi: these ignore position_ids, and are refused for packed layouts
+    "mpt": (MptConfig, {"d_model": 64, "n_heads": 4, "n_layers": 2}),
+    "bloom": (BloomConfig, {"hidden_size": 64, "n_head": 4, "n_layer": 2}),
+}
+
+
+def tiny_model(family: str, vocab_size: int = 64, **overrides):
+    config_class, settings = TINY_FAMILIES[family]
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config_class(vocab_size=vocab_size, **settings, **overrides)).float()
+
+
 def random_pairs(count: int, seed: int = 0) -> list[dict[str, list[int]]]:
     """Pairs of varied lengths, with a one-token prompt (empty shared prefix) among them."""
     rng = random.Random(seed)
@@ -41,12 +80,18 @@ def random_pairs(count: int, seed: int = 0) -> list[dict[str, list[int]]]:
     return pairs
 
 
-@pytest.mark.parametrize("attention", ["sdpa", "eager", SEGMENTED_SDPA])
-@pytest.mark.parametrize("family", [tiny_llama, tiny_qwen2], ids=["llama", "qwen2"])
+# The allow-list PACKED_FAMILIES: a family is in it by passing the test below. Every attention the table accepts is run
+# on two families; every family under the attention the trainer runs packed layouts with (sdpa, switched to segmented).
+ATTENTIONS = ("sdpa", "eager", SEGMENTED_SDPA)
+FAMILY_CASES = [(family, attention) for family in sorted(PACKED_FAMILIES)
+                for attention in (ATTENTIONS if family in ("llama", "qwen2") else [SEGMENTED_SDPA])]
+
+
+@pytest.mark.parametrize(("family", "attention"), FAMILY_CASES)
 def test_every_layout_gives_the_log_probs_of_one_sequence_at_a_time(family, attention):
     # Eval mode: there a forward builds a cache unless told not to, and with a cache transformers ignores
     # position_ids when masking, so packed sequences would attend to each other.
-    model = family(vocab_size=64, attn_implementation="eager" if attention == "eager" else "sdpa").eval()
+    model = tiny_model(family, attn_implementation="eager" if attention == "eager" else "sdpa").eval()
     if attention == SEGMENTED_SDPA:
         use_segmented_attention(model)
     assert model.config._attn_implementation == attention
@@ -68,6 +113,23 @@ def test_the_equality_check_sees_sequences_that_attend_to_each_other():
     with torch.no_grad():
         leaky = sequence_logps(model, batch).logps
     assert (leaky.double() - naive_logps(model, pairs)).abs().max() > 1e-2
+
+
+def test_alibi_models_mix_packed_sequences_and_are_refused(tmp_path, tokenizer):
+    """Why PACKED_FAMILIES is an allow-list: MPT's and Bloom's attention ignores position_ids (ALiBi), so a packed
+    row's sequences see each other, under the attention implementation the table accepts (eager)."""
+    pairs = random_pairs(4)
+    model = tiny_model("mpt", attn_implementation="eager").eval()
+    with torch.no_grad():
+        packed = sequence_logps(model, make_collator(0, padding_free=True)(pairs)).logps.double()
+        assert (packed - naive_logps(model, pairs)).abs().max() > 1e-2
+    for family in ("mpt", "bloom"):
+        for padding_free, share_prompt in ((True, False), (False, True)):
+            with pytest.raises(ValueError, match=rf"only for the model families .*this model is '{family}'"):
+                DPOMinTrainer(tiny_model(family, attn_implementation="eager"), processing_class=tokenizer,
+                              args=DPOMinConfig(**config(tmp_path, padding_free=padding_free,
+                                                         share_prompt=share_prompt)),
+                              train_dataset=Dataset.from_list(pairs), ref_model=tiny_model(family))
 
 
 def test_shared_prompt_row_layout():

@@ -3,6 +3,7 @@ access here). Each checks what the pair becomes, so a layout that loses or moves
 
 import json
 import logging
+import re
 
 import pytest
 from datasets import Dataset
@@ -174,3 +175,84 @@ def test_unknown_layout_names_the_columns_and_the_mapping_options(tmp_path):
 def test_a_mapping_to_a_missing_column_names_it(tmp_path):
     with pytest.raises(ValueError, match=r"no column named 'question'"):
         load(tmp_path, [{"prompt": "p", "chosen": "a", "rejected": "b"}], columns={"prompt": "question"})
+
+
+# ---- text no layout may drop (issue 18) ---------------------------------------------------------------------------
+def test_sharegpt_system_column_is_the_first_turn_as_llamafactory_reads_it(tmp_path):
+    turn = {"conversations": [{"from": "human", "value": "Hi"}], "chosen": {"from": "gpt", "value": "Hello!"},
+            "rejected": {"from": "gpt", "value": "Go away."}}
+    system = {"role": "system", "content": "Be brief."}
+    [pair] = load(tmp_path, [dict(turn, system="Be brief.")])
+    assert pair == {"prompt": [system, user("Hi")], "chosen": [assistant("Hello!")],
+                    "rejected": [assistant("Go away.")]}
+    # LLaMA-Factory takes a conversation's own opening system turn; a system column that says otherwise is an error.
+    own = dict(turn, conversations=[{"from": "system", "value": "Be brief."}, *turn["conversations"]])
+    assert load(tmp_path, [dict(own, system="Be brief.")]) == [pair] == load(tmp_path, [dict(own, system="")])
+    with pytest.raises(ValueError, match=r"row 1: field 'system' differs from the prompt's own system turn"):
+        load(tmp_path, [dict(own, system=""), dict(own, system="Be verbose.")])
+
+
+def test_alpaca_rows_join_instruction_and_input_as_llamafactory(tmp_path):
+    rows = [{"instruction": "Translate to French.", "input": "Good morning", "chosen": "Bonjour", "rejected": "Hola"},
+            {"instruction": "Say hi.", "input": "", "chosen": "Hi!", "rejected": "Go away."}]
+    assert load(tmp_path, rows) == [
+        {"prompt": "Translate to French.\nGood morning", "chosen": "Bonjour", "rejected": "Hola"},
+        {"prompt": "Say hi.", "chosen": "Hi!", "rejected": "Go away."}]
+    with_system = [dict(row, system="Be kind.") for row in rows]
+    assert load(tmp_path, with_system)[1]["prompt"] == "Be kind.\n\nSay hi."
+    assert load(tmp_path, with_system, as_messages=True)[1] == {
+        "prompt": [{"role": "system", "content": "Be kind."}, user("Say hi.")], "chosen": [assistant("Hi!")],
+        "rejected": [assistant("Go away.")]}
+    # history: the earlier [instruction, response] turns, before this row's user turn (the rows are then messages)
+    history = [dict(rows[0], history=[["Hello", "Hi there"]]), dict(rows[1], history=[])]
+    assert [pair["prompt"] for pair in load(tmp_path, history)] == [
+        [user("Hello"), assistant("Hi there"), user("Translate to French.\nGood morning")], [user("Say hi.")]]
+
+
+def test_string_pairs_with_a_text_column_no_layout_reads_are_refused(tmp_path):
+    # alpaca's instruction under another name: the implicit prompt would be the answers' common opening, "Sure!"
+    rows = [{"task": "Say hi.", "chosen": "Sure! Hi!", "rejected": "Sure! Go away."}]
+    with pytest.raises(ValueError, match=r"no known preference layout reads the column 'task' .*--prompt_column task"):
+        load(tmp_path, rows)
+    assert load(tmp_path, rows, columns={"prompt": "task"}) == [
+        {"prompt": "Say hi.", "chosen": "Sure! Hi!", "rejected": "Sure! Go away."}]
+    assert load(tmp_path, rows, no_prompt=True)[0]["prompt"] == ""
+
+
+ONE_ROW = {
+    "sharegpt": {"conversations": [{"from": "human", "value": "Hi"}], "chosen": {"from": "gpt", "value": "Hello!"},
+                 "rejected": {"from": "gpt", "value": "Go away."}},
+    "pku_saferlhf": PKU_ROW,
+    "shp": {"post_id": "p", "history": "Why?", "human_ref_A": "Because.", "human_ref_B": "No.", "labels": 1},
+    "helpsteer3": {"context": [user("Hi")], "response1": "Hello!", "response2": "Go away.", "overall_preference": -1},
+    "orca": {"system": "", "question": "What is 2+2?", "chosen": "4", "rejected": "5"},
+    "alpaca": {"instruction": "Say hi.", "input": "", "chosen": "Hi!", "rejected": "Go away."},
+    "ultrafeedback_h4": {"prompt": "Q", "prompt_id": "1", "chosen": [user("Q"), assistant("a")],
+                         "rejected": [user("Q"), assistant("b")], "messages": [user("Q"), assistant("a")]},
+    "implicit_conversational": {"chosen": [user("Q"), assistant("a")], "rejected": [user("Q"), assistant("b")],
+                                "score_chosen": 8.0, "score_rejected": 3.0},  # trl-lib: no prompt column at all
+    "explicit_prompt": {"prompt": "The sky is", "chosen": " blue.", "rejected": " green."},
+    "hh_transcripts": {"chosen": "\n\nHuman: Hi?\n\nAssistant: Hello.", "rejected": "\n\nHuman: Hi?\n\nAssistant: No."},
+    "implicit_standard": {"chosen": "Q: sky? A: blue", "rejected": "Q: sky? A: green"},
+}
+
+
+def test_every_layout_has_a_row_in_the_log_line_table():
+    from dpo_min.layouts import LAYOUT_NAMES
+
+    assert sorted(ONE_ROW) == sorted(LAYOUT_NAMES)
+
+
+@pytest.mark.parametrize("name", list(ONE_ROW))
+def test_the_log_line_names_the_layout_the_rows_are_in_and_tokenizing_reads_them_once(tmp_path, tokenizer, caplog,
+                                                                                       monkeypatch, name):
+    from dpo_min import layouts
+
+    checked, validate = [], layouts.validate_pair
+    monkeypatch.setattr(layouts, "validate_pair", lambda pair, index: checked.append(index) or validate(pair, index))
+    path = tmp_path / "rows.jsonl"
+    path.write_text(json.dumps(ONE_ROW[name]) + "\n" + json.dumps(ONE_ROW[name]) + "\n")
+    with caplog.at_level(logging.INFO, logger="dpo_min.data"):
+        tokenize_dataset(load_preference_dataset(str(path)), tokenizer)
+    assert re.findall(r"layout (\w+) \(as", caplog.text) == [name]
+    assert checked == [0, 1]  # each row validated once, when it is read; tokenizing trusts what reading produced

@@ -1,9 +1,12 @@
+from types import SimpleNamespace
+
 import pytest
 import torch
+import torch.nn.functional as F
 from conftest import tiny_llama
 
 from dpo_min import DPODataCollator
-from dpo_min.logps import label_logps, sequence_logps
+from dpo_min.logps import sequence_logps
 
 EXAMPLES = [
     {"prompt_ids": [5, 6, 7, 8], "chosen_ids": [9, 10, 2], "rejected_ids": [11, 2]},
@@ -38,28 +41,55 @@ def test_sequence_logps_equal_one_sequence_at_a_time_with_gradients():
         torch.testing.assert_close(lean_grad, param.grad, atol=1e-5, rtol=1e-4)
 
 
-def test_label_logps_gradient_equals_log_softmax_gradient():
+class LogitTable(torch.nn.Module):
+    """A 'model' whose logits are a fixed [2B, T, V] table, whatever the input ids: sequence_logps sees exactly them."""
+
+    def __init__(self, logits: torch.Tensor):
+        super().__init__()
+        self.logits = torch.nn.Parameter(logits)
+
+    def forward(self, input_ids, attention_mask, logits_to_keep, use_cache):
+        return SimpleNamespace(logits=self.logits[logits_to_keep][None])
+
+
+def completion_rows(table: LogitTable, batch) -> tuple[torch.Tensor, torch.Tensor]:
+    """[K, V] logits of the positions that predict a completion token, and those tokens."""
+    labels = batch["labels"][:, 1:]
+    predicts = F.pad(labels != -100, (0, 1), value=False)
+    return table.logits[predicts], labels[labels != -100]
+
+
+def table_for(batch, vocab: int, dtype=torch.float32, scale: float = 1.0) -> LogitTable:
+    rows, length = batch["input_ids"].shape
+    return LogitTable((torch.randn(rows, length, vocab) * scale).to(dtype))
+
+
+def test_label_log_probs_and_their_gradient_equal_log_softmax():
     torch.manual_seed(0)
-    logits = torch.randn(37, 101, requires_grad=True)
-    labels = torch.randint(0, 101, (37,))
-    weights = torch.randn(37)
-    ours, mean_logits = label_logps(logits, labels)
-    (ours * weights).sum().backward()
-    ours_grad = logits.grad.clone()
-    logits.grad = None
+    batch = DPODataCollator(pad_token_id=0)(EXAMPLES)
+    table = table_for(batch, 101)
+    lean = sequence_logps(table, batch)
+    weights = torch.randn(lean.token_logps.shape)
+    (lean.token_logps * weights).sum().backward()
+    ours_grad = table.logits.grad.clone()
+    table.logits.grad = None
+    logits, labels = completion_rows(table, batch)
     reference = torch.log_softmax(logits, -1).gather(-1, labels[:, None]).squeeze(-1)
     (reference * weights).sum().backward()
-    torch.testing.assert_close(ours, reference)
-    torch.testing.assert_close(ours_grad, logits.grad)
-    torch.testing.assert_close(mean_logits, logits.detach().mean(-1))
+    torch.testing.assert_close(lean.token_logps, reference)
+    torch.testing.assert_close(ours_grad, table.logits.grad)
+    mean_logits = logits.detach().mean(-1)
+    torch.testing.assert_close(lean.logits_sums, torch.zeros(4).index_add(0, lean.token_sequence, mean_logits))
 
 
 def test_bf16_logits_are_reduced_in_float32():
     torch.manual_seed(0)
-    logits = (torch.randn(8, 5000) * 4).bfloat16()
-    labels = torch.randint(0, 5000, (8,))
-    ours, _ = label_logps(logits, labels)
+    batch = DPODataCollator(pad_token_id=0)(EXAMPLES)
+    table = table_for(batch, 5000, dtype=torch.bfloat16, scale=4.0)
+    with torch.no_grad():
+        ours = sequence_logps(table, batch).token_logps
     assert ours.dtype == torch.float32
+    logits, labels = completion_rows(table, batch)
     reference = torch.log_softmax(logits.double(), -1).gather(-1, labels[:, None]).squeeze(-1)
     # A bf16 log_softmax would be off by ~1e-2 here; float32 reduction keeps the bf16 inputs' exact result.
     assert (ours.double() - reference).abs().max() < 1e-5
@@ -71,9 +101,11 @@ def test_chunking_does_not_change_the_result(monkeypatch, chunk):
 
     monkeypatch.setattr(logps_module, "CHUNK_TOKENS", chunk)
     torch.manual_seed(1)
-    logits = torch.randn(10, 50)
-    labels = torch.randint(0, 50, (10,))
-    ours, _ = label_logps(logits, labels)
+    batch = DPODataCollator(pad_token_id=0)(EXAMPLES)
+    table = table_for(batch, 50)
+    with torch.no_grad():
+        ours = sequence_logps(table, batch).token_logps
+    logits, labels = completion_rows(table, batch)
     torch.testing.assert_close(ours, torch.log_softmax(logits, -1).gather(-1, labels[:, None]).squeeze(-1))
 
 
@@ -103,5 +135,5 @@ def test_ld_alpha_weights_the_tokens_beyond_the_shorter_completion():
     chosen0, chosen1, rejected0, rejected1 = per_token
     expected = torch.stack([chosen0[:2].sum() + 0.25 * chosen0[2:].sum(), chosen1.sum(), rejected0.sum(),
                             rejected1[:2].sum() + 0.25 * rejected1[2:].sum()])
-    torch.testing.assert_close(lean.pair_logps(0.25), expected)
-    torch.testing.assert_close(lean.pair_logps(None), lean.logps)
+    torch.testing.assert_close(lean.weighted_logps(0.25), expected)
+    torch.testing.assert_close(lean.weighted_logps(None), lean.logps)

@@ -1,9 +1,12 @@
+import dataclasses
 import math
 
 import pytest
 import torch
+from conftest import tiny_llama
 
-from dpo_min import dpo_loss
+from dpo_min import DPOMinConfig, DPOMinTrainer, dpo_loss
+from dpo_min.losses import LOSSES, Knob, LossEntry, LossSettings
 
 
 def t(*values):
@@ -104,3 +107,34 @@ def test_pair_weights_scale_every_term_and_keep_the_graph():
     torch.testing.assert_close(weighted, unweighted * weights)
     weighted.mean().backward()
     assert policy_chosen.grad.abs().sum() > 0
+
+
+def _margin_hinge(terms):  # a loss type with a hyperparameter of its own: max(0, margin - beta D)
+    return torch.relu(terms.value("margin") - terms.beta * terms.delta)
+
+
+@dataclasses.dataclass
+class MarginConfig(DPOMinConfig):
+    margin: float = 1.0  # the one config field the new loss type needs
+
+
+def test_a_loss_type_with_a_new_hyperparameter_is_one_entry_and_one_field(monkeypatch, tmp_path, tokenizer, hh_pairs):
+    monkeypatch.setitem(LOSSES, "margin_hinge", LossEntry(_margin_hinge, {"margin": Knob(1.0, 0.0, open_low=True)}))
+    common = {"output_dir": str(tmp_path), "report_to": "none", "use_cpu": True, "loss_type": "margin_hinge"}
+    with pytest.raises(ValueError, match=r"loss_type 'margin_hinge' needs margin > 0, got -1.0"):
+        MarginConfig(**common, margin=-1.0)
+    args = MarginConfig(**common, margin=3.0, beta=0.5, max_steps=1, per_device_train_batch_size=2, logging_steps=1,
+                        save_strategy="no", disable_tqdm=True)
+    # By hand: D = (-10 - -11) - (-12 - -11) = 2, so max(0, 3 - 0.5 * 2) = 2.
+    losses, _, _ = dpo_loss(t(-10.0), t(-12.0), t(-11.0), t(-11.0), args.loss_settings)
+    assert losses.item() == pytest.approx(2.0, abs=1e-12)
+    trainer = DPOMinTrainer(tiny_llama(), args=args, train_dataset=hh_pairs.select(range(2)),
+                            processing_class=tokenizer)
+    trainer.train()
+    # The policy starts as its reference (D = 0): the first loss is the margin itself.
+    assert trainer.state.log_history[0]["loss"] == pytest.approx(3.0, abs=1e-6)
+
+
+def test_every_hyperparameter_default_is_the_config_default(tmp_path):
+    config = DPOMinConfig(output_dir=str(tmp_path), report_to="none", use_cpu=True)
+    assert LossSettings.of() == config.loss_settings

@@ -2,12 +2,14 @@
 
 import copy
 
+import peft
 import pytest
 import torch
 from conftest import tiny_llama
 from datasets import Dataset
+from packaging.version import Version
 from peft import LoraConfig, get_peft_model
-from transformers import TrainerCallback
+from transformers import MixtralConfig, MixtralForCausalLM, TrainerCallback
 
 from dpo_min import DPODataCollator, DPOMinConfig, DPOMinTrainer, dpo_loss
 from dpo_min.logps import sequence_logps
@@ -188,3 +190,32 @@ def test_sync_needs_a_reference_adapter_shaped_like_the_trained_one(tmp_path, to
     with pytest.raises(ValueError, match="policy's parameters"):
         DPOMinTrainer(model, args=config(tmp_path, sync_ref_model=True, model_adapter_name="policy",
                                     ref_adapter_name="reference"), train_dataset=pairs(), processing_class=tokenizer)
+
+
+def tiny_moe():
+    config = MixtralConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                           num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+                           tie_word_embeddings=False)
+    torch.manual_seed(0)
+    return MixtralForCausalLM(config).float()
+
+
+@pytest.mark.parametrize("peft_version", ["0.19.1", peft.__version__], ids=["peft_0.19", "installed_peft"])
+def test_an_adapter_on_target_parameters_gets_trls_reference(tmp_path, tokenizer, monkeypatch, peft_version):
+    # TRL 1.16 (DPOTrainer.__init__): under peft 0.17-0.19 the adapter is disabled for the reference, since peft
+    # cannot hold a second adapter on target_parameters; from peft 0.20 it copies the adapter as for any other.
+    monkeypatch.setattr(peft, "__version__", peft_version)
+    model = get_peft_model(tiny_moe(), LoraConfig(r=2, target_modules=[], target_parameters=["mlp.experts.down_proj"]))
+    randomise_lora_b(model, "default", seed=1)  # an adapter that changes the outputs
+    trainer = DPOMinTrainer(model, args=config(tmp_path, max_steps=1), train_dataset=pairs(),
+                            processing_class=tokenizer)
+    batch = first_batch(trainer)
+    with torch.no_grad(), model.disable_adapter():
+        base = sequence_logps(model, batch).logps
+    with torch.no_grad():
+        adapted = sequence_logps(model, batch).logps
+    copied = peft_version == peft.__version__ and Version(peft_version) >= Version("0.20.0")
+    assert sorted(model.peft_config) == (["default", "ref"] if copied else ["default"])
+    assert trainer.ref_adapter_name == ("ref" if copied else None)
+    torch.testing.assert_close(trainer.reference_logps(batch).logps, adapted if copied else base)
+    assert (adapted - base).abs().max() > 1e-4

@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 
 STEPS, SAVE_EVERY = 8, 2
 KILL_AT = (2, 6)  # kill once checkpoint-2 exists, resume, kill once checkpoint-6 exists, resume to the end
-VARIANTS = {"lora": ([], "adapter_model.safetensors"), "full": (["--no_use_peft"], "model.safetensors")}
+VARIANTS = {"lora": (["--use_peft"], "adapter_model.safetensors"), "full": (["--no_use_peft"], "model.safetensors")}
 
 
 def command(model_dir, data_file, output_dir, *extra):
@@ -113,3 +113,66 @@ def test_killed_and_resumed_run_equals_an_uninterrupted_run(tmp_path, tiny_model
         moved = max((whole_weights[name] - initial[name]).abs().max().item() for name in initial)
     assert moved > 1e-3
     assert torch.isfinite(torch.tensor(list(actual.values()))).all()
+
+
+# ---- a resume that would train other pairs, cut otherwise, or another loss is refused --------------------------
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory, tiny_model_dir):
+    """A real 1-step run with its checkpoint kept in the published folder: the record a resume is compared with."""
+    from dpo_min.train import main
+
+    folder = tmp_path_factory.mktemp("finished")
+    data_file, other_file = write_hh_rows(folder / "pairs.jsonl", 12), folder / "other.jsonl"
+    other_file.write_text("".join(reversed(data_file.read_text().splitlines(keepends=True))))
+    argv = ["--model", str(tiny_model_dir), "--dataset", str(data_file), "--max_steps", "1", "--save_strategy",
+            "steps", "--save_steps", "1", "--per_device_train_batch_size", "2", "--eval_fraction", "0.25",
+            "--max_length", "64", "--num_samples", "0", "--precompute_ref_log_probs", "false", "--disable_tqdm",
+            "true"]
+    assert main([*argv, "--output_dir", str(folder / "run")]) == 0
+    return folder, argv
+
+
+def replace_in_place(folder):
+    data_file = folder / "pairs.jsonl"
+    rows = data_file.read_text().splitlines(keepends=True)
+    data_file.write_text("".join(rows[1:] + rows[:1]))  # the same rows, another order: other pairs reached
+    return []
+
+
+@pytest.mark.parametrize("change, expected", [
+    (lambda folder: ["--dataset", str(folder / "other.jsonl")],
+     ["dataset {folder}/pairs.jsonl -> {folder}/other.jsonl"]),  # refused before the data is read
+    (replace_in_place, ["pairs (sha256) "]),
+    (lambda folder: ["--max_length", "32"], ["max_length 64 -> 32"]),
+    (lambda folder: ["--loss_type", "ipo"], ['loss_type ["sigmoid"] -> ["ipo"]']),
+    (lambda folder: ["--eval_fraction", "0.5"], ["eval_fraction 0.25 -> 0.5"]),
+    (lambda folder: ["--beta", "0.5"], ["beta 0.1 -> 0.5"]),
+], ids=["other-file", "file-replaced-in-place", "max-length", "loss-type", "eval-fraction", "beta"])
+def test_a_resume_with_other_data_or_settings_is_refused_naming_old_and_new(finished_run, tmp_path, capsys, change,
+                                                                           expected):
+    from dpo_min.train import main
+
+    folder, argv = finished_run
+    original = (folder / "pairs.jsonl").read_text()
+    checkpoint = folder / "run" / "checkpoint-1"
+    try:
+        code = main([*argv, *change(folder), "--output_dir", str(tmp_path / "again"), "--resume_from_checkpoint",
+                     str(checkpoint)])
+    finally:
+        (folder / "pairs.jsonl").write_text(original)
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(lines) == 1, lines
+    assert f"cannot resume {checkpoint} with other settings (" in lines[0]
+    for part in expected:
+        assert part.format(folder=folder) in lines[0], lines[0]
+    assert not (tmp_path / "again").exists() and not (tmp_path / "again.partial").exists()
+
+
+def test_a_resume_with_the_same_data_and_settings_passes_the_checks(finished_run, tmp_path, capsys):
+    from dpo_min.train import main
+
+    folder, argv = finished_run
+    # The model is missing: a resume that passes the checks fails where the model loads.
+    code = main([*argv, "--model", str(tmp_path / "no-model"), "--output_dir", str(tmp_path / "again"),
+                 "--resume_from_checkpoint", str(folder / "run" / "checkpoint-1")])
+    assert code == 1 and "no such model folder" in capsys.readouterr().err

@@ -292,3 +292,67 @@ def test_resuming_with_another_batch_size_is_refused_naming_both_values(tmp_path
     code = main(["--model", str(tmp_path / "no-model"), "--output_dir", str(tmp_path / "run"), "--max_steps", "8",
                  "--per_device_train_batch_size", "2", "--resume_from_checkpoint", "latest"])
     assert code == 1 and "no-model" in capsys.readouterr().err.strip().splitlines()[-1]
+
+
+# ---- 5. symbolic links: followed once, never deleted through --------------------------------------------------
+def test_a_link_to_a_run_publishes_into_the_real_folder_and_keeps_the_link(tmp_path, capsys, tiny_model_dir):
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    write_run(runs / "run-1", {"weights.txt": "old"})
+    (runs / "latest").symlink_to("run-1", target_is_directory=True)
+    assert RunFolder(runs / "latest").lock_path == RunFolder(runs / "run-1").lock_path == runs / "run-1.lock"
+    data = write_hh_rows(tmp_path / "pairs.jsonl", 12)
+    code = main(["--model", str(tiny_model_dir), "--dataset", str(data), "--output_dir", str(runs / "latest"),
+                 "--use_peft", *RUNNABLE])
+    assert code == 0, capsys.readouterr().err
+    assert "kept" not in capsys.readouterr().err
+    assert sorted(os.listdir(runs)) == ["latest", "run-1"] and os.readlink(runs / "latest") == "run-1"
+    published = os.listdir(runs / "run-1")
+    assert "weights.txt" not in published and "adapter_model.safetensors" in published  # the new run, whole
+    assert "\n# latest\n" in (runs / "run-1" / "README.md").read_text()  # named as the user named the folder
+
+
+def test_a_run_into_the_real_folder_waits_for_a_run_through_its_link(tmp_path):
+    (tmp_path / "run-1").mkdir()
+    (tmp_path / "latest").symlink_to("run-1")
+    holder = RunFolder(tmp_path / "latest")
+    holder.lock()
+    try:
+        with pytest.raises(OutputDirError, match="a live run"):
+            RunFolder(tmp_path / "run-1").lock()
+    finally:
+        holder.release()
+
+
+def test_a_link_to_a_foreign_folder_is_refused_and_the_folder_kept(tmp_path, capsys):
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("mine")
+    (tmp_path / "out").symlink_to(tmp_path / "mine")
+    code = main(["--model", str(tmp_path / "no-model"), "--output_dir", str(tmp_path / "out")])
+    assert code == 2
+    line = one_error_line(capsys)
+    assert f"--output_dir {tmp_path / 'out'} (-> {tmp_path / 'mine'}) holds files that are not" in line
+    assert tree(tmp_path / "mine") == {"notes.txt": "mine"} and sorted(os.listdir(tmp_path)) == ["mine", "out"]
+
+
+def test_a_link_inside_a_run_folder_is_foreign_and_nothing_is_deleted_through_it(tmp_path):
+    folder = write_run(tmp_path / "run", {"a.txt": "old", "checkpoint-1/x.bin": "old"})
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    (outside / "x.bin").write_text("precious")
+    (folder / "checkpoint-1" / "x.bin").unlink()
+    (folder / "checkpoint-1").rmdir()
+    (folder / "checkpoint-1").symlink_to(outside, target_is_directory=True)  # the listed file now lies outside
+    with pytest.raises(OutputDirError, match=r"holds files that are not a dpo_min run's \(checkpoint-1\)"):
+        RunFolder(folder).prepare(None)
+    run_dir._remove_run(folder)  # and even asked to delete the run, the file behind the link stays
+    assert (outside / "x.bin").read_text() == "precious" and (folder / "checkpoint-1").is_symlink()
+
+
+def test_a_dangling_link_is_one_line_before_any_work(tmp_path, capsys):
+    (tmp_path / "latest").symlink_to(tmp_path / "run-2")
+    code = main(["--model", str(tmp_path / "no-model"), "--output_dir", str(tmp_path / "latest")])
+    assert code == 2
+    assert (f"--output_dir {tmp_path / 'latest'} is a symbolic link to {tmp_path / 'run-2'}, which does not exist"
+            in one_error_line(capsys))
+    assert sorted(os.listdir(tmp_path)) == ["latest"]  # no folder, staging or lock made through it

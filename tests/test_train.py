@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from dpo_min import DPOMinTrainer, models
 from dpo_min.config import DPOMinConfig
-from dpo_min.data import to_preference_rows, tokenize_dataset
+from dpo_min.data import load_preference_dataset, to_preference_rows, tokenize_dataset
 from dpo_min.report import collapse_warnings, is_empty_completion
 from dpo_min.train import DEMO_DEFAULTS, DataArguments, ModelArguments, UsageError, main, parse_args
 
@@ -35,7 +35,7 @@ def tiny_run_args(model_dir, data_file, output_dir, *extra):
             "--eval_fraction", "0.25", "--max_steps", "3", "--per_device_train_batch_size", "2",
             "--per_device_eval_batch_size", "4", "--learning_rate", "5e-3", "--num_samples", "3",
             "--max_new_tokens", "4", "--logging_steps", "1", "--precompute_ref_log_probs", "true",
-            "--save_strategy", "no", "--disable_tqdm", "true", *extra]
+            "--save_strategy", "no", "--disable_tqdm", "true", "--use_peft", *extra]
 
 
 def held_out_pairs(output_dir, data_file):
@@ -230,6 +230,24 @@ def not_a_run_folder(tmp_path):
     return []
 
 
+def recipe(text):
+    def make(tmp_path):
+        (tmp_path / "recipe.yaml").write_text(text)
+        return ["--config", str(tmp_path / "recipe.yaml")]
+    return make
+
+
+def json_object_of_columns(tmp_path):
+    path = tmp_path / "columns.json"
+    path.write_text(json.dumps({"prompt": ["a", "b", "c"], "chosen": [" x", " y"], "rejected": [" z", " w", " v"]}))
+    return ["--dataset", str(path)]
+
+
+def mixture_with_eval_split(tmp_path):
+    return [*recipe(f"datasets:\n  - path: {write_hh_rows(tmp_path / 'p.jsonl', 4)}\n")(tmp_path),
+            "--eval_split", "test"]
+
+
 @pytest.mark.parametrize("make_args, exit_code, message", [
     (lambda tmp_path: ["--bogus_flag", "1"], 2, "unknown argument(s): --bogus_flag 1"),
     (lambda tmp_path: ["--dataset", str(tmp_path / "missing.jsonl")], 2, "no such dataset file"),
@@ -245,9 +263,18 @@ def not_a_run_folder(tmp_path):
     (lambda tmp_path: ["--max_steps", "-5"], 2, "max_steps must be > 0, or -1 to train num_train_epochs, got -5"),
     (lambda tmp_path: ["--max_steps", "-1", "--num_train_epochs", "0"], 2,
      "num_train_epochs must be > 0 when max_steps is -1, got 0.0: the run would train zero steps"),
+    (recipe("beta: [1, 2]\n"), 2, "recipe.yaml: beta takes a single value, got [1, 2]"),
+    (recipe("learning_rate: {a: 1}\n"), 2, "recipe.yaml: learning_rate takes a single value, got {'a': 1}"),
+    (recipe("max_steps: null\n"), 2, "recipe.yaml: max_steps cannot be null"),
+    (recipe("lora_r: [4]\n"), 2, "recipe.yaml: lora_r takes a single value, got [4]"),
+    (lambda tmp_path: ["--model", str(tmp_path / "models" / "mine")], 1, "no such model folder: "),
+    (json_object_of_columns, 1, "a JSON object of columns must hold lists of one length, got {'prompt': 3, "
+     "'chosen': 2, 'rejected': 3}"),
+    (mixture_with_eval_split, 2, "--eval_split picks a split of one dataset; a mixture holds out --eval_fraction"),
 ], ids=["unknown-flag", "missing-dataset", "bad-value", "wrong-columns", "foreign-output-dir", "negative-lr",
         "eval-fraction-leaves-nothing", "no-new-tokens", "batch-size-0", "accumulation-0", "negative-max-steps",
-        "zero-epochs"])
+        "zero-epochs", "recipe-list", "recipe-mapping", "recipe-null", "recipe-list-for-int", "missing-model-path",
+        "json-columns-of-other-lengths", "mixture-with-eval-split"])
 def test_user_errors_give_one_line_and_no_output_folder(tmp_path, capsys, tiny_model_dir, make_args, exit_code,
                                                         message):
     before = sorted(os.listdir(tmp_path))
@@ -258,6 +285,19 @@ def test_user_errors_give_one_line_and_no_output_folder(tmp_path, capsys, tiny_m
     assert code == exit_code
     assert len(error_lines) == 1 and message in error_lines[0], error_lines
     assert sorted(os.listdir(tmp_path)) == before  # nothing written, not even a staging folder
+
+
+def test_a_json_object_of_columns_is_read_as_columns(tmp_path):
+    # What Dataset.to_dict() writes; pyarrow alone reads it as one row of lists.
+    columns = {"prompt": ["Q1?", "Q2?", "Q3?"], "chosen": [" A1", " A2", " A3"], "rejected": [" B1", " B2", " B3"]}
+    for indent in (None, 1):
+        (tmp_path / "columns.json").write_text(json.dumps(columns, indent=indent))
+        pairs = load_preference_dataset(str(tmp_path / "columns.json"))
+        assert [pairs[name] for name in ("prompt", "chosen", "rejected")] == list(columns.values())
+    (tmp_path / "one.json").write_text(json.dumps({"chosen": [{"role": "user", "content": "Hi"}, {
+        "role": "assistant", "content": "Hello"}], "rejected": [{"role": "user", "content": "Hi"}, {
+        "role": "assistant", "content": "Go"}]}))
+    assert len(load_preference_dataset(str(tmp_path / "one.json"))) == 1  # one conversational row stays one row
 
 
 def test_missing_model_package_says_how_to_install_it(tmp_path, capsys, monkeypatch):

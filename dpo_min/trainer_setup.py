@@ -1,0 +1,153 @@
+"""The phases of `DPOMinTrainer`'s constructor before `Trainer.__init__`: validate the arguments (no model needed;
+the config checked itself when built), load the models and the tokenizer as TRL does, check what needs the model
+before any data is tokenized, and prepare the models (packed attention, no dropout, FSDP2 sharding). The reference
+is chosen between the last two (`reference.choose_reference`); the trainer tokenizes the data itself.
+"""
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from datasets import IterableDataset
+from transformers import TrainingArguments
+
+from . import sharding, zero
+from .attention import check_packed_model, packed_attention, use_packed_attention
+from .collator import make_collator
+from .config import DPOMinConfig
+from .models import load_causal_lm, load_tokenizer
+
+logger = logging.getLogger(__name__)
+# TRL's own words where dpo_min refuses what TRL refuses, so that checks written against TRL's messages still match.
+ITERABLE_REFUSAL = ("`precompute_ref_log_probs=True` is not supported with IterableDataset (as TRL): use a map-style "
+                    "Dataset or set precompute_ref_log_probs=False")
+
+
+def _router_aux_loss_coef(model_config: Any, coef: float | None) -> float:
+    """The weight of the router load-balancing loss: the config's own unless given; 0 for a model without routers."""
+    text_config = model_config.get_text_config()
+    is_moe = hasattr(text_config, "output_router_logits")
+    if coef and not is_moe:
+        raise ValueError(f"router_aux_loss_coef is {coef}, but the model ({type(model_config).__name__}) is not a "
+                         "mixture-of-experts model with router logits")
+    if not is_moe:
+        return 0.0
+    return getattr(text_config, "router_aux_loss_coef", 0.0) if coef is None else coef
+
+
+def _from_pretrained_kwargs(args: DPOMinConfig, quantization_config: Any, **defaults: Any) -> dict[str, Any]:
+    """`args.model_init_kwargs` completed as TRL completes them for a model it loads from an id."""
+    kwargs = dict(args.model_init_kwargs or {})
+    if quantization_config is not None:
+        if "quantization_config" in kwargs:
+            raise ValueError("quantization_config is set both as a trainer argument and in model_init_kwargs: set "
+                             "it once")
+        kwargs["quantization_config"] = quantization_config
+    if args.distributed_state.distributed_type in ("MULTI_GPU", "DEEPSPEED"):  # where device_map="auto" fails
+        kwargs["device_map"] = None
+    kwargs.setdefault("device_map", None if args.device.type in ("cpu", "mps") else "auto")
+    kwargs.setdefault("trust_remote_code", args.trust_remote_code)
+    for key, value in defaults.items():
+        kwargs.setdefault(key, value)
+    return kwargs
+
+
+def _check_layout(model_config: Any, args: DPOMinConfig) -> None:
+    if not (args.padding_free or args.share_prompt):
+        return
+    check_packed_model(model_config)  # raises for a family or an attention not tested packed
+    layer_types = getattr(model_config, "layer_types", None) or ["sliding_attention"]
+    if args.share_prompt and getattr(model_config, "sliding_window", None) and "sliding_attention" in layer_types:
+        raise ValueError("share_prompt's 4D attention mask has no sliding window, and this model uses one "
+                         f"(sliding_window={model_config.sliding_window})")
+
+
+# ---- the constructor's phases: validate (no model needed), load, prepare the models, prepare the data -------------
+def validated_args(model: Any, ref_model: Any, args: DPOMinConfig | None, train_dataset: Any, eval_dataset: Any,
+                    compute_metrics: Any, quantization_config: Any) -> DPOMinConfig:
+    """The checks of the arguments as given (the config checked itself when built); the config, or TRL's default."""
+    if isinstance(ref_model, TrainingArguments):
+        raise TypeError("the second positional argument is ref_model, as in TRL's DPOTrainer: pass the config "
+                        "as args=...")
+    if ref_model is not None and ref_model is model:
+        raise ValueError("ref_model must be another object than model (omit it to get a frozen copy)")
+    if args is None:
+        name = model if isinstance(model, str) else model.config._name_or_path
+        args = DPOMinConfig(output_dir=f"{name.split('/')[-1]}-DPO")  # TRL's default folder
+    if not isinstance(args, DPOMinConfig):
+        raise TypeError(f"args must be a DPOMinConfig, got {type(args).__name__}")
+    if train_dataset is None:
+        raise ValueError("`train_dataset` is required (as in TRL's DPOTrainer)")
+    evals = eval_dataset.values() if isinstance(eval_dataset, dict) else [eval_dataset]
+    if args.precompute_ref_log_probs and any(isinstance(d, IterableDataset) for d in (train_dataset, *evals)):
+        raise ValueError(ITERABLE_REFUSAL)
+    if compute_metrics is not None and (args.padding_free or args.share_prompt):
+        raise ValueError("compute_metrics receives [2B, T] logits (as TRL), which the padding_free and "
+                         "share_prompt layouts do not compute: turn them off to use compute_metrics")
+    if quantization_config is not None and not isinstance(model, str):
+        raise ValueError("quantization_config applies to a model loaded from an id or a path; this model is "
+                         "already loaded")
+    # Here rather than in the config: the stage may come from the launcher's environment, which the trainer reads.
+    if args.sync_ref_model and zero.zero_stage(args) == 3:
+        raise ValueError("sync_ref_model (TR-DPO) is not supported under DeepSpeed ZeRO-3: its mixing would "
+                         "need every weight gathered; use ZeRO-2, or FSDP2 (shard_with_fsdp2), where it runs")
+    return args
+
+
+def load(model: Any, ref_model: Any, args: DPOMinConfig, processing_class: Any,
+          quantization_config: Any) -> tuple[Any, Any, Any]:
+    """Models given as ids or paths loaded as TRL loads them, and the tokenizer, agreeing on the pad token."""
+    if isinstance(model, str):
+        model = load_causal_lm(model, **_from_pretrained_kwargs(args, quantization_config))
+    elif args.model_init_kwargs is not None:
+        logger.warning("model_init_kwargs is ignored: the model is already loaded (as TRL)")
+    if isinstance(ref_model, str):
+        ref_model = load_causal_lm(ref_model, **_from_pretrained_kwargs(
+            args, quantization_config, dtype=model.dtype, attn_implementation=model.config._attn_implementation))
+    if processing_class is None:
+        source = model.config._name_or_path
+        if not source:
+            raise ValueError("processing_class (the tokenizer) is required: the model has no id or path to load "
+                             "one from")
+        revision = (args.model_init_kwargs or {}).get("revision")
+        processing_class = load_tokenizer(source, revision=revision, trust_remote_code=args.trust_remote_code)
+    tokenizer = getattr(processing_class, "tokenizer", processing_class)
+    if tokenizer.pad_token is None:
+        # Padding never reaches the loss (labels are -100 there), so any token id serves; EOS is the usual one.
+        tokenizer.pad_token = tokenizer.eos_token
+    # As TRL: the model's config agrees with the tokenizer on the pad token (it is saved with the model).
+    model.config.get_text_config().pad_token_id = tokenizer.pad_token_id
+    if getattr(model, "generation_config", None) is not None:
+        model.generation_config.pad_token_id = tokenizer.pad_token_id
+    return model, ref_model, processing_class
+
+
+def check_model(model: Any, args: DPOMinConfig) -> float:
+    """The checks that need the model, before any data is tokenized; the router load-balancing loss's weight."""
+    _check_layout(model.config, args)
+    router_aux_loss_coef = _router_aux_loss_coef(model.config, args.router_aux_loss_coef)
+    if router_aux_loss_coef and args.share_prompt:
+        raise ValueError("share_prompt's 4D attention mask cannot go into the router load-balancing loss: set "
+                         "router_aux_loss_coef=0 or drop share_prompt")
+    return router_aux_loss_coef
+
+
+def prepare_models(modules: list[torch.nn.Module], args: DPOMinConfig) -> None:
+    """Policy and reference alike: packed attention for the packed layouts, no dropout, FSDP2 sharding."""
+    for module in modules:
+        if args.padding_free or args.share_prompt:
+            use_packed_attention(module)
+        if args.disable_dropout:
+            for submodule in module.modules():
+                if isinstance(submodule, torch.nn.Dropout):
+                    submodule.p = 0.0
+        if args.shard_with_fsdp2:
+            sharding.shard_model(module, args.device.type)
+
+
+def collator(model: Any, tokenizer: Any, args: DPOMinConfig) -> Callable:
+    dense_mask = not (args.padding_free or args.share_prompt) or packed_attention(
+        model.config._attn_implementation).dense_mask
+    return make_collator(tokenizer.pad_token_id, args.padding_free, args.share_prompt, dense_mask,
+                         args.pad_to_multiple_of)
