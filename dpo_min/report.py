@@ -308,9 +308,9 @@ def logprob_margins(model: torch.nn.Module, collator: Any, pairs: list[dict[str,
     model.eval()
     batch = collator([{key: pair[key] for key in ("prompt_ids", "chosen_ids", "rejected_ids")} for pair in pairs])
     batch = {key: value.to(model.device) if isinstance(value, torch.Tensor) else value for key, value in batch.items()}
-    chosen, rejected = sequence_logps(model, batch).pair_logps().float().chunk(2)
+    halves = sequence_logps(model, batch).split()
     model.train(was_training)
-    return (chosen - rejected).tolist()
+    return (halves.chosen_logps.float() - halves.rejected_logps.float()).tolist()
 
 
 def _cell(text: str) -> str:

