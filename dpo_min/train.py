@@ -417,16 +417,7 @@ def run(trainer: DPOMinTrainer, model_args: ModelArguments, data_args: DataArgum
     # the model without its DDP wrapper, and several processes would then train apart, never syncing gradients.
     train_metrics = trainer.train(resume_from_checkpoint=args.resume_from_checkpoint).metrics
     before, after = _held_out_before_after(trainer, held_out is not None, ties, margins, say)
-    model = trainer.accelerator.unwrap_model(trainer.model)
-
-    if model_args.merge_adapter and model_args.use_peft:
-        if is_main:
-            model.merge_and_unload().save_pretrained(staging)
-            tokenizer.save_pretrained(staging)
-    else:
-        trainer.save_model()  # on every process: sharded (FSDP/DeepSpeed) weights need all of them
-    trainer.save_state()
-    trainer.accelerator.wait_for_everyone()
+    model = _save_weights(trainer, model_args.merge_adapter and model_args.use_peft, staging, is_main)
     if not is_main:
         return
 
@@ -441,17 +432,35 @@ def run(trainer: DPOMinTrainer, model_args: ModelArguments, data_args: DataArgum
     repo_id = hub_repo_id(output_dir, args.hub_model_id)
     (staging / "README.md").write_text(run_card(model_args, args, metrics, sources, repo_id))
     folder.publish()  # the folder resolved and locked at the start, wherever a link may point by now
-    if samples:
-        say(f"\ngreedy completions of the first {len(prompts)} held-out prompts, by the reference and by the trained "
-            f"policy, and each pair's log-prob margin (chosen answer over rejected) under both:\n{samples}")
-    if after and not all_finite(after):
-        say("warning: the held-out figures are not finite")
-    for warning in collapse_warnings(after, completions.latest):
-        say(f"WARNING: {warning}")
+    _say_results(say, len(prompts), samples, after, completions.latest)
     say(f"wrote {', '.join(sorted(path.name for path in folder.output_dir.iterdir()))} to {output_dir} "
         f"in {wall_time:.0f} s")
     if push:
         say(f"pushed to {_push(folder, repo_id, args)}")
+
+
+def _save_weights(trainer: DPOMinTrainer, merge_adapter: bool, staging: Path, is_main: bool) -> Any:
+    """The trained weights into the staging folder; returns the unwrapped model."""
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    if merge_adapter:
+        if is_main:
+            model.merge_and_unload().save_pretrained(staging)
+            trainer.processing_class.save_pretrained(staging)
+    else:
+        trainer.save_model()  # on every process: sharded (FSDP/DeepSpeed) weights need all of them
+    trainer.save_state()
+    trainer.accelerator.wait_for_everyone()
+    return model
+
+
+def _say_results(say: Any, prompt_count: int, samples: str, after: dict[str, float], completions: list[str]) -> None:
+    if samples:
+        say(f"\ngreedy completions of the first {prompt_count} held-out prompts, by the reference and by the trained "
+            f"policy, and each pair's log-prob margin (chosen answer over rejected) under both:\n{samples}")
+    if after and not all_finite(after):
+        say("warning: the held-out figures are not finite")
+    for warning in collapse_warnings(after, completions):
+        say(f"WARNING: {warning}")
 
 
 def _held_out_before_after(trainer: DPOMinTrainer, has_held_out: bool, ties: bool, margins: MarginRecorder,
