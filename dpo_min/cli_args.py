@@ -137,15 +137,23 @@ COMMAND_DEFAULTS = {
     "ddp_find_unused_parameters": False,
 }
 
-# The demo (no --model, no --dataset) only: meant to show, on 2 idle CPU cores within 3 minutes, a held-out reward
-# accuracy whose 95% interval leaves 0.5 out; not reached yet (README, "The demo", lists every configuration measured:
-# these give 37/64 [0.456, 0.691] in 5 min 16 s on a nearly quiet machine). The embedded data
-# for it is the single-turn HH pairs (data/README.md); the fastest layout (one packed row, the prompt computed once,
-# no reference pass while training); no evaluation at step 0, whose figures are known (every pair a tie).
+# SmolLM2-135M-Instruct's own chat template less the system message it adds to every prompt that has none ("You are
+# a helpful AI assistant named SmolLM, trained by Hugging Face"): the demo's pairs have no system turn, and without it
+# the policy learned more from the same pairs (docs/demo.md) on shorter sequences.
+SMOLLM2_TEMPLATE_WITHOUT_SYSTEM = (
+    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + "
+    "'\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+
+# The demo (no --model, no --dataset) only: the shortest run measured whose held-out reward accuracy has a 95%
+# interval that leaves 0.5 out (124/192 [0.576, 0.710], 6 min 27 s on 2 idle CPU cores; the goal of 3 minutes is not
+# met; docs/demo.md: every configuration measured). The embedded data for it is the
+# single-turn HH pairs (data/README.md); the fastest layout (one packed row, the prompt computed once, no reference
+# pass while training); no evaluation at step 0, whose figures are known (every pair a tie).
 # Any run given a model or data keeps DPOMinConfig's defaults, which follow TRL.
 DEMO_DEFAULTS = {
-    "learning_rate": 1e-3,
-    "max_steps": 24,  # 96 pairs, each seen once
+    "chat_template": SMOLLM2_TEMPLATE_WITHOUT_SYSTEM,
+    "learning_rate": 5e-4,
+    "max_steps": 64,  # 256 pairs, each seen once
     "per_device_train_batch_size": 4,
     "per_device_eval_batch_size": 16,
     "max_length": 128,
@@ -157,8 +165,8 @@ DEMO_DEFAULTS = {
     "logging_steps": 1,
     "save_strategy": "no",
     "report_to": "none",
-    "eval_fraction": 0.1,  # 66 of the 658 pairs held out ...
-    "max_eval_samples": 64,  # ... 64 scored: 4 full evaluation batches, so the accuracy is an exact count
+    "eval_fraction": 0.3,  # 197 of the 658 pairs held out ...
+    "max_eval_samples": 192,  # ... 192 scored: 12 full evaluation batches, so the accuracy is an exact count
 }
 
 # TRL's (ScriptArguments, ModelConfig, DPOConfig) names for options dpo_min calls otherwise.
@@ -242,7 +250,9 @@ def build_parser(demo: bool = False) -> HfArgumentParser:
         parser.set_defaults(use_cpu=True)
     for action in parser._actions:
         if action.dest in DEMO_DEFAULTS and action.option_strings[0] == f"--{action.dest}":
-            action.help = f"{action.help or ''} demo: {DEMO_DEFAULTS[action.dest]}; otherwise:".strip()
+            shown = "SmolLM2's own, less its default system message" if action.dest == "chat_template" \
+                else DEMO_DEFAULTS[action.dest]
+            action.help = f"{action.help or ''} demo: {shown}; otherwise:".strip()
     return parser
 
 

@@ -51,7 +51,6 @@ from .report import (
     CompletionLogger,
     HeldOutPrinter,
     LiveLossBar,
-    MarginRecorder,
     all_finite,
     collapse_warnings,
     describe_change,
@@ -408,15 +407,13 @@ def run(trainer: DPOMinTrainer, model_args: ModelArguments, data_args: DataArgum
             and needs_reference(args.loss_type, args.reference_free))
     if ties:
         say(describe_ties(len(trainer.eval_dataset), args.loss_type))
-    margins = MarginRecorder(trainer)
-    trainer.add_callback(margins)
     completions = CompletionLogger(staging / "samples.jsonl", tokenizer, prompts, reference_texts,
                                    data_args.max_new_tokens, trainer.callback_handler.callbacks)
     trainer.add_callback(completions)
     # The evaluation before training runs inside train() (eval_on_start): an evaluate() ahead of train() would leave
     # the model without its DDP wrapper, and several processes would then train apart, never syncing gradients.
     train_metrics = trainer.train(resume_from_checkpoint=args.resume_from_checkpoint).metrics
-    before, after = _held_out_before_after(trainer, held_out is not None, ties, margins, say)
+    before, after = _held_out_before_after(trainer, held_out is not None, ties, say)
     model = _save_weights(trainer, model_args.merge_adapter and model_args.use_peft, staging, is_main)
     if not is_main:
         return
@@ -463,7 +460,7 @@ def _say_results(say: Any, prompt_count: int, samples: str, after: dict[str, flo
         say(f"WARNING: {warning}")
 
 
-def _held_out_before_after(trainer: DPOMinTrainer, has_held_out: bool, ties: bool, margins: MarginRecorder,
+def _held_out_before_after(trainer: DPOMinTrainer, has_held_out: bool, ties: bool,
                            say: Any) -> tuple[dict[str, float], dict[str, float]]:
     """The held-out figures before (measured at step 0, or stated when they are ties) and after training, printed."""
     evaluations = [entry for entry in trainer.state.log_history if "eval_loss" in entry]
@@ -472,9 +469,9 @@ def _held_out_before_after(trainer: DPOMinTrainer, has_held_out: bool, ties: boo
     # A scheduled evaluation at the last step has scored the final weights already: no second pass over the pairs.
     final = evaluations[-1] if evaluations and evaluations[-1]["step"] == trainer.state.global_step > 0 else None
     after = {} if not has_held_out else final if final is not None else trainer.evaluate()
-    if after and margins.latest:
-        say(describe_held_out(after, margins.latest))
-    if before and after:
+    if after and trainer.eval_margins:
+        say(describe_held_out(after, trainer.eval_margins))
+    if before and after and not ties:  # stated ties would only repeat the figures above
         say(f"held-out, before -> after training: {describe_change(before, after)}")
     return before, after
 

@@ -104,6 +104,8 @@ class DPOMinTrainer(Trainer):
         self._precompute_engine = None  # DeepSpeed: the policy's forward-only engine for the precompute pass
         self._metrics: dict[str, dict[str, list[float]]] = {"train": defaultdict(list), "eval": defaultdict(list)}
         self._total_train_tokens = 0
+        self.eval_margins: list[float] = []  # each held-out pair's reward margin at the latest evaluation, in order
+        self._pending_margins: list[torch.Tensor] = []  # ... gathered batch by batch until the evaluation logs
         if args.sync_ref_model:
             self.add_callback(SyncReferenceCallback(self.sync_reference))
 
@@ -287,6 +289,8 @@ class DPOMinTrainer(Trainer):
         if policy.aux_loss is not None:
             metrics["aux_loss"].append(self.accelerator.gather_for_metrics(policy.aux_loss.detach()).mean().item())
         chosen, rejected = pairs["chosen_rewards"], pairs["rejected_rewards"]
+        if mode == "eval":
+            self._pending_margins.append((chosen - rejected).float().cpu())
         metrics["rewards/chosen"].append(chosen.mean().item())
         metrics["rewards/rejected"].append(rejected.mean().item())
         metrics["rewards/accuracies"].append((chosen > rejected).float().mean().item())
@@ -337,6 +341,8 @@ class DPOMinTrainer(Trainer):
         logs.update({f"{prefix}{key}": sum(values) / len(values)
                      for key, values in self._metrics[mode].items() if values})
         self._metrics[mode].clear()
+        if mode == "eval" and self._pending_margins:
+            self.eval_margins, self._pending_margins = torch.cat(self._pending_margins).tolist(), []
         super().log(logs, start_time)
 
     # ---- faults and checkpoints -----------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """Write notebooks/quickstart.ipynb and execute it in place, so that the committed notebook carries real outputs.
 
-    python notebooks/build_quickstart.py            # the default model: the demo's run, about 3 minutes on a CPU
+    python notebooks/build_quickstart.py            # the default model: the demo's run, about 6 minutes on 2 CPU cores
 
 tests/test_notebook.py executes the same notebook on a tiny model (DPO_MIN_NOTEBOOK_MODEL), cut short
 (DPO_MIN_NOTEBOOK_ARGS: extra command-line options, e.g. "--max_steps 2").
@@ -34,7 +34,6 @@ CELLS = [
         "from dpo_min import DPOMinTrainer\n"
         "from dpo_min.cli_args import parse_args\n"
         "from dpo_min.report import (\n"
-        "    MarginRecorder,\n"
         "    describe_held_out,\n"
         "    describe_ties,\n"
         "    format_samples,\n"
@@ -72,12 +71,11 @@ CELLS = [
         "a `peft_config` the reference model is the same network with the adapter switched off, so no second copy "
         "is held; its log-probs are computed once, before the first step (`precompute_ref_log_probs`). Before "
         "training the policy *is* the reference, so every held-out pair is a tie: that needs no measurement. "
-        "`MarginRecorder` keeps each held-out pair's reward margin from the evaluation, for its interval."),
+        "The trainer keeps each held-out pair's reward margin from its latest evaluation (`trainer.eval_margins`), "
+        "for its interval."),
     new_code_cell(
         "trainer = DPOMinTrainer(model, reference, args=args, train_dataset=train_pairs, eval_dataset=held_out,\n"
         "                        processing_class=tokenizer, peft_config=peft_config)\n"
-        "margins = MarginRecorder(trainer)\n"
-        "trainer.add_callback(margins)\n"
         "# The first held-out pairs, fixed by the seeded split before anything is generated.\n"
         "samples = [trainer.eval_dataset[i] for i in range(data_args.num_samples)]\n"
         "prompts = [pair[\"prompt\"] for pair in held_out.select(range(data_args.num_samples))]\n"
@@ -86,7 +84,7 @@ CELLS = [
         "print(describe_ties(len(held_out), args.loss_type))\n"
         "trainer.train()\n"
         "after = trainer.evaluate()\n"
-        "print(describe_held_out(after, margins.latest))"),
+        "print(describe_held_out(after, trainer.eval_margins))"),
     new_markdown_cell(
         "## What moved\n\n"
         "Greedy completions of the first held-out prompts by the reference and by the trained policy, and the "
@@ -107,10 +105,10 @@ CELLS = [
         "left.plot([e[\"step\"] for e in train_logs], [e[\"rewards/margins\"] for e in train_logs], \".-\")\n"
         "left.axhline(0, color=\"grey\", linewidth=0.5)\n"
         "left.set(xlabel=\"step\", ylabel=\"reward margin\", title=\"training batches\")\n"
-        "right.hist(margins.latest, bins=24)\n"
+        "right.hist(trainer.eval_margins, bins=24)\n"
         "right.axvline(0, color=\"grey\", linewidth=0.5)\n"
         "right.set(xlabel=\"reward margin\", ylabel=\"pairs\",\n"
-        "          title=f\"{len(margins.latest)} held-out pairs, after training\")\n"
+        "          title=f\"{len(trainer.eval_margins)} held-out pairs, after training\")\n"
         "plt.show()"),
 ]
 

@@ -14,7 +14,7 @@ from conftest import write_hh_rows
 from transformers import HfArgumentParser
 
 from dpo_min import models
-from dpo_min.cli_args import DEMO_DEFAULTS, TRL_NAMES, UsageError, parse_args
+from dpo_min.cli_args import DEMO_DEFAULTS, SMOLLM2_TEMPLATE_WITHOUT_SYSTEM, TRL_NAMES, UsageError, parse_args
 from dpo_min.config import DPOMinConfig
 from dpo_min.train import load_pairs, main
 
@@ -22,7 +22,8 @@ TRL_KEYS = {f.name for cls in (trl.ScriptArguments, trl.ModelConfig, trl.DPOConf
 
 
 def test_demo_defaults_apply_to_the_demo_only(tmp_path):
-    _, demo_data, demo = parse_args([])
+    demo_model, demo_data, demo = parse_args([])
+    assert demo_model.chat_template == SMOLLM2_TEMPLATE_WITHOUT_SYSTEM
     assert (demo.learning_rate, demo.max_steps, demo.padding_free, demo.share_prompt) == (
         DEMO_DEFAULTS["learning_rate"], DEMO_DEFAULTS["max_steps"], True, True)
     # Whole evaluation batches (the accuracy is then an exact count); no step-0 pass, whose figures are known.
@@ -34,6 +35,22 @@ def test_demo_defaults_apply_to_the_demo_only(tmp_path):
                      "padding_free", "logging_steps", "save_strategy"):
             assert getattr(args, name) == getattr(library, name), (given, name)
         assert data_args.max_eval_samples is None and args.eval_on_start
+        assert parse_args(given)[0].chat_template is None  # the model's own template
+
+
+def test_the_demo_template_is_smollm2s_own_less_its_default_system_message(tokenizer):
+    conversation = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "Blue."}]
+    own = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=False)
+    demo = tokenizer.apply_chat_template(conversation, tokenize=False, chat_template=SMOLLM2_TEMPLATE_WITHOUT_SYSTEM)
+    system = "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
+    assert own == system + demo
+    with_system = [{"role": "system", "content": "Be brief."}, *conversation]  # a system turn of its own: as before
+    assert tokenizer.apply_chat_template(with_system, tokenize=False) == tokenizer.apply_chat_template(
+        with_system, tokenize=False, chat_template=SMOLLM2_TEMPLATE_WITHOUT_SYSTEM)
+    prompt = conversation[:1]
+    assert tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True) == system + \
+        tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True,
+                                      chat_template=SMOLLM2_TEMPLATE_WITHOUT_SYSTEM)
 
 
 def test_a_run_with_a_dataset_is_not_capped(tmp_path):

@@ -83,6 +83,9 @@ def test_demo_printout_on_a_tiny_model(tmp_path, tiny_model_dir, capsys):
     out = capsys.readouterr().out
     assert f"model {tiny_model_dir} | 6 train pairs, 3 held-out" in out
     assert "held-out before training: all 3 pairs are ties by definition" in out
+    # The final figures are said once, in the closing block: no progress line for the last evaluation, and no
+    # before -> after line repeating them against the stated ties.
+    assert out.count("reward accuracy") == 2 and "held-out at step" not in out and "before -> after" not in out
     state = json.loads((output_dir / "trainer_state.json").read_text())
     assert [entry["step"] for entry in state["log_history"] if "eval_loss" in entry] == [3]  # no pass at step 0
     metrics = json.loads((output_dir / "metrics.json").read_text())
@@ -109,3 +112,20 @@ def test_demo_printout_on_a_tiny_model(tmp_path, tiny_model_dir, capsys):
     assert len(shown) == 3
     for (old, new), expected_old, expected_new in zip(shown, logp_margins["reference"], logp_margins["policy"]):
         assert (float(old), float(new)) == pytest.approx((expected_old, expected_new), abs=5e-3 + 1e-4)
+
+
+@pytest.mark.parametrize("conversational", [True, False])
+def test_greedy_completions_in_one_batch_equal_those_of_one_prompt_at_a_time(tokenizer, conversational):
+    """The prompts are generated together, left-padded; each must get the text it gets alone."""
+    from conftest import tiny_llama
+
+    from dpo_min.report import greedy_completions
+
+    model = tiny_llama(seed=3)
+    texts = ["Hi", "How do I bake bread at home without yeast?", "Name a colour."]
+    prompts = [[{"role": "user", "content": text}] for text in texts] if conversational else texts
+    padding_side = tokenizer.padding_side
+    together = greedy_completions(model, tokenizer, prompts, max_new_tokens=6)
+    alone = [greedy_completions(model, tokenizer, [prompt], max_new_tokens=6)[0] for prompt in prompts]
+    assert together == alone and all(together)
+    assert tokenizer.padding_side == padding_side  # put back as it was

@@ -215,7 +215,11 @@ def test_help_lists_every_option_with_its_default(capsys):
         for field in dataclass_type.__dataclass_fields__.values():
             if field.init:
                 assert "(default:" in blocks[field.name], field.name
-    assert "demo: 0.001; otherwise: (default: 1e-06)" in " ".join(blocks["learning_rate"].split())
+    assert f"demo: {DEMO_DEFAULTS['learning_rate']}; otherwise: (default: 1e-06)" in " ".join(
+        blocks["learning_rate"].split())
+    # The demo's chat template is named, not printed as a page of Jinja.
+    assert "demo: SmolLM2's own, less its default system message; otherwise: (default: None)" in " ".join(
+        blocks["chat_template"].split())
 
 
 def wrong_columns_file(tmp_path):
