@@ -168,6 +168,8 @@ DEMO_DEFAULTS = {
     "eval_fraction": 0.3,  # 197 of the 658 pairs held out ...
     "max_eval_samples": 192,  # ... 192 scored: 12 full evaluation batches, so the accuracy is an exact count
 }
+# How --help names a demo default too long to print.
+DEMO_DEFAULTS_SHOWN = {"chat_template": "SmolLM2's own, less its default system message"}
 
 # TRL's (ScriptArguments, ModelConfig, DPOConfig) names for options dpo_min calls otherwise.
 TRL_NAMES = {
@@ -250,8 +252,7 @@ def build_parser(demo: bool = False) -> HfArgumentParser:
         parser.set_defaults(use_cpu=True)
     for action in parser._actions:
         if action.dest in DEMO_DEFAULTS and action.option_strings[0] == f"--{action.dest}":
-            shown = "SmolLM2's own, less its default system message" if action.dest == "chat_template" \
-                else DEMO_DEFAULTS[action.dest]
+            shown = DEMO_DEFAULTS_SHOWN.get(action.dest, DEMO_DEFAULTS[action.dest])
             action.help = f"{action.help or ''} demo: {shown}; otherwise:".strip()
     return parser
 
@@ -428,14 +429,13 @@ def _read_recipe(path: str) -> dict[str, Any]:
         kinds = _kinds(types[name])
         if value is None and not kinds & {type(None), Any}:
             raise UsageError(f"{path}: {name} cannot be null; give a value, or leave the key out for the default")
-        if isinstance(value, (list, dict)) and not kinds & {list, dict, Any} and name not in RECIPE_LISTS:
+        if isinstance(value, (list, dict)) and not kinds & {list, dict, Any} and name not in MIXTURE_KEYS:
             raise UsageError(f"{path}: {name} takes a single value, got {value!r}")
     return recipe
 
 
-# Options typed as text on the command line (a JSON list there) that a recipe writes as a YAML list.
-RECIPE_LISTS = ("datasets", "dataset_mixture", "dataset_mixer")
-# The three mixture forms (TRL's, the alignment-handbook's, its legacy one) and the options that only go with one.
+# The three mixture forms (TRL's, the alignment-handbook's, its legacy one), typed as text on the command line (JSON
+# there) and written as YAML lists or mappings in a recipe, and the options that only go with one.
 MIXTURE_KEYS = ("datasets", "dataset_mixture", "dataset_mixer")
 MIXTURE_OPTIONS = ("test_split_size", "dataset_splits", "dataset_configs")
 

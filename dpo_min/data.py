@@ -140,9 +140,12 @@ def _split_names(path_or_name: str, config: str | None) -> str:
 
 def _is_saved_to_disk(folder: str, split: str) -> bool:
     """A `Dataset.save_to_disk` or `DatasetDict.save_to_disk` folder (or one split's folder inside such a one)."""
-    names = ("dataset_dict.json", "state.json")
-    split_folder = os.path.join(folder, _split_base(split))
-    return any(os.path.isfile(os.path.join(place, name)) for place in (folder, split_folder) for name in names)
+    return _holds_saved(folder) or _holds_saved(os.path.join(folder, _split_base(split)))
+
+
+def _holds_saved(folder: str) -> bool:
+    """`save_to_disk` wrote this folder itself: a DatasetDict's index or a Dataset's state file."""
+    return any(os.path.isfile(os.path.join(folder, name)) for name in ("dataset_dict.json", "state.json"))
 
 
 def _split_base(split: str) -> str:
@@ -153,9 +156,8 @@ def _load_saved(folder: str, split: str, config: str | None, streaming: bool) ->
     if config not in (None, "default"):
         raise ValueError(f"{folder}: a save_to_disk folder has no configs; drop config {config!r}")
     base = _split_base(split)
-    whole = any(os.path.isfile(os.path.join(folder, name)) for name in ("dataset_dict.json", "state.json"))
     # Otherwise folder/<split> is one split's save_to_disk folder (the layout the handbook's legacy loader reads).
-    saved = load_from_disk(folder if whole else os.path.join(folder, base))
+    saved = load_from_disk(folder if _holds_saved(folder) else os.path.join(folder, base))
     if isinstance(saved, DatasetDict):
         if base not in saved:
             raise ValueError(f"{folder}: no split {base!r}; it has {', '.join(saved)}")

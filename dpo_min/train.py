@@ -29,6 +29,7 @@ from .cli_args import (  # noqa: F401  (COMMAND_DEFAULTS, DEMO_DEFAULTS: re-expo
     COMMAND_DEFAULTS,
     DEMO_DEFAULTS,
     MIXTURE_KEYS,
+    MIXTURE_OPTIONS,
     PROG,
     DataArguments,
     ModelArguments,
@@ -186,16 +187,15 @@ def trained_sources(train_pairs: Any, data_args: DataArguments) -> dict[str, Any
 
 def _show_data_log(is_main: bool) -> None:
     """The data module's one line naming each dataset's layout, and its warnings, on stdout."""
-    data_logger = logging.getLogger("dpo_min.data")
-    if not data_logger.handlers:
+    if not logger.handlers:
         handler = logging.StreamHandler(sys.stdout)
         handler.setFormatter(logging.Formatter("%(message)s"))
         handler.set_name(PROG)
-        data_logger.addHandler(handler)
-    for handler in data_logger.handlers:
+        logger.addHandler(handler)
+    for handler in logger.handlers:
         if handler.get_name() == PROG:  # ours: each run prints to the stdout it has now, not an earlier run's
             handler.stream = sys.stdout  # (setStream would flush the old one, which may be closed)
-    data_logger.setLevel(logging.INFO if is_main else logging.WARNING)
+    logger.setLevel(logging.INFO if is_main else logging.WARNING)
 
 
 def _stream_pairs(train: Any, source: str, data_args: DataArguments, args: DPOMinConfig) -> tuple[Any, Any]:
@@ -271,7 +271,7 @@ def _load_mixture(data_args: DataArguments, seed: int, num_proc: int | None) -> 
     """The recipe's mixture, in whichever of the three published forms it is written; None without one."""
     given = [name for name in MIXTURE_KEYS if getattr(data_args, name) is not None]
     if not given:
-        for name in ("test_split_size", "dataset_splits", "dataset_configs"):
+        for name in MIXTURE_OPTIONS:
             if getattr(data_args, name) is not None:
                 raise UsageError(f"{name} belongs to a mixture (datasets, dataset_mixture or dataset_mixer); "
                                  "there is none")
