@@ -165,15 +165,28 @@ def all_finite(metrics: dict[str, float]) -> bool:
     return all(math.isfinite(metrics[key]) for key, _ in HEADLINE.values() if key in metrics)
 
 
+def smoothed(values: list[float], weight: float = 0.6) -> list[float]:
+    """TensorBoard's smoothing: an exponential running mean, debiased so that the first points are not pulled
+    towards 0 (TensorBoard's default weight is 0.6)."""
+    running, out = 0.0, []
+    for count, value in enumerate(values, start=1):
+        running = running * weight + (1 - weight) * value
+        out.append(running / (1 - weight ** count))
+    return out
+
+
 def plot_training(log_history: list[dict[str, Any]], path: Path) -> None:
-    """Loss, reward accuracy and reward margin over steps: training logs as lines, evaluations as points."""
+    """Loss, reward accuracy and reward margin over steps: training logs as faint points under their running mean
+    (at a few pairs a batch a single step is mostly noise), evaluations as points."""
     from matplotlib.figure import Figure  # imported here: only the command needs matplotlib
 
     figure = Figure(figsize=(13, 3.6), layout="constrained")
     train = [entry for entry in log_history if "loss" in entry and "rewards/margins" in entry]
     evals = [entry for entry in log_history if "eval_loss" in entry]
     for axis, (title, key) in zip(figure.subplots(1, 3), PLOTTED.items()):
-        axis.plot([e["step"] for e in train], [e[key] for e in train], marker=".", label="train")
+        steps, values = [e["step"] for e in train], [e[key] for e in train]
+        points = axis.plot(steps, values, ".", alpha=0.35, label="train, per step")[0]
+        axis.plot(steps, smoothed(values), color=points.get_color(), label="train, running mean")
         axis.plot([e["step"] for e in evals], [e[f"eval_{key}"] for e in evals], "o--", label="held-out")
         axis.set(title=title, xlabel="step")
         axis.grid(alpha=0.3)

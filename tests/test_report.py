@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from dpo_min.config import DPOMinConfig
 from dpo_min.data import tokenize_dataset
-from dpo_min.report import describe_held_out, describe_ties, mean_interval, tie_figures
+from dpo_min.report import describe_held_out, describe_ties, mean_interval, plot_training, smoothed, tie_figures
 from dpo_min.train import main
 
 
@@ -129,3 +129,25 @@ def test_greedy_completions_in_one_batch_equal_those_of_one_prompt_at_a_time(tok
     alone = [greedy_completions(model, tokenizer, [prompt], max_new_tokens=6)[0] for prompt in prompts]
     assert together == alone and all(together)
     assert tokenizer.padding_side == padding_side  # put back as it was
+
+
+def test_smoothed_is_tensorboards_debiased_running_mean():
+    # By hand, weight 0.5: running 0.5*1=0.5 -> /0.5 = 1; 0.25+0.5*3=1.75 -> /0.75 = 7/3; 0.875+0.5*2=1.875 -> /0.875
+    assert smoothed([1.0, 3.0, 2.0], weight=0.5) == pytest.approx([1.0, 7 / 3, 1.875 / 0.875])
+    assert smoothed([4.0, 4.0, 4.0]) == pytest.approx([4.0, 4.0, 4.0])  # debiased: a constant stays itself
+
+
+def test_training_curves_draw_each_step_and_its_running_mean(tmp_path, monkeypatch):
+    from matplotlib.figure import Figure
+
+    drawn = []
+    monkeypatch.setattr(Figure, "savefig", lambda figure, path, dpi: drawn.append(figure))
+    history = [{"step": step, "loss": 0.7 - step / 100, "rewards/accuracies": step % 2, "rewards/margins": step / 10}
+               for step in range(1, 6)] + [{"step": 5, "eval_loss": 0.6, "eval_rewards/accuracies": 0.5,
+                                             "eval_rewards/margins": 0.2}]
+    plot_training(history, tmp_path / "curves.png")
+    accuracy_axis = drawn[0].axes[1]
+    lines = {line.get_label(): list(line.get_ydata()) for line in accuracy_axis.get_lines()}
+    assert lines["train, per step"] == [1, 0, 1, 0, 1]
+    assert lines["train, running mean"] == pytest.approx(smoothed([1, 0, 1, 0, 1]))
+    assert lines["held-out"] == [0.5]
