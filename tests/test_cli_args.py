@@ -201,7 +201,10 @@ HANDBOOK_KEYS = [
                          ids=[f"{key}={value}" for key, value, _ in HANDBOOK_KEYS])
 def test_every_handbook_recipe_key_is_accepted_with_its_meaning(tmp_path, key, value, means):
     recipe = tmp_path / "recipe.yaml"
-    recipe.write_text(yaml.safe_dump({"model_name_or_path": "org/model", key: value}))
+    # lr_scheduler_kwargs are checked against the schedule they reach: the handbook gives min_lr_rate beside
+    # cosine_with_min_lr (linear, the default, takes no min_lr_rate).
+    beside = {"lr_scheduler_type": "cosine_with_min_lr"} if key == "lr_scheduler_kwargs" else {}
+    recipe.write_text(yaml.safe_dump({"model_name_or_path": "org/model", key: value, **beside}))
     # bf16 on this CPU parses only beside use_cpu; push_to_hub needs a hub_model_id or an output_dir name.
     model_args, data_args, args = parse_args(["--config", str(recipe), "--use_cpu", "true"])
     assert means(model_args, data_args, args), (key, value)
@@ -373,3 +376,47 @@ def test_a_dataset_flag_overrides_the_recipes_mixture_and_both_in_one_place_trai
     _, data_args, _ = parse_args([str(path)])
     assert (data_args.dataset, data_args.datasets) == (None, mixture)
     assert "the mixture is trained, dataset ignored" in capsys.readouterr().err
+
+
+# ---- nested options, checked before the model loads ---------------------------------------------------------------
+@pytest.mark.parametrize(("recipe", "message"), [
+    ({"lr_scheduler_kwargs": {"nonsense": 1}},
+     "lr_scheduler_kwargs (lr_scheduler_type linear): unknown key 'nonsense' (it takes last_epoch)"),
+    ({"lr_scheduler_type": "constant", "lr_scheduler_kwargs": {"last_epoch": 3}},  # transformers would drop it
+     "lr_scheduler_kwargs (lr_scheduler_type constant): unknown key 'last_epoch' (it takes no keyword)"),
+    ({"lr_scheduler_type": "cosine", "lr_scheduler_kwargs": {"num_cycles": "half"}},
+     "lr_scheduler_kwargs (lr_scheduler_type cosine): num_cycles must be float, got 'half'"),
+    ({"lr_scheduler_type": "reduce_lr_on_plateau", "eval_strategy": "steps", "lr_scheduler_kwargs": {"patience": 2.5}},
+     "lr_scheduler_kwargs (lr_scheduler_type reduce_lr_on_plateau): patience must be int, got 2.5"),
+    ({"gradient_checkpointing_kwargs": {"use_reentrant": "False"}},
+     "gradient_checkpointing_kwargs: use_reentrant must be bool or null, got 'False'"),
+    ({"gradient_checkpointing_kwargs": {"use_reentrnt": False}},
+     "gradient_checkpointing_kwargs: unknown key 'use_reentrnt' (did you mean 'use_reentrant'?)"),
+    ({"model_init_kwargs": {"bogus": 1}}, "model_init_kwargs: unknown key 'bogus' (not a keyword of from_pretrained"),
+    ({"model_init_kwargs": {"local_files_only": "yes"}}, "model_init_kwargs: local_files_only must be bool, got 'yes'"),
+], ids=["scheduler-key", "constant-takes-none", "scheduler-type", "plateau-int", "reentrant-string",
+        "checkpoint-typo", "init-key", "init-type"])
+def test_bad_nested_options_are_one_line_before_the_model_loads(tmp_path, tiny_model_dir, monkeypatch, capsys,
+                                                                recipe, message):
+    import dpo_min.train
+
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump({"model_name_or_path": str(tiny_model_dir), "dataset_name": "x.jsonl", **recipe}))
+    monkeypatch.setattr(dpo_min.train, "load_model", lambda *a: pytest.fail("the model was loaded"))
+    assert main(["--config", str(path), "--output_dir", str(tmp_path / "run")]) == 2
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert message in line, line
+    assert not (tmp_path / "run").exists()
+
+
+def test_nested_options_the_signatures_take_pass(tiny_model_dir):
+    _, _, args = parse_args([
+        "--model", str(tiny_model_dir), "--lr_scheduler_type", "warmup_stable_decay",
+        "--lr_scheduler_kwargs", '{"num_decay_steps": 2, "min_lr_ratio": 0}',
+        "--gradient_checkpointing_kwargs", '{"use_reentrant": false, "preserve_rng_state": true}',
+        # from_pretrained's own keyword, and an attribute of this model's config (use_cache)
+        "--model_init_kwargs", '{"attn_implementation": "sdpa", "use_cache": false, "dtype": "float32"}'])
+    assert args.model_init_kwargs["use_cache"] is False and args.lr_scheduler_kwargs["num_decay_steps"] == 2
+    # A hub id whose config is not on disk: only the keys and values known are checked, from_pretrained decides the
+    # rest (it refuses an unknown one when it builds the model).
+    parse_args(["--model", "org/not-cached", "--model_init_kwargs", '{"rope_scaling": null}'])
