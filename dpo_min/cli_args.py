@@ -246,7 +246,8 @@ def build_parser(demo: bool = False) -> HfArgumentParser:
         usage=f"{PROG} [recipe.yaml | --config recipe.yaml] [--option value ...]",
         description="Direct Preference Optimization of a causal LM. With no --model and no --dataset: the demo, a "
                     "short LoRA run of SmolLM2-135M-Instruct on the embedded HH-RLHF pairs. A YAML file of options "
-                    "(TRL's names accepted) may come first or follow --config; flags override it.",
+                    "(TRL's names accepted) may come first or follow --config; flags override it. A flag's value is "
+                    "text, as written; a mapping's or a mixture's is JSON.",
         epilog="Options marked 'demo:' take that default in the demo only; with --model or --dataset, "
                "DPOMinConfig's (TRL's) defaults apply.")
     parser.set_defaults(**{**COMMAND_DEFAULTS, **(DEMO_DEFAULTS if demo else {})})  # the demo's win
@@ -277,8 +278,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[ModelArguments, DataArgum
     argv = list(sys.argv[1:] if argv is None else argv)
     recipe_path = argv.pop(0) if argv and argv[0].endswith((".yaml", ".yml")) else _pop_config(argv)
     recipe = _read_recipe(recipe_path) if recipe_path else {}
-    argv = _translate_argv(argv)
-    flags = {token[2:].split("=")[0] for token in argv if token.startswith("--")}
+    argv, parsed_flags = _translate_argv(argv)
+    flags = {token[2:].split("=")[0] for token in argv if token.startswith("--")} | set(parsed_flags)
     if "dataset" in flags and not flags & set(MIXTURE_KEYS):
         for name in (*MIXTURE_KEYS, *MIXTURE_OPTIONS):  # a flag overrides the recipe: --dataset X trains X alone
             recipe.pop(name, None)
@@ -290,7 +291,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[ModelArguments, DataArgum
         # A recipe or a model of one's own trains what TRL would train from the same keys: LoRA only when asked for
         # (ModelConfig's use_peft=False). Only the demo, on its default model, keeps its LoRA adapter.
         parser.set_defaults(use_peft=False)
-    parser.set_defaults(**recipe)
+    parser.set_defaults(**recipe, **parsed_flags)
     try:
         model_args, data_args, args, remaining = parser.parse_args_into_dataclasses(
             args=argv, return_remaining_strings=True, look_for_args_file=False)
@@ -316,6 +317,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[ModelArguments, DataArgum
         raise UsageError("--load_in_4bit/--load_in_8bit train an adapter on frozen quantized weights: add --use_peft")
     if model_args.merge_adapter and not model_args.use_peft:
         raise UsageError("--merge_adapter merges a LoRA adapter, and this run trains none: add --use_peft")
+
     if "do_eval" in named and not args.do_eval:
         _evaluate_nothing(data_args, named)
     check_nested_kwargs(model_args, args, named)
@@ -383,8 +385,13 @@ class _SpelledOnce:
             raise UsageError(f"{self.where}: {first} and {written} both set {option}: give one of them")
 
 
-def _translate_argv(argv: list[str]) -> list[str]:
-    translated, index, spelled = [], 0, _SpelledOnce("the command line")
+def _translate_argv(argv: list[str]) -> tuple[list[str], dict[str, Any]]:
+    """(the tokens for argparse, {option: value} of the flags whose text is parsed here: mappings and mixtures).
+
+    A flag's value is text and reaches its option as written; argparse converts it to the option's type. Only a
+    mapping's or a mixture's text is parsed (JSON), and the value of a translated handbook or TRL key (YAML, as its
+    recipe would give it: --warmup_ratio 0.1, --do_train true)."""
+    translated, parsed, index, spelled = [], {}, 0, _SpelledOnce("the command line")
     while index < len(argv):
         token = argv[index]
         index += 1
@@ -393,32 +400,65 @@ def _translate_argv(argv: list[str]) -> list[str]:
             continue
         name, equals, inline = token[2:].partition("=")
         has_value = not equals and index < len(argv) and not argv[index].startswith("--")
-        value = _parse_scalar(inline if equals else argv[index] if has_value else True)
+        text = inline if equals else argv[index] if has_value else None
         written = [f"={inline}"] if equals else [argv[index]] if has_value else []
         index += has_value
+        value = True if text is None else _flag_value(name, text)
         for option, option_value in _translate(name, value, f"--{name}").items():
             spelled.check(f"--{name}", option)
-            if option_value is value:  # the same value under our name: the tokens as written
+            if option in _structured_options() and (option in MIXTURE_KEYS or str(option_value).lstrip()[:1] == "{"):
+                parsed[option] = _parse_json(option_value, f"--{name}")
+            elif option_value is value:  # the same value under our name: the tokens as written
                 translated.extend([f"--{option}{written[0]}"] if equals else [f"--{option}", *written])
             else:
                 translated.append(f"--{option}={option_value}")
-    return translated
+    return translated, parsed
 
 
-def _parse_scalar(text: Any) -> Any:
-    return yaml.safe_load(text) if isinstance(text, str) else text
+def _flag_value(name: str, text: str) -> Any:
+    """A flag's text; YAML-read only for the keys whose translation reads the value (RECIPE_KEYS and TRL's options
+    without a counterpart take what a recipe would give them)."""
+    if name.replace("-", "_") not in RECIPE_KEYS | TRL_WITHOUT_COUNTERPART:
+        return text
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as error:
+        raise UsageError(f"--{name}: cannot read {text!r}: {str(error).splitlines()[0]}") from None
+
+
+def _parse_json(value: Any, flag: str) -> Any:
+    # JSON, as documented for these flags: YAML's flow style would read {"lr": 1e-5}'s 1e-5 as a string.
+    if not isinstance(value, str):
+        raise UsageError(f"{flag} needs a JSON value")
+    try:
+        return json.loads(value)
+    except json.JSONDecodeError as error:
+        raise UsageError(f"{flag} must be JSON (or write it in the YAML recipe): {error}") from None
+
+
+def _structured_options() -> set[str]:
+    """The options whose value is a mapping (their flag's JSON text is parsed here) and the three mixture forms."""
+    return {name for name, hint in _option_types().items() if dict in _kinds(hint)} | set(MIXTURE_KEYS)
+
+
+def _option_types() -> dict[str, Any]:
+    return {name: hint for dataclass_type in ARGUMENT_TYPES for name, hint in get_type_hints(dataclass_type).items()}
 
 
 def _read_recipe(path: str) -> dict[str, Any]:
     try:
-        with open(path) as file:
+        with open(path, encoding="utf-8") as file:
             values = yaml.safe_load(file) or {}
     except OSError as error:
         raise UsageError(f"cannot read {path}: {error.strerror}") from None
+    except UnicodeDecodeError as error:  # a binary file (--config model.safetensors) or another encoding
+        raise UsageError(f"{path} is not a YAML recipe: not UTF-8 text (byte {error.start})") from None
     except yaml.YAMLError as error:
         raise UsageError(f"{path} is not valid YAML: {str(error).splitlines()[0]}") from None
     if not isinstance(values, dict):
         raise UsageError(f"{path} must hold a mapping of option: value")
+    if "env" in values:
+        _apply_env(values.pop("env"), path)
     recipe, spelled = {}, _SpelledOnce(path)
     for name, value in values.items():
         for option, option_value in _translate(str(name), value, path).items():
@@ -427,7 +467,7 @@ def _read_recipe(path: str) -> dict[str, Any]:
             spelled.check(str(name), option)
             recipe[option] = option_value
     # argparse converts a flag's text, not a recipe's values: 2.5, [1, 2] or null would reach an option unchanged.
-    types = {name: hint for dataclass_type in ARGUMENT_TYPES for name, hint in get_type_hints(dataclass_type).items()}
+    types = _option_types()
     for name, value in recipe.items():
         if types[name] in (int, int | None) and isinstance(value, (float, bool)):
             raise UsageError(f"{path}: {name} must be an integer, got {value!r}")
@@ -437,6 +477,15 @@ def _read_recipe(path: str) -> dict[str, Any]:
         if isinstance(value, (list, dict)) and not kinds & {list, dict, Any} and name not in MIXTURE_KEYS:
             raise UsageError(f"{path}: {name} takes a single value, got {value!r}")
     return recipe
+
+
+def _apply_env(env: Any, path: str) -> None:
+    """TRL's `env:` block, applied as TRL 1.16 applies it (trl/scripts/utils.py, parse_args_and_config): each
+    variable set to str(value) in this process's environment as the recipe is read, before any option is parsed."""
+    if not isinstance(env, dict):
+        raise UsageError(f"{path}: env must be a mapping of variable: value, got {env!r}")
+    for key, value in env.items():
+        os.environ[str(key)] = str(value)
 
 
 # The three mixture forms (TRL's, the alignment-handbook's, its legacy one), typed as text on the command line (JSON

@@ -4,6 +4,7 @@ error where bitsandbytes cannot run, the closest option for a typo."""
 import json
 import logging
 import math
+import os
 from dataclasses import fields
 from types import SimpleNamespace
 
@@ -370,12 +371,51 @@ def test_a_dataset_flag_overrides_the_recipes_mixture_and_both_in_one_place_trai
     assert (data_args.dataset, data_args.datasets) == ("x.jsonl", None)
     path.write_text(yaml.safe_dump({"dataset_name": "x.jsonl"}))
     _, data_args, _ = parse_args([str(path), "--datasets", json.dumps(mixture)])
-    assert (data_args.dataset, data_args.datasets) == (None, json.dumps(mixture))
+    assert (data_args.dataset, data_args.datasets) == (None, mixture)  # the flag's JSON, parsed as it is read
     assert capsys.readouterr().err == ""
     path.write_text(yaml.safe_dump({"dataset_name": "x.jsonl", "datasets": mixture}))  # TRL's rule: the mixture
     _, data_args, _ = parse_args([str(path)])
     assert (data_args.dataset, data_args.datasets) == (None, mixture)
     assert "the mixture is trained, dataset ignored" in capsys.readouterr().err
+
+
+# ---- a flag's value is text; mappings and mixtures are parsed, in one line when they cannot be -------------------
+JINJA = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+
+
+def test_a_flag_value_reaches_its_option_as_written():
+    model_args, _, args = parse_args(["--chat_template", JINJA, "--run_name", "@x", "--hub_model_id", "me/a: b",
+                                      "--dataset", "x.jsonl"])
+    assert (model_args.chat_template, args.run_name, args.hub_model_id) == (JINJA, "@x", "me/a: b")
+    # The translations that read a value still read it as a recipe would; argparse still converts the others.
+    model_args, _, args = parse_args(["--warmup_ratio", "0.1", "--torch_dtype", "bfloat16", "--use_peft", "false",
+                                      "--max_steps", "7", "--lr_scheduler_kwargs", '{"num_cycles": 0.25}',
+                                      "--lr_scheduler_type", "cosine"])
+    assert (args.warmup_steps, model_args.dtype, model_args.use_peft, args.max_steps) == (0.1, "bfloat16", False, 7)
+    assert args.lr_scheduler_kwargs == {"num_cycles": 0.25}
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--datasets", "[{path: x}"], "--datasets must be JSON (or write it in the YAML recipe): Expecting property"),
+    (["--dataset_mixer", "pairs.jsonl"], "--dataset_mixer must be JSON"),
+    (["--lr_scheduler_kwargs", "{nonsense"], "--lr_scheduler_kwargs must be JSON"),
+    (["--warmup_ratio", "[0.1"], "--warmup_ratio: cannot read '[0.1'"),
+], ids=["trl-mixture", "legacy-mixer", "mapping", "translated-key"])
+def test_a_flag_whose_value_cannot_be_parsed_is_one_line_naming_it(argv, message):
+    with pytest.raises(UsageError) as error:
+        parse_args(argv)
+    assert str(error.value).startswith(message) and "\n" not in str(error.value), error.value
+
+
+@pytest.mark.parametrize("content", [b"\x90\x01\x00\x00\x00\x00\x00\x00{\"__metadata__\"", "lr: 1e-5 # é".encode(
+    "latin-1")], ids=["safetensors", "latin-1"])
+def test_a_recipe_that_is_not_utf8_text_is_one_line(tmp_path, content):
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(content)
+    with pytest.raises(UsageError) as error:
+        parse_args(["--config", str(path)])
+    assert str(error.value).startswith(f"{path} is not a YAML recipe: not UTF-8 text (byte ")
+    assert error.value.exit_code == 2
 
 
 # ---- nested options, checked before the model loads ---------------------------------------------------------------
@@ -420,3 +460,18 @@ def test_nested_options_the_signatures_take_pass(tiny_model_dir):
     # A hub id whose config is not on disk: only the keys and values known are checked, from_pretrained decides the
     # rest (it refuses an unknown one when it builds the model).
     parse_args(["--model", "org/not-cached", "--model_init_kwargs", '{"rope_scaling": null}'])
+
+
+# ---- TRL's env: block ----------------------------------------------------------------------------------------------
+def test_a_trl_recipes_env_block_is_applied_as_trl_applies_it(tmp_path, monkeypatch):
+    for name in ("DPO_MIN_TEST_A", "DPO_MIN_TEST_B"):
+        monkeypatch.delenv(name, raising=False)  # restored (removed) after the test
+    path = tmp_path / "recipe.yaml"
+    path.write_text("dataset_name: x.jsonl\nenv:\n  DPO_MIN_TEST_A: 1\n  DPO_MIN_TEST_B: true\n")
+    parse_args(["--config", str(path)])
+    ours = {name: os.environ.pop(name) for name in ("DPO_MIN_TEST_A", "DPO_MIN_TEST_B")}
+    trl.TrlParser((trl.ScriptArguments,)).parse_args_and_config(["--config", str(path)])
+    assert ours == {name: os.environ[name] for name in ours} == {"DPO_MIN_TEST_A": "1", "DPO_MIN_TEST_B": "True"}
+    path.write_text("env: [A=1]\n")
+    with pytest.raises(UsageError, match="env must be a mapping of variable: value"):
+        parse_args(["--config", str(path)])
