@@ -44,9 +44,10 @@ class ModelArguments:
     attn_implementation: str | None = field(default=None, metadata={
         "help": "Attention kernel (sdpa, eager, ...); default: transformers' choice."})
     use_peft: bool = field(default=True, metadata={
-        "help": "Train a LoRA adapter (the reference is the model with the adapter off). On by default only without "
-                "--model and without a recipe (the demo); with either, off unless asked for, as in TRL. "
-                "--no_use_peft: full fine-tuning against a frozen copy of the model."})
+        "help": "Train a LoRA adapter (the reference is the model with the adapter off). On by default when no "
+                "model is given (on the line or in a recipe): the demo's model, on its data or yours; with a model, "
+                "off unless asked for, as in TRL. --no_use_peft: full fine-tuning against a frozen copy of the "
+                "model."})
     lora_r: int = field(default=16, metadata={"help": "LoRA rank."})
     lora_alpha: int = field(default=32, metadata={"help": "LoRA scaling numerator (scale = alpha / r)."})
     lora_dropout: float = field(default=0.0, metadata={"help": "Dropout on the LoRA input."})
@@ -148,9 +149,9 @@ SMOLLM2_TEMPLATE_WITHOUT_SYSTEM = (
     "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + "
     "'\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
 
-# The demo (no --model, no --dataset) only: the shortest run measured whose held-out reward accuracy has a 95%
-# interval that leaves 0.5 out (124/192 [0.576, 0.710], 6 min 27 s on 2 idle CPU cores; the goal of 3 minutes is not
-# met; docs/demo.md: every configuration measured). The embedded data for it is the
+# The demo (no --model and no data: no --dataset, no mixture) only: the shortest run measured whose held-out reward
+# accuracy has a 95% interval that leaves 0.5 out (124/192 [0.576, 0.710], 6 min 27 s on 2 idle CPU cores; the goal of
+# 3 minutes is not met; docs/demo.md: every configuration measured). The embedded data for it is the
 # single-turn HH pairs (data/README.md); the fastest layout (one packed row, the prompt computed once, no reference
 # pass while training); no evaluation at step 0, whose figures are known (every pair a tie).
 # Any run given a model or data keeps DPOMinConfig's defaults, which follow TRL.
@@ -244,12 +245,12 @@ def build_parser(demo: bool = False) -> HfArgumentParser:
     parser = _Parser(
         ARGUMENT_TYPES, prog=PROG, allow_abbrev=False,
         usage=f"{PROG} [recipe.yaml | --config recipe.yaml] [--option value ...]",
-        description="Direct Preference Optimization of a causal LM. With no --model and no --dataset: the demo, a "
-                    "short LoRA run of SmolLM2-135M-Instruct on the embedded HH-RLHF pairs. A YAML file of options "
-                    "(TRL's names accepted) may come first or follow --config; flags override it. A flag's value is "
-                    "text, as written; a mapping's or a mixture's is JSON.",
-        epilog="Options marked 'demo:' take that default in the demo only; with --model or --dataset, "
-               "DPOMinConfig's (TRL's) defaults apply.")
+        description="Direct Preference Optimization of a causal LM. With no --model and no data (no --dataset, no "
+                    "mixture): the demo, a short LoRA run of SmolLM2-135M-Instruct on the embedded HH-RLHF pairs. A "
+                    "YAML file of options (TRL's names accepted) may come first or follow --config; flags override "
+                    "it. A flag's value is text, as written; a mapping's or a mixture's is JSON.",
+        epilog="Options marked 'demo:' take that default in the demo only; with --model or data (--dataset, "
+               "datasets, dataset_mixture, dataset_mixer), DPOMinConfig's (TRL's) defaults apply.")
     parser.set_defaults(**{**COMMAND_DEFAULTS, **(DEMO_DEFAULTS if demo else {})})  # the demo's win
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not _has_accelerator():
         # One of several processes on a CPU-only machine: without use_cpu, accelerate would leave each process
@@ -274,7 +275,8 @@ def known_options() -> set[str]:
 def parse_args(argv: list[str] | None = None) -> tuple[ModelArguments, DataArguments, DPOMinConfig]:
     """Command line (optionally a YAML recipe first, or --config FILE) -> the three argument dataclasses.
 
-    Raises UsageError. Without --model and --dataset (on the line or in the recipe) the demo's defaults apply."""
+    Raises UsageError. Without --model and without data (--dataset or a mixture, on the line or in the recipe) the
+    demo's defaults apply."""
     argv = list(sys.argv[1:] if argv is None else argv)
     recipe_path = argv.pop(0) if argv and argv[0].endswith((".yaml", ".yml")) else _pop_config(argv)
     recipe = _read_recipe(recipe_path) if recipe_path else {}
@@ -286,10 +288,12 @@ def parse_args(argv: list[str] | None = None) -> tuple[ModelArguments, DataArgum
     if flags & set(MIXTURE_KEYS) and "dataset" not in flags:
         recipe.pop("dataset", None)
     named = set(recipe) | flags
-    parser = build_parser(demo=not named & {"model", "dataset", "help"} and "-h" not in argv)
-    if recipe_path or "model" in named:
-        # A recipe or a model of one's own trains what TRL would train from the same keys: LoRA only when asked for
-        # (ModelConfig's use_peft=False). Only the demo, on its default model, keeps its LoRA adapter.
+    # The demo is the run given no data at all (and no model): a mixture in any form is data as --dataset is.
+    demo = not named & {"model", "dataset", *MIXTURE_KEYS, "help"} and "-h" not in argv
+    parser = build_parser(demo=demo)
+    if "model" in named:
+        # A model of one's own trains what TRL would train from the same keys: LoRA only when asked for (ModelConfig's
+        # use_peft=False). Without one, the demo's model keeps its LoRA adapter, whatever the data.
         parser.set_defaults(use_peft=False)
     parser.set_defaults(**recipe, **parsed_flags)
     try:

@@ -256,17 +256,19 @@ def test_use_liger_kernel_is_accepted_with_one_log_line(tmp_path, caplog):
     (["--dataset", "my.jsonl"], None, True),  # the demo's model on other data: still the demo's setup
     (["--model", "org/model"], None, False),  # TRL's ModelConfig: use_peft=False
     (["--model_name_or_path", "org/model", "--use_peft"], None, True),
-    ([], {"dataset_name": "my.jsonl"}, False),  # a recipe: TRL's default
+    ([], {"dataset_name": "my.jsonl"}, True),  # a recipe without a model: the demo's model, with its adapter
+    ([], {"model_name_or_path": "org/model"}, False),  # a recipe with a model: TRL's default
     ([], {"model_name_or_path": "org/model", "use_peft": True}, True),
     (["--no_use_peft"], None, False),
-], ids=["demo", "demo-model-other-data", "model", "model-use-peft", "recipe", "recipe-use-peft", "demo-no-peft"])
+], ids=["demo", "demo-model-other-data", "model", "model-use-peft", "recipe-without-model", "recipe", "recipe-use-peft",
+        "demo-no-peft"])
 def test_lora_only_where_asked_for_or_in_the_demo(tmp_path, argv, recipe, lora):
     if recipe is not None:
         (tmp_path / "r.yaml").write_text(yaml.safe_dump(recipe))
         argv = ["--config", str(tmp_path / "r.yaml"), *argv]
     model_args, _, _ = parse_args(argv)
     assert model_args.use_peft is lora
-    if recipe is not None or "--model" in argv or "--model_name_or_path" in argv:  # what TRL trains from the keys
+    if "model_name_or_path" in (recipe or {}) or "--model" in argv or "--model_name_or_path" in argv:  # as TRL
         keys = {**(recipe or {}), **({"use_peft": True} if "--use_peft" in argv else {})}
         (trl_model_args,) = HfArgumentParser(trl.ModelConfig).parse_dict(keys, allow_extra_keys=True)
         assert (trl.get_peft_config(trl_model_args) is not None) is lora
@@ -460,6 +462,38 @@ def test_nested_options_the_signatures_take_pass(tiny_model_dir):
     # A hub id whose config is not on disk: only the keys and values known are checked, from_pretrained decides the
     # rest (it refuses an unknown one when it builds the model).
     parse_args(["--model", "org/not-cached", "--model_init_kwargs", '{"rope_scaling": null}'])
+
+
+# ---- the demo is the run given no data at all -------------------------------------------------------------------
+MIXTURES = {
+    "trl-flag": ([], ["--datasets", '[{"path": "json", "data_files": "pairs.jsonl"}]']),
+    "handbook-recipe": ({"dataset_mixture": {"datasets": [{"id": "pairs.jsonl"}], "test_split_size": 3}}, []),
+    "legacy-flag": ([], ["--dataset_mixer", '{"pairs.jsonl": 0.5}']),
+    "recipe-without-model": ({"dataset_name": "pairs.jsonl", "beta": 0.2}, []),
+}
+
+
+@pytest.mark.parametrize("name", MIXTURES)
+def test_a_run_with_data_and_no_model_gets_the_library_defaults_and_lora(tmp_path, name):
+    recipe, flags = MIXTURES[name]
+    if recipe:
+        (tmp_path / "r.yaml").write_text(yaml.safe_dump(recipe))
+        flags = ["--config", str(tmp_path / "r.yaml"), *flags]
+    model_args, data_args, args = parse_args(flags)
+    library = DPOMinConfig(output_dir="unused")
+    for option in ("learning_rate", "max_steps", "max_length", "max_prompt_length", "padding_free", "share_prompt",
+                   "precompute_ref_log_probs", "logging_steps", "per_device_train_batch_size"):
+        assert getattr(args, option) == getattr(library, option), option
+    assert (data_args.eval_fraction, data_args.max_eval_samples, model_args.chat_template) == (None, None, None)
+    assert model_args.use_peft and model_args.model is None  # the demo's model, with its adapter, on this data
+
+
+def test_a_recipe_with_neither_data_nor_model_is_the_demo_with_its_adapter(tmp_path):
+    (tmp_path / "r.yaml").write_text("beta: 0.2\n")
+    model_args, data_args, args = parse_args(["--config", str(tmp_path / "r.yaml")])
+    assert (args.learning_rate, args.max_steps, data_args.eval_fraction, args.beta) == (
+        DEMO_DEFAULTS["learning_rate"], DEMO_DEFAULTS["max_steps"], DEMO_DEFAULTS["eval_fraction"], 0.2)
+    assert model_args.use_peft  # was full fine-tuning at the demo's LoRA learning rate
 
 
 # ---- TRL's env: block ----------------------------------------------------------------------------------------------
