@@ -9,6 +9,7 @@ import inspect
 import json
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from types import UnionType
 from typing import Any, Union, get_args, get_origin, get_type_hints
@@ -322,19 +323,43 @@ def parse_args(argv: list[str] | None = None) -> tuple[ModelArguments, DataArgum
     if model_args.merge_adapter and not model_args.use_peft:
         raise UsageError("--merge_adapter merges a LoRA adapter, and this run trains none: add --use_peft")
 
+    def written(name: str) -> str:  # an option as the user gave it: a flag, or a recipe's key
+        return f"--{name}" if name in flags else name
+
+    test_size = _mixture_test_size(data_args)
     if "do_eval" in named and not args.do_eval:
-        _evaluate_nothing(data_args, named)
+        _evaluate_nothing(data_args, named, written)
+    elif "eval_fraction" in named and test_size:
+        raise UsageError(f"{written('eval_fraction')} and {test_size} both hold out pairs of the mixture: give one")
     check_nested_kwargs(model_args, args, named)
     return model_args, data_args, args
 
 
-def _evaluate_nothing(data_args: DataArguments, named: set[str]) -> None:
+def _mixture_test_size(data_args: DataArguments) -> str | None:
+    """Where a mixture's test_split_size is given (its own held-out rows), or None."""
+    if data_args.test_split_size is not None:
+        return "test_split_size"
+    mixture = data_args.dataset_mixture
+    return "dataset_mixture's test_split_size" if isinstance(mixture, dict) and "test_split_size" in mixture else None
+
+
+def _evaluate_nothing(data_args: DataArguments, named: set[str], written: Callable[[str], str]) -> None:
     """do_eval: false (with eval_strategy: no, else TrainingArguments sets it back to true): as in the handbook, no
     pair is held out and nothing is evaluated, so every pair trains."""
-    asked = sorted(named & {"eval_fraction", "eval_split", "max_eval_samples"})
+    asked = [written(name) for name in ("eval_fraction", "eval_split", "max_eval_samples", "test_split_size")
+             if name in named]
     if asked:
-        raise UsageError(f"do_eval: false evaluates nothing, but {', '.join(asked)} asks for held-out pairs: drop one")
+        do_eval = "--do_eval false" if written("do_eval").startswith("--") else "do_eval: false"
+        raise UsageError(f"{do_eval} evaluates nothing, but {', '.join(asked)} asks for held-out pairs: drop one")
     data_args.eval_fraction = 0.0
+    # A mixture's own held-out rows (not named beside do_eval, so the recipe's default) are not held out either: the
+    # handbook's dataset_mixture test_split_size, the legacy mixer's test splits (which the handbook reads, unused).
+    if isinstance(data_args.dataset_mixture, dict):
+        data_args.dataset_mixture = {key: value for key, value in data_args.dataset_mixture.items()
+                                     if key != "test_split_size"}
+    if data_args.dataset_mixer is not None:
+        data_args.dataset_splits = [split for split in data_args.dataset_splits or ["train", "test"]
+                                    if "test" not in split]
 
 
 def _pop_config(argv: list[str]) -> str | None:

@@ -496,7 +496,25 @@ def test_a_recipe_with_neither_data_nor_model_is_the_demo_with_its_adapter(tmp_p
     assert model_args.use_peft  # was full fine-tuning at the demo's LoRA learning rate
 
 
-# ---- TRL's env: block ----------------------------------------------------------------------------------------------
+# ---- do_eval: false with a mixture; TRL's env: block --------------------------------------------------------------
+def test_do_eval_false_trains_every_pair_of_a_mixture_and_refuses_a_test_split_size_beside_it(tmp_path):
+    data_file = write_hh_rows(tmp_path / "pairs.jsonl", 12)
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump({"dataset_mixture": {"datasets": [{"id": str(data_file)}], "test_split_size": 3},
+                                    "do_eval": False, "max_steps": 1, "per_device_train_batch_size": 12}))
+    _, data_args, args = parse_args(["--config", str(path)])
+    train, held_out = load_pairs(data_args, args)
+    assert (len(train), held_out) == (12, None)  # the mixture's own test_split_size is its default: nothing held out
+    with pytest.raises(UsageError, match=r"^do_eval: false evaluates nothing, but --test_split_size asks for"):
+        parse_args(["--config", str(path), "--test_split_size", "2"])
+    with pytest.raises(UsageError, match=r"^--do_eval false evaluates nothing, but test_split_size asks for"):
+        path.write_text(yaml.safe_dump({"datasets": [{"path": str(data_file)}], "test_split_size": 2}))
+        parse_args(["--config", str(path), "--do_eval", "false"])
+    _, data_args, _ = parse_args(["--dataset_mixer", json.dumps({str(data_file): 1.0}), "--do_eval", "false",
+                                  "--dataset_splits", "train", "test"])
+    assert data_args.dataset_splits == ["train"]  # the legacy test splits are not read to be held out
+
+
 def test_a_trl_recipes_env_block_is_applied_as_trl_applies_it(tmp_path, monkeypatch):
     for name in ("DPO_MIN_TEST_A", "DPO_MIN_TEST_B"):
         monkeypatch.delenv(name, raising=False)  # restored (removed) after the test
