@@ -5,15 +5,20 @@ Read top to bottom: the option dataclasses, the defaults (every run; the demo on
 """
 
 import difflib
+import inspect
+import json
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from types import UnionType
 from typing import Any, Union, get_args, get_origin, get_type_hints
 
 import torch
 import yaml
-from transformers import HfArgumentParser
+from huggingface_hub import try_to_load_from_cache
+from transformers import HfArgumentParser, PretrainedConfig, PreTrainedModel
+from transformers.optimization import TYPE_TO_SCHEDULER_FUNCTION, GreedyLR, SchedulerType
 
 from .config import DPOMinConfig
 from .layouts import PREFERENCE_LABELS
@@ -40,9 +45,10 @@ class ModelArguments:
     attn_implementation: str | None = field(default=None, metadata={
         "help": "Attention kernel (sdpa, eager, ...); default: transformers' choice."})
     use_peft: bool = field(default=True, metadata={
-        "help": "Train a LoRA adapter (the reference is the model with the adapter off). On by default only without "
-                "--model and without a recipe (the demo); with either, off unless asked for, as in TRL. "
-                "--no_use_peft: full fine-tuning against a frozen copy of the model."})
+        "help": "Train a LoRA adapter (the reference is the model with the adapter off). On by default when no "
+                "model is given (on the line or in a recipe): the demo's model, on its data or yours; with a model, "
+                "off unless asked for, as in TRL. --no_use_peft: full fine-tuning against a frozen copy of the "
+                "model."})
     lora_r: int = field(default=16, metadata={"help": "LoRA rank."})
     lora_alpha: int = field(default=32, metadata={"help": "LoRA scaling numerator (scale = alpha / r)."})
     lora_dropout: float = field(default=0.0, metadata={"help": "Dropout on the LoRA input."})
@@ -144,9 +150,9 @@ SMOLLM2_TEMPLATE_WITHOUT_SYSTEM = (
     "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + "
     "'\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
 
-# The demo (no --model, no --dataset) only: the shortest run measured whose held-out reward accuracy has a 95%
-# interval that leaves 0.5 out (124/192 [0.576, 0.710], 6 min 27 s on 2 idle CPU cores; the goal of 3 minutes is not
-# met; docs/demo.md: every configuration measured). The embedded data for it is the
+# The demo (no --model and no data: no --dataset, no mixture) only: the shortest run measured whose held-out reward
+# accuracy has a 95% interval that leaves 0.5 out (124/192 [0.576, 0.710], 6 min 27 s on 2 idle CPU cores; the goal of
+# 3 minutes is not met; docs/demo.md: every configuration measured). The embedded data for it is the
 # single-turn HH pairs (data/README.md); the fastest layout (one packed row, the prompt computed once, no reference
 # pass while training); no evaluation at step 0, whose figures are known (every pair a tie).
 # Any run given a model or data keeps DPOMinConfig's defaults, which follow TRL.
@@ -240,11 +246,12 @@ def build_parser(demo: bool = False) -> HfArgumentParser:
     parser = _Parser(
         ARGUMENT_TYPES, prog=PROG, allow_abbrev=False,
         usage=f"{PROG} [recipe.yaml | --config recipe.yaml] [--option value ...]",
-        description="Direct Preference Optimization of a causal LM. With no --model and no --dataset: the demo, a "
-                    "short LoRA run of SmolLM2-135M-Instruct on the embedded HH-RLHF pairs. A YAML file of options "
-                    "(TRL's names accepted) may come first or follow --config; flags override it.",
-        epilog="Options marked 'demo:' take that default in the demo only; with --model or --dataset, "
-               "DPOMinConfig's (TRL's) defaults apply.")
+        description="Direct Preference Optimization of a causal LM. With no --model and no data (no --dataset, no "
+                    "mixture): the demo, a short LoRA run of SmolLM2-135M-Instruct on the embedded HH-RLHF pairs. A "
+                    "YAML file of options (TRL's names accepted) may come first or follow --config; flags override "
+                    "it. A flag's value is text, as written; a mapping's or a mixture's is JSON.",
+        epilog="Options marked 'demo:' take that default in the demo only; with --model or data (--dataset, "
+               "datasets, dataset_mixture, dataset_mixer), DPOMinConfig's (TRL's) defaults apply.")
     parser.set_defaults(**{**COMMAND_DEFAULTS, **(DEMO_DEFAULTS if demo else {})})  # the demo's win
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not _has_accelerator():
         # One of several processes on a CPU-only machine: without use_cpu, accelerate would leave each process
@@ -269,24 +276,27 @@ def known_options() -> set[str]:
 def parse_args(argv: list[str] | None = None) -> tuple[ModelArguments, DataArguments, DPOMinConfig]:
     """Command line (optionally a YAML recipe first, or --config FILE) -> the three argument dataclasses.
 
-    Raises UsageError. Without --model and --dataset (on the line or in the recipe) the demo's defaults apply."""
+    Raises UsageError. Without --model and without data (--dataset or a mixture, on the line or in the recipe) the
+    demo's defaults apply."""
     argv = list(sys.argv[1:] if argv is None else argv)
     recipe_path = argv.pop(0) if argv and argv[0].endswith((".yaml", ".yml")) else _pop_config(argv)
     recipe = _read_recipe(recipe_path) if recipe_path else {}
-    argv = _translate_argv(argv)
-    flags = {token[2:].split("=")[0] for token in argv if token.startswith("--")}
+    argv, parsed_flags = _translate_argv(argv)
+    flags = {token[2:].split("=")[0] for token in argv if token.startswith("--")} | set(parsed_flags)
     if "dataset" in flags and not flags & set(MIXTURE_KEYS):
         for name in (*MIXTURE_KEYS, *MIXTURE_OPTIONS):  # a flag overrides the recipe: --dataset X trains X alone
             recipe.pop(name, None)
     if flags & set(MIXTURE_KEYS) and "dataset" not in flags:
         recipe.pop("dataset", None)
     named = set(recipe) | flags
-    parser = build_parser(demo=not named & {"model", "dataset", "help"} and "-h" not in argv)
-    if recipe_path or "model" in named:
-        # A recipe or a model of one's own trains what TRL would train from the same keys: LoRA only when asked for
-        # (ModelConfig's use_peft=False). Only the demo, on its default model, keeps its LoRA adapter.
+    # The demo is the run given no data at all (and no model): a mixture in any form is data as --dataset is.
+    demo = not named & {"model", "dataset", *MIXTURE_KEYS, "help"} and "-h" not in argv
+    parser = build_parser(demo=demo)
+    if "model" in named:
+        # A model of one's own trains what TRL would train from the same keys: LoRA only when asked for (ModelConfig's
+        # use_peft=False). Without one, the demo's model keeps its LoRA adapter, whatever the data.
         parser.set_defaults(use_peft=False)
-    parser.set_defaults(**recipe)
+    parser.set_defaults(**recipe, **parsed_flags)
     try:
         model_args, data_args, args, remaining = parser.parse_args_into_dataclasses(
             args=argv, return_remaining_strings=True, look_for_args_file=False)
@@ -312,18 +322,44 @@ def parse_args(argv: list[str] | None = None) -> tuple[ModelArguments, DataArgum
         raise UsageError("--load_in_4bit/--load_in_8bit train an adapter on frozen quantized weights: add --use_peft")
     if model_args.merge_adapter and not model_args.use_peft:
         raise UsageError("--merge_adapter merges a LoRA adapter, and this run trains none: add --use_peft")
+
+    def written(name: str) -> str:  # an option as the user gave it: a flag, or a recipe's key
+        return f"--{name}" if name in flags else name
+
+    test_size = _mixture_test_size(data_args)
     if "do_eval" in named and not args.do_eval:
-        _evaluate_nothing(data_args, named)
+        _evaluate_nothing(data_args, named, written)
+    elif "eval_fraction" in named and test_size:
+        raise UsageError(f"{written('eval_fraction')} and {test_size} both hold out pairs of the mixture: give one")
+    check_nested_kwargs(model_args, args, named)
     return model_args, data_args, args
 
 
-def _evaluate_nothing(data_args: DataArguments, named: set[str]) -> None:
+def _mixture_test_size(data_args: DataArguments) -> str | None:
+    """Where a mixture's test_split_size is given (its own held-out rows), or None."""
+    if data_args.test_split_size is not None:
+        return "test_split_size"
+    mixture = data_args.dataset_mixture
+    return "dataset_mixture's test_split_size" if isinstance(mixture, dict) and "test_split_size" in mixture else None
+
+
+def _evaluate_nothing(data_args: DataArguments, named: set[str], written: Callable[[str], str]) -> None:
     """do_eval: false (with eval_strategy: no, else TrainingArguments sets it back to true): as in the handbook, no
     pair is held out and nothing is evaluated, so every pair trains."""
-    asked = sorted(named & {"eval_fraction", "eval_split", "max_eval_samples"})
+    asked = [written(name) for name in ("eval_fraction", "eval_split", "max_eval_samples", "test_split_size")
+             if name in named]
     if asked:
-        raise UsageError(f"do_eval: false evaluates nothing, but {', '.join(asked)} asks for held-out pairs: drop one")
+        do_eval = "--do_eval false" if written("do_eval").startswith("--") else "do_eval: false"
+        raise UsageError(f"{do_eval} evaluates nothing, but {', '.join(asked)} asks for held-out pairs: drop one")
     data_args.eval_fraction = 0.0
+    # A mixture's own held-out rows (not named beside do_eval, so the recipe's default) are not held out either: the
+    # handbook's dataset_mixture test_split_size, the legacy mixer's test splits (which the handbook reads, unused).
+    if isinstance(data_args.dataset_mixture, dict):
+        data_args.dataset_mixture = {key: value for key, value in data_args.dataset_mixture.items()
+                                     if key != "test_split_size"}
+    if data_args.dataset_mixer is not None:
+        data_args.dataset_splits = [split for split in data_args.dataset_splits or ["train", "test"]
+                                    if "test" not in split]
 
 
 def _pop_config(argv: list[str]) -> str | None:
@@ -378,8 +414,13 @@ class _SpelledOnce:
             raise UsageError(f"{self.where}: {first} and {written} both set {option}: give one of them")
 
 
-def _translate_argv(argv: list[str]) -> list[str]:
-    translated, index, spelled = [], 0, _SpelledOnce("the command line")
+def _translate_argv(argv: list[str]) -> tuple[list[str], dict[str, Any]]:
+    """(the tokens for argparse, {option: value} of the flags whose text is parsed here: mappings and mixtures).
+
+    A flag's value is text and reaches its option as written; argparse converts it to the option's type. Only a
+    mapping's or a mixture's text is parsed (JSON), and the value of a translated handbook or TRL key (YAML, as its
+    recipe would give it: --warmup_ratio 0.1, --do_train true)."""
+    translated, parsed, index, spelled = [], {}, 0, _SpelledOnce("the command line")
     while index < len(argv):
         token = argv[index]
         index += 1
@@ -388,32 +429,65 @@ def _translate_argv(argv: list[str]) -> list[str]:
             continue
         name, equals, inline = token[2:].partition("=")
         has_value = not equals and index < len(argv) and not argv[index].startswith("--")
-        value = _parse_scalar(inline if equals else argv[index] if has_value else True)
+        text = inline if equals else argv[index] if has_value else None
         written = [f"={inline}"] if equals else [argv[index]] if has_value else []
         index += has_value
+        value = True if text is None else _flag_value(name, text)
         for option, option_value in _translate(name, value, f"--{name}").items():
             spelled.check(f"--{name}", option)
-            if option_value is value:  # the same value under our name: the tokens as written
+            if option in _structured_options() and (option in MIXTURE_KEYS or str(option_value).lstrip()[:1] == "{"):
+                parsed[option] = _parse_json(option_value, f"--{name}")
+            elif option_value is value:  # the same value under our name: the tokens as written
                 translated.extend([f"--{option}{written[0]}"] if equals else [f"--{option}", *written])
             else:
                 translated.append(f"--{option}={option_value}")
-    return translated
+    return translated, parsed
 
 
-def _parse_scalar(text: Any) -> Any:
-    return yaml.safe_load(text) if isinstance(text, str) else text
+def _flag_value(name: str, text: str) -> Any:
+    """A flag's text; YAML-read only for the keys whose translation reads the value (RECIPE_KEYS and TRL's options
+    without a counterpart take what a recipe would give them)."""
+    if name.replace("-", "_") not in RECIPE_KEYS | TRL_WITHOUT_COUNTERPART:
+        return text
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as error:
+        raise UsageError(f"--{name}: cannot read {text!r}: {str(error).splitlines()[0]}") from None
+
+
+def _parse_json(value: Any, flag: str) -> Any:
+    # JSON, as documented for these flags: YAML's flow style would read {"lr": 1e-5}'s 1e-5 as a string.
+    if not isinstance(value, str):
+        raise UsageError(f"{flag} needs a JSON value")
+    try:
+        return json.loads(value)
+    except json.JSONDecodeError as error:
+        raise UsageError(f"{flag} must be JSON (or write it in the YAML recipe): {error}") from None
+
+
+def _structured_options() -> set[str]:
+    """The options whose value is a mapping (their flag's JSON text is parsed here) and the three mixture forms."""
+    return {name for name, hint in _option_types().items() if dict in _kinds(hint)} | set(MIXTURE_KEYS)
+
+
+def _option_types() -> dict[str, Any]:
+    return {name: hint for dataclass_type in ARGUMENT_TYPES for name, hint in get_type_hints(dataclass_type).items()}
 
 
 def _read_recipe(path: str) -> dict[str, Any]:
     try:
-        with open(path) as file:
+        with open(path, encoding="utf-8") as file:
             values = yaml.safe_load(file) or {}
     except OSError as error:
         raise UsageError(f"cannot read {path}: {error.strerror}") from None
+    except UnicodeDecodeError as error:  # a binary file (--config model.safetensors) or another encoding
+        raise UsageError(f"{path} is not a YAML recipe: not UTF-8 text (byte {error.start})") from None
     except yaml.YAMLError as error:
         raise UsageError(f"{path} is not valid YAML: {str(error).splitlines()[0]}") from None
     if not isinstance(values, dict):
         raise UsageError(f"{path} must hold a mapping of option: value")
+    if "env" in values:
+        _apply_env(values.pop("env"), path)
     recipe, spelled = {}, _SpelledOnce(path)
     for name, value in values.items():
         for option, option_value in _translate(str(name), value, path).items():
@@ -422,7 +496,7 @@ def _read_recipe(path: str) -> dict[str, Any]:
             spelled.check(str(name), option)
             recipe[option] = option_value
     # argparse converts a flag's text, not a recipe's values: 2.5, [1, 2] or null would reach an option unchanged.
-    types = {name: hint for dataclass_type in ARGUMENT_TYPES for name, hint in get_type_hints(dataclass_type).items()}
+    types = _option_types()
     for name, value in recipe.items():
         if types[name] in (int, int | None) and isinstance(value, (float, bool)):
             raise UsageError(f"{path}: {name} must be an integer, got {value!r}")
@@ -432,6 +506,15 @@ def _read_recipe(path: str) -> dict[str, Any]:
         if isinstance(value, (list, dict)) and not kinds & {list, dict, Any} and name not in MIXTURE_KEYS:
             raise UsageError(f"{path}: {name} takes a single value, got {value!r}")
     return recipe
+
+
+def _apply_env(env: Any, path: str) -> None:
+    """TRL's `env:` block, applied as TRL 1.16 applies it (trl/scripts/utils.py, parse_args_and_config): each
+    variable set to str(value) in this process's environment as the recipe is read, before any option is parsed."""
+    if not isinstance(env, dict):
+        raise UsageError(f"{path}: env must be a mapping of variable: value, got {env!r}")
+    for key, value in env.items():
+        os.environ[str(key)] = str(value)
 
 
 # The three mixture forms (TRL's, the alignment-handbook's, its legacy one), typed as text on the command line (JSON
@@ -444,3 +527,122 @@ def _kinds(hint: Any) -> set[Any]:
     """The plain types a field's type admits: {int, NoneType} for `int | None`, {list} for `list[str]`."""
     members = get_args(hint) if get_origin(hint) in (Union, UnionType) else (hint,)
     return {get_origin(member) or member for member in members}
+
+
+# ---- nested options, checked before the model loads -----------------------------------------------------------------
+def check_nested_kwargs(model_args: ModelArguments, args: DPOMinConfig, named: set[str] = frozenset()) -> None:
+    """lr_scheduler_kwargs, gradient_checkpointing_kwargs and model_init_kwargs against the signatures they reach.
+
+    Each would otherwise fail (or, for a constant schedule, be ignored) only once the model has loaded."""
+    # What get_scheduler passes lr_scheduler_kwargs to: the schedule function, except where it drops them (the two
+    # constant schedules) or forwards them to a class; the three arguments it passes itself are not the user's.
+    schedule = SchedulerType(args.lr_scheduler_type)
+    target = {SchedulerType.CONSTANT: None, SchedulerType.CONSTANT_WITH_WARMUP: None,
+              SchedulerType.REDUCE_ON_PLATEAU: torch.optim.lr_scheduler.ReduceLROnPlateau.__init__,
+              SchedulerType.GREEDY: GreedyLR.__init__}.get(schedule, TYPE_TO_SCHEDULER_FUNCTION.get(schedule))
+    _check_keywords(f"lr_scheduler_kwargs (lr_scheduler_type {schedule.value})", args.lr_scheduler_kwargs,
+                    _keywords(target, skip={"self", "optimizer", "num_warmup_steps", "num_training_steps"}))
+    # transformers binds these into torch.utils.checkpoint.checkpoint; preserve_rng_state is read from its **kwargs
+    # (the others reach the checkpointed layer, which takes none).
+    checkpoint = _keywords(torch.utils.checkpoint.checkpoint, skip={"function"})
+    # transformers 5 mirrors the older name into the newer one: the message names the one the user wrote.
+    checkpointing = next((name for name in ("activation_checkpointing_kwargs", "gradient_checkpointing_kwargs")
+                          if name in named), "gradient_checkpointing_kwargs")
+    _check_keywords(checkpointing, args.gradient_checkpointing_kwargs,
+                    {**checkpoint, "preserve_rng_state": (bool,)})
+    keywords, config_known = _from_pretrained_keywords(model_args)
+    _check_keywords("model_init_kwargs", args.model_init_kwargs, keywords, others_pass=not config_known)
+
+
+def _keywords(function: Any, skip: set[str]) -> dict[str, Any]:
+    """{keyword: the plain types its annotation (or default) admits, or None for any value} of a function's named
+    parameters; {} for None (a function that takes none)."""
+    if function is None:
+        return {}
+    keywords = {}
+    for name, parameter in inspect.signature(function).parameters.items():
+        if name in skip or parameter.kind in (parameter.VAR_POSITIONAL, parameter.VAR_KEYWORD):
+            continue
+        annotation = parameter.annotation
+        if annotation is parameter.empty:  # unannotated: the type of its default (polynomial's lr_end=1e-07)
+            annotation = type(parameter.default).__name__ if parameter.default is not parameter.empty else ""
+        if not isinstance(annotation, str):
+            annotation = getattr(annotation, "__name__", str(annotation))
+        names = [part.strip() for part in annotation.split("|")]
+        known = all(part in _PLAIN_TYPES for part in names)  # Literal[...], Callable, list[float]: not checked
+        keywords[name] = tuple(_PLAIN_TYPES[part] for part in names) if known else None
+    return keywords
+
+
+_PLAIN_TYPES = {"bool": bool, "int": int, "float": float, "str": str, "None": type(None), "NoneType": type(None)}
+
+
+def _check_keywords(option: str, given: Any, keywords: dict[str, Any], others_pass: bool = False) -> None:
+    """Refuse a key outside `keywords` (unless `others_pass`: the list is incomplete) or a value of another type."""
+    if given is None:
+        return
+    if not isinstance(given, dict):
+        raise UsageError(f"{option} must be a mapping of keyword: value, got {given!r}")
+    for key, value in given.items():
+        if key not in keywords and others_pass:
+            continue
+        if key not in keywords:
+            close = difflib.get_close_matches(str(key), keywords, n=1)
+            # A long list (from_pretrained's and the config's) would not read as one line: its closest key instead.
+            takes = f"did you mean {close[0]!r}?" if close else (
+                f"it takes {', '.join(sorted(keywords)) or 'no keyword'}" if len(keywords) <= 12 else
+                "not a keyword of from_pretrained nor an attribute of the model's config")
+            raise UsageError(f"{option}: unknown key {key!r} ({takes})")
+        types = keywords[key]
+        if types is None:
+            continue
+        # A YAML or JSON integer is a float's value too; a bool is an int to Python but a mistake here.
+        fits = (isinstance(value, bool) and bool in types) or (not isinstance(value, bool) and (
+            isinstance(value, types) or (isinstance(value, int) and float in types)))
+        if not fits:
+            expected = " or ".join("null" if kind is type(None) else kind.__name__ for kind in types)
+            raise UsageError(f"{option}: {key} must be {expected}, got {value!r}")
+
+
+# from_pretrained's keyword arguments beyond its named parameters: those it pops from **kwargs in transformers 5.
+FROM_PRETRAINED_KWARGS = (
+    "adapter_kwargs", "adapter_name", "attn_implementation", "device_map", "device_mesh", "distributed_config",
+    "dtype", "experts_implementation", "generation_config", "gguf_file", "kernel_config", "key_mapping",
+    "max_memory", "offload_buffers", "offload_folder", "output_loading_info", "proxies",
+    "quantization_config", "subfolder", "torch_dtype", "tp_plan", "tp_size", "trust_remote_code", "use_kernels",
+    "variant",
+)
+
+
+def _from_pretrained_keywords(model_args: ModelArguments) -> tuple[dict[str, Any], bool]:
+    """(what AutoModelForCausalLM.from_pretrained accepts, whether that list is complete): its own keywords, then the
+    model config's attributes (it sets those on the config; any other key reaches the model's __init__, a
+    TypeError). The config is read only where it is on disk already (a local folder, or the hub cache); without it
+    the list is incomplete, and from_pretrained decides on the other keys."""
+    keywords = {name: None for name in FROM_PRETRAINED_KWARGS}
+    keywords.update(_keywords(PreTrainedModel.from_pretrained, skip={"pretrained_model_name_or_path"}))
+    keywords.update(dtype=(str,), torch_dtype=(str,))  # a name (float32, bfloat16, auto), as dpo_min passes it on
+    config = _config_on_disk(model_args)
+    if config is None:
+        return keywords, False
+    return {**{name: None for name in (*PretrainedConfig().to_dict(), *config)}, **keywords}, True
+
+
+def _config_on_disk(model_args: ModelArguments) -> dict[str, Any] | None:
+    model = model_args.model
+    if model is None or model.endswith(".gguf"):
+        return None
+    path = os.path.join(model, "config.json")
+    if not os.path.isfile(path):
+        try:
+            path = try_to_load_from_cache(model, "config.json", revision=model_args.model_revision)
+        except ValueError:  # not a repository id
+            return None
+    if not isinstance(path, str):
+        return None
+    try:
+        with open(path, encoding="utf-8") as file:
+            config = json.load(file)
+    except (OSError, ValueError):
+        return None
+    return config if isinstance(config, dict) else None

@@ -22,6 +22,7 @@ import threading
 import zipfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
+from itertools import zip_longest
 from pathlib import Path
 from typing import Any
 
@@ -324,12 +325,37 @@ def check_same_run(checkpoint: str | None, settings: dict[str, Any]) -> None:
     recorded = _read_manifest(Path(checkpoint).parent).get("data_settings")
     if not recorded:
         return
-    changed = [f"{name} {_short(recorded[name])} -> {_short(value)}" for name, value in settings.items()
-               if name in recorded and recorded[name] != value]
+    changed = [change for name, value in settings.items() if name in recorded
+               for change in _changes(name, _parsed(recorded[name]), _parsed(value))]
     if changed:
         raise OutputDirError(f"cannot resume {checkpoint} with other settings ({', '.join(changed)}): the run would "
                              "not go on with the same pairs, truncation and loss; resume with the interrupted run's "
                              "values, or start a new run in another folder")
+
+
+def _parsed(value: Any) -> Any:
+    """A mixture as its JSON text (a record from before flags were parsed) -> the list or mapping it spells."""
+    if isinstance(value, str) and value.lstrip()[:1] in ("[", "{"):
+        with suppress(ValueError):
+            return json.loads(value)
+    return value
+
+
+_ABSENT = "(absent)"
+
+
+def _changes(name: str, old: Any, new: Any) -> list[str]:
+    """`name old -> new`; for a mapping, one per key that differs, and for a list of entries (a mixture's datasets)
+    one per entry that differs, each shown whole: `datasets[1] {"path": "b.jsonl"} -> {"path": "c.jsonl"}`."""
+    if old == new:
+        return []
+    if isinstance(old, dict) and isinstance(new, dict):
+        return [change for key in dict.fromkeys([*old, *new])
+                for change in _changes(f"{name}[{key}]", old.get(key, _ABSENT), new.get(key, _ABSENT))]
+    if isinstance(old, list) and isinstance(new, list) and any(isinstance(item, dict) for item in old + new):
+        return [f"{name}[{index}] {_short(before)} -> {_short(after)}"
+                for index, (before, after) in enumerate(zip_longest(old, new, fillvalue=_ABSENT)) if before != after]
+    return [f"{name} {_short(old)} -> {_short(new)}"]
 
 
 def _short(value: Any) -> str:

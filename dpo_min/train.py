@@ -141,8 +141,9 @@ def load_pairs(data_args: DataArguments, args: DPOMinConfig) -> tuple[Dataset, D
     if mixture is not None:
         train, held_out, source = mixture.train, mixture.held_out, "the mixture"
         if held_out is not None and data_args.eval_fraction is not None:
-            raise UsageError("the mixture holds out its own rows (test_split_size, or test splits): drop "
-                             "--eval_fraction")
+            # parse_args refuses eval_fraction beside a test_split_size, naming both as written; this is the rest
+            raise UsageError("the mixture holds out its own rows (its test splits): eval_fraction would hold out "
+                             "others; give one of them")
     else:
         source = data_args.dataset or str(EMBEDDED_DATA)
         is_file = os.path.isfile(source)

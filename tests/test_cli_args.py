@@ -4,6 +4,7 @@ error where bitsandbytes cannot run, the closest option for a typo."""
 import json
 import logging
 import math
+import os
 from dataclasses import fields
 from types import SimpleNamespace
 
@@ -201,7 +202,10 @@ HANDBOOK_KEYS = [
                          ids=[f"{key}={value}" for key, value, _ in HANDBOOK_KEYS])
 def test_every_handbook_recipe_key_is_accepted_with_its_meaning(tmp_path, key, value, means):
     recipe = tmp_path / "recipe.yaml"
-    recipe.write_text(yaml.safe_dump({"model_name_or_path": "org/model", key: value}))
+    # lr_scheduler_kwargs are checked against the schedule they reach: the handbook gives min_lr_rate beside
+    # cosine_with_min_lr (linear, the default, takes no min_lr_rate).
+    beside = {"lr_scheduler_type": "cosine_with_min_lr"} if key == "lr_scheduler_kwargs" else {}
+    recipe.write_text(yaml.safe_dump({"model_name_or_path": "org/model", key: value, **beside}))
     # bf16 on this CPU parses only beside use_cpu; push_to_hub needs a hub_model_id or an output_dir name.
     model_args, data_args, args = parse_args(["--config", str(recipe), "--use_cpu", "true"])
     assert means(model_args, data_args, args), (key, value)
@@ -252,17 +256,19 @@ def test_use_liger_kernel_is_accepted_with_one_log_line(tmp_path, caplog):
     (["--dataset", "my.jsonl"], None, True),  # the demo's model on other data: still the demo's setup
     (["--model", "org/model"], None, False),  # TRL's ModelConfig: use_peft=False
     (["--model_name_or_path", "org/model", "--use_peft"], None, True),
-    ([], {"dataset_name": "my.jsonl"}, False),  # a recipe: TRL's default
+    ([], {"dataset_name": "my.jsonl"}, True),  # a recipe without a model: the demo's model, with its adapter
+    ([], {"model_name_or_path": "org/model"}, False),  # a recipe with a model: TRL's default
     ([], {"model_name_or_path": "org/model", "use_peft": True}, True),
     (["--no_use_peft"], None, False),
-], ids=["demo", "demo-model-other-data", "model", "model-use-peft", "recipe", "recipe-use-peft", "demo-no-peft"])
+], ids=["demo", "demo-model-other-data", "model", "model-use-peft", "recipe-without-model", "recipe", "recipe-use-peft",
+        "demo-no-peft"])
 def test_lora_only_where_asked_for_or_in_the_demo(tmp_path, argv, recipe, lora):
     if recipe is not None:
         (tmp_path / "r.yaml").write_text(yaml.safe_dump(recipe))
         argv = ["--config", str(tmp_path / "r.yaml"), *argv]
     model_args, _, _ = parse_args(argv)
     assert model_args.use_peft is lora
-    if recipe is not None or "--model" in argv or "--model_name_or_path" in argv:  # what TRL trains from the keys
+    if "model_name_or_path" in (recipe or {}) or "--model" in argv or "--model_name_or_path" in argv:  # as TRL
         keys = {**(recipe or {}), **({"use_peft": True} if "--use_peft" in argv else {})}
         (trl_model_args,) = HfArgumentParser(trl.ModelConfig).parse_dict(keys, allow_extra_keys=True)
         assert (trl.get_peft_config(trl_model_args) is not None) is lora
@@ -367,9 +373,157 @@ def test_a_dataset_flag_overrides_the_recipes_mixture_and_both_in_one_place_trai
     assert (data_args.dataset, data_args.datasets) == ("x.jsonl", None)
     path.write_text(yaml.safe_dump({"dataset_name": "x.jsonl"}))
     _, data_args, _ = parse_args([str(path), "--datasets", json.dumps(mixture)])
-    assert (data_args.dataset, data_args.datasets) == (None, json.dumps(mixture))
+    assert (data_args.dataset, data_args.datasets) == (None, mixture)  # the flag's JSON, parsed as it is read
     assert capsys.readouterr().err == ""
     path.write_text(yaml.safe_dump({"dataset_name": "x.jsonl", "datasets": mixture}))  # TRL's rule: the mixture
     _, data_args, _ = parse_args([str(path)])
     assert (data_args.dataset, data_args.datasets) == (None, mixture)
     assert "the mixture is trained, dataset ignored" in capsys.readouterr().err
+
+
+# ---- a flag's value is text; mappings and mixtures are parsed, in one line when they cannot be -------------------
+JINJA = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+
+
+def test_a_flag_value_reaches_its_option_as_written():
+    model_args, _, args = parse_args(["--chat_template", JINJA, "--run_name", "@x", "--hub_model_id", "me/a: b",
+                                      "--dataset", "x.jsonl"])
+    assert (model_args.chat_template, args.run_name, args.hub_model_id) == (JINJA, "@x", "me/a: b")
+    # The translations that read a value still read it as a recipe would; argparse still converts the others.
+    model_args, _, args = parse_args(["--warmup_ratio", "0.1", "--torch_dtype", "bfloat16", "--use_peft", "false",
+                                      "--max_steps", "7", "--lr_scheduler_kwargs", '{"num_cycles": 0.25}',
+                                      "--lr_scheduler_type", "cosine"])
+    assert (args.warmup_steps, model_args.dtype, model_args.use_peft, args.max_steps) == (0.1, "bfloat16", False, 7)
+    assert args.lr_scheduler_kwargs == {"num_cycles": 0.25}
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--datasets", "[{path: x}"], "--datasets must be JSON (or write it in the YAML recipe): Expecting property"),
+    (["--dataset_mixer", "pairs.jsonl"], "--dataset_mixer must be JSON"),
+    (["--lr_scheduler_kwargs", "{nonsense"], "--lr_scheduler_kwargs must be JSON"),
+    (["--warmup_ratio", "[0.1"], "--warmup_ratio: cannot read '[0.1'"),
+], ids=["trl-mixture", "legacy-mixer", "mapping", "translated-key"])
+def test_a_flag_whose_value_cannot_be_parsed_is_one_line_naming_it(argv, message):
+    with pytest.raises(UsageError) as error:
+        parse_args(argv)
+    assert str(error.value).startswith(message) and "\n" not in str(error.value), error.value
+
+
+@pytest.mark.parametrize("content", [b"\x90\x01\x00\x00\x00\x00\x00\x00{\"__metadata__\"", "lr: 1e-5 # é".encode(
+    "latin-1")], ids=["safetensors", "latin-1"])
+def test_a_recipe_that_is_not_utf8_text_is_one_line(tmp_path, content):
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(content)
+    with pytest.raises(UsageError) as error:
+        parse_args(["--config", str(path)])
+    assert str(error.value).startswith(f"{path} is not a YAML recipe: not UTF-8 text (byte ")
+    assert error.value.exit_code == 2
+
+
+# ---- nested options, checked before the model loads ---------------------------------------------------------------
+@pytest.mark.parametrize(("recipe", "message"), [
+    ({"lr_scheduler_kwargs": {"nonsense": 1}},
+     "lr_scheduler_kwargs (lr_scheduler_type linear): unknown key 'nonsense' (it takes last_epoch)"),
+    ({"lr_scheduler_type": "constant", "lr_scheduler_kwargs": {"last_epoch": 3}},  # transformers would drop it
+     "lr_scheduler_kwargs (lr_scheduler_type constant): unknown key 'last_epoch' (it takes no keyword)"),
+    ({"lr_scheduler_type": "cosine", "lr_scheduler_kwargs": {"num_cycles": "half"}},
+     "lr_scheduler_kwargs (lr_scheduler_type cosine): num_cycles must be float, got 'half'"),
+    ({"lr_scheduler_type": "reduce_lr_on_plateau", "eval_strategy": "steps", "lr_scheduler_kwargs": {"patience": 2.5}},
+     "lr_scheduler_kwargs (lr_scheduler_type reduce_lr_on_plateau): patience must be int, got 2.5"),
+    ({"gradient_checkpointing_kwargs": {"use_reentrant": "False"}},
+     "gradient_checkpointing_kwargs: use_reentrant must be bool or null, got 'False'"),
+    ({"gradient_checkpointing_kwargs": {"use_reentrnt": False}},
+     "gradient_checkpointing_kwargs: unknown key 'use_reentrnt' (did you mean 'use_reentrant'?)"),
+    ({"model_init_kwargs": {"bogus": 1}}, "model_init_kwargs: unknown key 'bogus' (not a keyword of from_pretrained"),
+    ({"model_init_kwargs": {"local_files_only": "yes"}}, "model_init_kwargs: local_files_only must be bool, got 'yes'"),
+], ids=["scheduler-key", "constant-takes-none", "scheduler-type", "plateau-int", "reentrant-string",
+        "checkpoint-typo", "init-key", "init-type"])
+def test_bad_nested_options_are_one_line_before_the_model_loads(tmp_path, tiny_model_dir, monkeypatch, capsys,
+                                                                recipe, message):
+    import dpo_min.train
+
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump({"model_name_or_path": str(tiny_model_dir), "dataset_name": "x.jsonl", **recipe}))
+    monkeypatch.setattr(dpo_min.train, "load_model", lambda *a: pytest.fail("the model was loaded"))
+    assert main(["--config", str(path), "--output_dir", str(tmp_path / "run")]) == 2
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert message in line, line
+    assert not (tmp_path / "run").exists()
+
+
+def test_nested_options_the_signatures_take_pass(tiny_model_dir):
+    _, _, args = parse_args([
+        "--model", str(tiny_model_dir), "--lr_scheduler_type", "warmup_stable_decay",
+        "--lr_scheduler_kwargs", '{"num_decay_steps": 2, "min_lr_ratio": 0}',
+        "--gradient_checkpointing_kwargs", '{"use_reentrant": false, "preserve_rng_state": true}',
+        # from_pretrained's own keyword, and an attribute of this model's config (use_cache)
+        "--model_init_kwargs", '{"attn_implementation": "sdpa", "use_cache": false, "dtype": "float32"}'])
+    assert args.model_init_kwargs["use_cache"] is False and args.lr_scheduler_kwargs["num_decay_steps"] == 2
+    # A hub id whose config is not on disk: only the keys and values known are checked, from_pretrained decides the
+    # rest (it refuses an unknown one when it builds the model).
+    parse_args(["--model", "org/not-cached", "--model_init_kwargs", '{"rope_scaling": null}'])
+
+
+# ---- the demo is the run given no data at all -------------------------------------------------------------------
+MIXTURES = {
+    "trl-flag": ([], ["--datasets", '[{"path": "json", "data_files": "pairs.jsonl"}]']),
+    "handbook-recipe": ({"dataset_mixture": {"datasets": [{"id": "pairs.jsonl"}], "test_split_size": 3}}, []),
+    "legacy-flag": ([], ["--dataset_mixer", '{"pairs.jsonl": 0.5}']),
+    "recipe-without-model": ({"dataset_name": "pairs.jsonl", "beta": 0.2}, []),
+}
+
+
+@pytest.mark.parametrize("name", MIXTURES)
+def test_a_run_with_data_and_no_model_gets_the_library_defaults_and_lora(tmp_path, name):
+    recipe, flags = MIXTURES[name]
+    if recipe:
+        (tmp_path / "r.yaml").write_text(yaml.safe_dump(recipe))
+        flags = ["--config", str(tmp_path / "r.yaml"), *flags]
+    model_args, data_args, args = parse_args(flags)
+    library = DPOMinConfig(output_dir="unused")
+    for option in ("learning_rate", "max_steps", "max_length", "max_prompt_length", "padding_free", "share_prompt",
+                   "precompute_ref_log_probs", "logging_steps", "per_device_train_batch_size"):
+        assert getattr(args, option) == getattr(library, option), option
+    assert (data_args.eval_fraction, data_args.max_eval_samples, model_args.chat_template) == (None, None, None)
+    assert model_args.use_peft and model_args.model is None  # the demo's model, with its adapter, on this data
+
+
+def test_a_recipe_with_neither_data_nor_model_is_the_demo_with_its_adapter(tmp_path):
+    (tmp_path / "r.yaml").write_text("beta: 0.2\n")
+    model_args, data_args, args = parse_args(["--config", str(tmp_path / "r.yaml")])
+    assert (args.learning_rate, args.max_steps, data_args.eval_fraction, args.beta) == (
+        DEMO_DEFAULTS["learning_rate"], DEMO_DEFAULTS["max_steps"], DEMO_DEFAULTS["eval_fraction"], 0.2)
+    assert model_args.use_peft  # was full fine-tuning at the demo's LoRA learning rate
+
+
+# ---- do_eval: false with a mixture; TRL's env: block --------------------------------------------------------------
+def test_do_eval_false_trains_every_pair_of_a_mixture_and_refuses_a_test_split_size_beside_it(tmp_path):
+    data_file = write_hh_rows(tmp_path / "pairs.jsonl", 12)
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump({"dataset_mixture": {"datasets": [{"id": str(data_file)}], "test_split_size": 3},
+                                    "do_eval": False, "max_steps": 1, "per_device_train_batch_size": 12}))
+    _, data_args, args = parse_args(["--config", str(path)])
+    train, held_out = load_pairs(data_args, args)
+    assert (len(train), held_out) == (12, None)  # the mixture's own test_split_size is its default: nothing held out
+    with pytest.raises(UsageError, match=r"^do_eval: false evaluates nothing, but --test_split_size asks for"):
+        parse_args(["--config", str(path), "--test_split_size", "2"])
+    with pytest.raises(UsageError, match=r"^--do_eval false evaluates nothing, but test_split_size asks for"):
+        path.write_text(yaml.safe_dump({"datasets": [{"path": str(data_file)}], "test_split_size": 2}))
+        parse_args(["--config", str(path), "--do_eval", "false"])
+    _, data_args, _ = parse_args(["--dataset_mixer", json.dumps({str(data_file): 1.0}), "--do_eval", "false",
+                                  "--dataset_splits", "train", "test"])
+    assert data_args.dataset_splits == ["train"]  # the legacy test splits are not read to be held out
+
+
+def test_a_trl_recipes_env_block_is_applied_as_trl_applies_it(tmp_path, monkeypatch):
+    for name in ("DPO_MIN_TEST_A", "DPO_MIN_TEST_B"):
+        monkeypatch.delenv(name, raising=False)  # restored (removed) after the test
+    path = tmp_path / "recipe.yaml"
+    path.write_text("dataset_name: x.jsonl\nenv:\n  DPO_MIN_TEST_A: 1\n  DPO_MIN_TEST_B: true\n")
+    parse_args(["--config", str(path)])
+    ours = {name: os.environ.pop(name) for name in ("DPO_MIN_TEST_A", "DPO_MIN_TEST_B")}
+    trl.TrlParser((trl.ScriptArguments,)).parse_args_and_config(["--config", str(path)])
+    assert ours == {name: os.environ[name] for name in ours} == {"DPO_MIN_TEST_A": "1", "DPO_MIN_TEST_B": "True"}
+    path.write_text("env: [A=1]\n")
+    with pytest.raises(UsageError, match="env must be a mapping of variable: value"):
+        parse_args(["--config", str(path)])

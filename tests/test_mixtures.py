@@ -314,7 +314,8 @@ def test_trls_mixture_recipe_trains_the_pairs_trls_get_dataset_gives(hub_copies,
 
 @pytest.mark.parametrize(("recipe", "flags", "message"), [
     ("datasets: [{path: P}]\ndataset_mixer: {P: 1.0}\n", [], "one mixture per run: datasets and dataset_mixer"),
-    ("datasets: [{path: P}]\ntest_split_size: 2\n", ["--eval_fraction", "0.5"], "drop --eval_fraction"),
+    ("datasets: [{path: P}]\ntest_split_size: 2\n", ["--eval_fraction", "0.5"],
+     "--eval_fraction and test_split_size both hold out pairs of the mixture: give one"),
     ("datasets: [{path: P}]\n", ["--eval_split", "test"], "--eval_split picks a split of one dataset"),
     ("dataset_mixer: {P: 1.0}\ndataset_splits: [train]\n", ["--test_split_size", "2"],
      "dataset_mixer holds out its test splits"),

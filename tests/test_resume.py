@@ -176,3 +176,27 @@ def test_a_resume_with_the_same_data_and_settings_passes_the_checks(finished_run
     code = main([*argv, "--model", str(tmp_path / "no-model"), "--output_dir", str(tmp_path / "again"),
                  "--resume_from_checkpoint", str(folder / "run" / "checkpoint-1")])
     assert code == 1 and "no such model folder" in capsys.readouterr().err
+
+
+def test_a_resume_compares_parsed_mixtures_and_names_the_entries_that_differ(tmp_path):
+    """The same mixture as YAML in a recipe and as JSON on the command line is the same run; another entry is named."""
+    from dpo_min.cli_args import parse_args
+    from dpo_min.run_dir import MANIFEST, OutputDirError, check_same_run, resume_settings
+
+    mixture = [{"path": "a.jsonl"}, {"path": "b.jsonl", "split": "train"}]
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("datasets:\n  - path: a.jsonl\n  - {path: b.jsonl, split: train}\n")
+    recorded = resume_settings(*parse_args(["--config", str(recipe)])[1:])
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / MANIFEST).write_text(json.dumps({"data_settings": recorded}))
+    checkpoint = str(tmp_path / "run" / "checkpoint-1")
+    check_same_run(checkpoint, resume_settings(*parse_args(["--datasets", json.dumps(mixture)])[1:]))
+    other = [mixture[0], {"path": "c.jsonl", "split": "train"}]
+    with pytest.raises(OutputDirError) as error:
+        check_same_run(checkpoint, resume_settings(*parse_args(["--datasets", json.dumps(other)])[1:]))
+    assert 'settings (datasets[1] {"path": "b.jsonl", "split": "train"} -> {"path": "c.jsonl", "split": "train"})' \
+        in str(error.value)
+    # A record from before flags were parsed holds the flag's text: still the same mixture.
+    as_text = {**recorded, "datasets": json.dumps(mixture)}
+    (tmp_path / "run" / MANIFEST).write_text(json.dumps({"data_settings": as_text}))
+    check_same_run(checkpoint, recorded)
