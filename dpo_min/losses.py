@@ -5,7 +5,8 @@ its own constraints: the hyperparameters it reads (config fields) and the values
 reference, needs lengths, sorts across the batch, has an f-divergence form, or rewards of its own (AlphaPO's form).
 `LossSettings` is built from the config, validated once (`DPOMinConfig.__post_init__`), and is what `dpo_loss` reads.
 Several variants combine as sum_i w_i * L_i per pair, so that the mean over pairs is sum_i w_i * mean(L_i). Adding
-a loss type with a hyperparameter of its own is one `LOSSES` entry and one `DPOMinConfig` field of the same name.
+a loss type with a hyperparameter of its own is one `LOSSES` entry and one `DPOMinConfig` field of the same name:
+`LossSettings` reads the field, and the resume check compares it (`LossSettings.config_fields`).
 """
 
 import math
@@ -247,21 +248,19 @@ F_DIVERGENCES: dict[str, Callable[[torch.Tensor, float], torch.Tensor]] = {
 }
 
 
-def needs_reference(loss_types: str | Sequence[str], reference_free: bool = False) -> bool:
-    """Whether any of the loss types reads the reference log-probs."""
-    names = [loss_types] if isinstance(loss_types, str) else loss_types
-    wants = [LOSSES[name].needs_reference for name in names]
-    return not reference_free and (any(wants) or all(want is None for want in wants))
-
-
 def _hyperparameter_defaults() -> dict[str, float]:
     """Every hyperparameter some entry reads, at its default (read now: a test may add an entry)."""
     return {name: knob.default for entry in LOSSES.values() for name, knob in entry.reads.items()}
 
 
+# The LossSettings fields not read from a config field of their own name.
+_RENAMED_FIELDS = ("loss_types", "loss_weights", "hyperparameters")
+
+
 @dataclass(frozen=True)
 class LossSettings:
-    """Everything `dpo_loss` reads besides tensors: which losses, their weights, and their hyperparameters."""
+    """Every value the loss reads besides tensors: which losses, their weights and hyperparameters, and the two
+    modifiers applied before `dpo_loss` (LD-DPO's `ld_alpha` on the summed log-probs, WPO's `use_weighting`)."""
 
     loss_types: tuple[str, ...] = ("sigmoid",)
     loss_weights: tuple[float, ...] | None = None  # one per loss type; None: all 1
@@ -270,16 +269,24 @@ class LossSettings:
     f_divergence_type: str = "reverse_kl"
     f_alpha_divergence_coef: float = 0.5
     cpo_alpha: float = 0.0
+    ld_alpha: float | None = None
+    use_weighting: bool = False
     hyperparameters: Mapping[str, float] = field(default_factory=_hyperparameter_defaults)  # by config field name
 
     @classmethod
     def from_config(cls, config: Any) -> "LossSettings":
         """The settings of a `DPOMinConfig` (or any object with its fields), not yet validated."""
-        own = {f.name: getattr(config, f.name) for f in fields(cls) if f.name not in ("loss_types", "loss_weights",
-                                                                                       "hyperparameters")}
+        own = {f.name: getattr(config, f.name) for f in fields(cls) if f.name not in _RENAMED_FIELDS}
         weights = None if config.loss_weights is None else tuple(config.loss_weights)
         return cls(loss_types=tuple(config.loss_type), loss_weights=weights, **own,
                    hyperparameters={name: getattr(config, name) for name in _hyperparameter_defaults()})
+
+    @classmethod
+    def config_fields(cls) -> tuple[str, ...]:
+        """The config fields `from_config` reads (an entry's new hyperparameter included): a resumed run must share
+        them to train the same loss."""
+        own = (f.name for f in fields(cls) if f.name not in _RENAMED_FIELDS)
+        return ("loss_type", "loss_weights", *own, *_hyperparameter_defaults())
 
     @classmethod
     def of(cls, loss_type: str | Sequence[str] = "sigmoid", loss_weights: Sequence[float] | None = None,
@@ -302,7 +309,10 @@ class LossSettings:
 
     @property
     def reads_reference(self) -> bool:
-        return needs_reference(self.loss_types, self.reference_free)
+        """Whether a reference is built and run: some loss type reads it, or every one leaves it to the others
+        (sft alone keeps it for the reward metrics, as TRL); never with `reference_free`."""
+        wants = [LOSSES[name].needs_reference for name in self.loss_types]
+        return not self.reference_free and (any(wants) or all(want is None for want in wants))
 
     @property
     def needs_lengths(self) -> bool:
@@ -329,7 +339,16 @@ class LossSettings:
                     raise ValueError(f"loss_type {loss!r} needs {name} {knob}{knob.note}, got {values[name]}")
         self._check_unread_alpha()
         self._check_f_divergence()
+        self._check_modifiers()
         return self
+
+    def _check_modifiers(self) -> None:
+        if self.ld_alpha is not None and not 0.0 <= self.ld_alpha <= 1.0:
+            raise ValueError(f"ld_alpha must be in [0, 1] or None, got {self.ld_alpha}")
+        sorting = [name for name, entry in LOSSES.items() if entry.sorts_batch]
+        if self.use_weighting and set(sorting) & set(self.loss_types):
+            raise ValueError(f"use_weighting (WPO) cannot weight {'/'.join(sorting)}: they sort pairs across the "
+                             "batch")
 
     def _check_unread_alpha(self) -> None:
         alphapo = tuple(name for name, entry in LOSSES.items() if "alpha" in entry.reads)
@@ -376,6 +395,9 @@ def dpo_loss(
         chosen_nll: [B] summed negative log-likelihood of each chosen completion under the policy, for sft and
             cpo_alpha (default -policy_chosen_logps; pass it when those are length-desensitised).
         pair_weights: [B] per-pair weights multiplying every loss term (WPO), or None.
+
+    `settings.ld_alpha` and `settings.use_weighting` are not applied here: they shape the inputs (LD-DPO's summed
+    log-probs, WPO's `pair_weights`), as `DPOMinTrainer.compute_loss` does.
 
     Returns:
         (losses [B], chosen_rewards [B], rejected_rewards [B]), rewards detached: beta * (policy - reference), or
