@@ -79,10 +79,6 @@ class PairTerms:
     def delta(self) -> torch.Tensor:
         return self.chosen_scores - self.rejected_scores
 
-    def smoothed_logistic(self, margin: torch.Tensor) -> torch.Tensor:
-        """-(1 - eps) log sigmoid(beta m) - eps log sigmoid(-beta m): the logistic loss with labels flipped at eps."""
-        return -(1 - self.eps) * F.logsigmoid(self.beta * margin) - self.eps * F.logsigmoid(-self.beta * margin)
-
     def length_normalised_delta(self) -> torch.Tensor:
         return (self.chosen_scores / self.chosen_lengths.clamp(min=1)
                 - self.rejected_scores / self.rejected_lengths.clamp(min=1))
@@ -98,8 +94,13 @@ class PairTerms:
 
 
 # ---- reference-based losses: r = log pi - log pi_ref, D = r_chosen - r_rejected ----------------------------------
-def _sigmoid(t: PairTerms) -> torch.Tensor:  # DPO, arXiv 2305.18290; eps > 0 is conservative DPO
-    return t.smoothed_logistic(t.delta)
+def _sigmoid(t: PairTerms, logits: torch.Tensor | None = None) -> torch.Tensor:
+    """DPO, arXiv 2305.18290; label_smoothing ls > 0 is conservative DPO (cDPO, Mitchell 2023), labels flipped with
+    probability ls. aot, cpo and simpo take the same loss of logits of their own."""
+    beta, ls = t.beta, t.eps
+    if logits is None:  # (pi_c - ref_c) - (pi_r - ref_r) in log-probs; f-DPO takes f'(pi / pi_ref) for each ratio
+        logits = t.delta
+    return -F.logsigmoid(beta * logits) * (1 - ls) - F.logsigmoid(-beta * logits) * ls
 
 
 def _robust(t: PairTerms) -> torch.Tensor:  # arXiv 2403.00409: unbiased under label flips with probability eps
@@ -153,11 +154,11 @@ def _exo_pair(t: PairTerms) -> torch.Tensor:  # EXO, arXiv 2402.00856: KL(softma
 
 def _aot(t: PairTerms) -> torch.Tensor:  # AOT, arXiv 2406.05882: sorted policy margins against sorted reference ones
     policy_margins = torch.sort(t.chosen_logps - t.rejected_logps).values
-    return t.smoothed_logistic(policy_margins - torch.sort(t.ref_chosen_logps - t.ref_rejected_logps).values)
+    return _sigmoid(t, policy_margins - torch.sort(t.ref_chosen_logps - t.ref_rejected_logps).values)
 
 
 def _aot_unpaired(t: PairTerms) -> torch.Tensor:  # AOT, arXiv 2406.05882
-    return t.smoothed_logistic(torch.sort(t.chosen_logratios).values - torch.sort(t.rejected_logratios).values)
+    return _sigmoid(t, torch.sort(t.chosen_logratios).values - torch.sort(t.rejected_logratios).values)
 
 
 def _discopop(t: PairTerms) -> torch.Tensor:  # DiscoPOP, arXiv 2406.08414: logistic blending into exponential
@@ -173,7 +174,7 @@ def _cpo_rewards(t: PairTerms) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _cpo(t: PairTerms) -> torch.Tensor:  # CPO, arXiv 2401.08417, eq. 3 (its NLL term is `cpo_alpha`)
     chosen, rejected = _cpo_rewards(t)
-    return t.smoothed_logistic(chosen - rejected)
+    return _sigmoid(t, chosen - rejected)
 
 
 def _simpo_rewards(t: PairTerms) -> tuple[torch.Tensor, torch.Tensor]:
@@ -183,7 +184,7 @@ def _simpo_rewards(t: PairTerms) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _simpo(t: PairTerms) -> torch.Tensor:  # SimPO, arXiv 2405.14734: per-token log-probs, target margin gamma
     chosen, rejected = _simpo_rewards(t)
-    return t.smoothed_logistic(chosen - rejected - t.value("simpo_gamma") / t.beta)
+    return _sigmoid(t, chosen - rejected - t.value("simpo_gamma") / t.beta)
 
 
 @dataclass(frozen=True)

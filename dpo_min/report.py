@@ -287,9 +287,9 @@ def logprob_margins(model: torch.nn.Module, collator: Any, pairs: list[dict[str,
     model.eval()
     batch = collator([{key: pair[key] for key in ("prompt_ids", "chosen_ids", "rejected_ids")} for pair in pairs])
     batch = {key: value.to(model.device) if isinstance(value, torch.Tensor) else value for key, value in batch.items()}
-    halves = sequence_logps(model, batch).split()
+    chosen_logps, rejected_logps = sequence_logps(model, batch).logps.chunk(2)
     model.train(was_training)
-    return (halves.chosen_logps.float() - halves.rejected_logps.float()).tolist()
+    return (chosen_logps.float() - rejected_logps.float()).tolist()
 
 
 def _cell(text: str) -> str:
