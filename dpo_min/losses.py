@@ -389,7 +389,8 @@ def dpo_loss(
         ref_rejected_logps: [B] the same for the rejected completions.
         settings: the loss types, weights and hyperparameters (`DPOMinConfig.loss_settings`). Without it, the
             keyword `options` build one, with a config's field names: `beta=0.1, loss_type=["sigmoid", "sft"],
-            label_smoothing=0.1, ...` (see `DPOMinConfig` for each).
+            label_smoothing=0.1, ...` (see `DPOMinConfig` for each). Its `ld_alpha` and `use_weighting` shape the
+            inputs, not this function: the summed log-probs and `pair_weights` (`DPOMinTrainer.compute_loss`).
         chosen_lengths: [B] completion tokens of each chosen completion; needed by the losses with `needs_lengths`
             and by cpo_alpha.
         rejected_lengths: [B] the same for the rejected completions.
@@ -397,23 +398,14 @@ def dpo_loss(
             cpo_alpha (default -policy_chosen_logps; pass it when those are length-desensitised).
         pair_weights: [B] per-pair weights multiplying every loss term (WPO), or None.
 
-    `settings.ld_alpha` and `settings.use_weighting` are not applied here: they shape the inputs (LD-DPO's summed
-    log-probs, WPO's `pair_weights`), as `DPOMinTrainer.compute_loss` does.
-
     Returns:
         (losses [B], chosen_rewards [B], rejected_rewards [B]), rewards detached: beta * (policy - reference), or
         for a first loss type with rewards of its own (cpo, simpo), beta times those.
     """
-    if settings is None:
-        settings = LossSettings.of(**options)
-    elif options:
-        raise TypeError(f"pass either settings or keyword options, not both (got {sorted(options)})")
+    settings = _settings_of(settings, options)
     if settings.needs_lengths and (chosen_lengths is None or rejected_lengths is None):
         raise ValueError(f"loss types {[name for name, entry in LOSSES.items() if entry.needs_lengths]} and "
                          "cpo_alpha need chosen_lengths and rejected_lengths")
-    if settings.reference_free or ref_chosen_logps is None:
-        ref_chosen_logps, ref_rejected_logps = torch.zeros_like(policy_chosen_logps), \
-            torch.zeros_like(policy_rejected_logps)
     terms = _pair_terms(policy_chosen_logps, policy_rejected_logps, ref_chosen_logps, ref_rejected_logps, settings,
                         chosen_lengths, rejected_lengths, chosen_nll)
     losses = sum(weight * LOSSES[name].loss(terms) for name, weight in zip(settings.loss_types, settings.weights))
@@ -427,9 +419,19 @@ def dpo_loss(
     return losses, settings.beta * chosen_rewards.detach(), settings.beta * rejected_rewards.detach()
 
 
-def _pair_terms(chosen: torch.Tensor, rejected: torch.Tensor, ref_chosen: torch.Tensor, ref_rejected: torch.Tensor,
-                settings: LossSettings, chosen_lengths: torch.Tensor | None, rejected_lengths: torch.Tensor | None,
-                chosen_nll: torch.Tensor | None) -> PairTerms:
+def _settings_of(settings: LossSettings | None, options: dict[str, Any]) -> LossSettings:
+    if settings is None:
+        return LossSettings.of(**options)
+    if options:
+        raise TypeError(f"pass either settings or keyword options, not both (got {sorted(options)})")
+    return settings
+
+
+def _pair_terms(chosen: torch.Tensor, rejected: torch.Tensor, ref_chosen: torch.Tensor | None,
+                ref_rejected: torch.Tensor | None, settings: LossSettings, chosen_lengths: torch.Tensor | None,
+                rejected_lengths: torch.Tensor | None, chosen_nll: torch.Tensor | None) -> PairTerms:
+    if settings.reference_free or ref_chosen is None:  # log pi_ref taken as 0
+        ref_chosen, ref_rejected = torch.zeros_like(chosen), torch.zeros_like(rejected)
     chosen_logratios, rejected_logratios = chosen - ref_chosen, rejected - ref_rejected
     score = F_DIVERGENCES[settings.f_divergence_type]
     coef = settings.f_alpha_divergence_coef

@@ -239,7 +239,7 @@ class DPOMinTrainer(Trainer):
         offload = self.args.activation_offloading and model.training and torch.is_grad_enabled()
         with OffloadActivations(model) if offload else contextlib.nullcontext():
             policy = sequence_logps(model, inputs, with_sum_sq_probs=settings.use_weighting,
-                                    with_aux_loss=self.router_aux_loss_coef != 0.0)
+                                    with_aux_loss=self.aux_loss_enabled)
         # Each [2B] per-sequence value holds the B chosen completions, then the B rejected ones: chunk(2) splits it.
         chosen_logps, rejected_logps = policy.ld_dpo_logps(settings.ld_alpha).chunk(2)
         ref_chosen_logps, ref_rejected_logps = self._reference_sequence_logps(inputs).chunk(2) \
