@@ -94,7 +94,7 @@ def run_config(config: str, model_path: str, batch_size: int, warmup: int, steps
     from dpo_min.collator import PackedDPODataCollator
     from dpo_min.data import tokenize_dataset
     from dpo_min.logps import sequence_logps
-    from dpo_min.losses import needs_reference
+    from dpo_min.losses import LossSettings
 
     mode, method = config.split("/")
     trainer_kind, overrides = METHODS[method]
@@ -156,7 +156,8 @@ def run_config(config: str, model_path: str, batch_size: int, warmup: int, steps
               for batch in batches]
     unique = [sum(len(ex["prompt_ids"]) + len(ex["chosen_ids"]) + len(ex["rejected_ids"]) for ex in batch)
               for batch in batches]
-    uses_reference = needs_reference(overrides.get("loss_type", "sigmoid"), overrides.get("reference_free", False))
+    uses_reference = LossSettings.of(overrides.get("loss_type", "sigmoid"),
+                                     reference_free=overrides.get("reference_free", False)).reads_reference
     lengths = [[(len(ex["prompt_ids"]), len(ex["chosen_ids"]), len(ex["rejected_ids"])) for ex in batch]
                for batch in batches]
     flops = [0.0 if trainer_kind == "sft" else step_flops(shape, pairs, full=mode == "full", lora_r=lora.r,

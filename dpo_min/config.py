@@ -8,7 +8,7 @@ from typing import Any
 from transformers import TrainingArguments
 
 from .compat import TRLOnlyFields, check_trl_fields
-from .losses import F_DIVERGENCES, LOSS_TYPES, LOSSES, LossSettings, needs_reference
+from .losses import F_DIVERGENCES, LOSS_TYPES, LOSSES, LossSettings
 
 TRUNCATION_MODES = ("keep_end", "keep_start")
 logger = logging.getLogger(__name__)
@@ -211,12 +211,6 @@ class DPOMinConfig(TRLOnlyFields, TrainingArguments):
         names = [self.loss_type] if isinstance(self.loss_type, str) else list(self.loss_type)
         self.loss_type = [part.strip() for name in names for part in name.split(",") if part.strip()] or names
         self.loss_settings.validate()
-        if self.ld_alpha is not None and not 0.0 <= self.ld_alpha <= 1.0:
-            raise ValueError(f"ld_alpha must be in [0, 1] or None, got {self.ld_alpha}")
-        sorting = [name for name, entry in LOSSES.items() if entry.sorts_batch]
-        if self.use_weighting and set(sorting) & set(self.loss_type):
-            raise ValueError(f"use_weighting (WPO) cannot weight {'/'.join(sorting)}: they sort pairs across the "
-                             "batch")
 
     def _check_reference(self) -> None:
         if self.sync_ref_model:
@@ -229,7 +223,7 @@ class DPOMinConfig(TRLOnlyFields, TrainingArguments):
                                  "precompute_ref_log_probs or reference_free")
         if self.reference_free and self.precompute_ref_log_probs:
             raise ValueError("reference_free needs no reference log-probs: drop precompute_ref_log_probs")
-        if not needs_reference(self.loss_type) and (self.precompute_ref_log_probs or self.sync_ref_model):
+        if not self.loss_settings.reads_reference and (self.precompute_ref_log_probs or self.sync_ref_model):
             raise ValueError(f"loss_type {self.loss_type} reads no reference: drop precompute_ref_log_probs and "
                              "sync_ref_model")
         if self.ref_adapter_name is not None and self.ref_adapter_name == self.model_adapter_name:

@@ -20,7 +20,8 @@ CHUNK_TOKENS = 256
 
 @dataclass
 class SequenceLogps:
-    """Log-probs of the 2B sequences of a batch (chosen first, then rejected).
+    """Log-probs of the 2B sequences of a batch: the B chosen completions, then the B rejected ones, so that
+    `.chunk(2)` of any [2B] value gives its chosen and rejected halves.
 
     logps:           [2B] sum over completion tokens of log p(token).
     token_counts:    [2B] completion tokens per sequence (float).
@@ -48,9 +49,9 @@ class SequenceLogps:
     def _per_sequence(self, values: torch.Tensor) -> torch.Tensor:
         return values.new_zeros(self.logps.shape).index_add(0, self.token_sequence, values)
 
-    def weighted_logps(self, ld_alpha: float | None = None) -> torch.Tensor:
-        """[2B] summed log-probs per sequence; with `ld_alpha` (LD-DPO), the tokens of a completion beyond the length
-        of the shorter completion of its pair count `ld_alpha` times."""
+    def ld_dpo_logps(self, ld_alpha: float | None) -> torch.Tensor:
+        """[2B] summed log-probs per sequence; with `ld_alpha` (LD-DPO, arXiv 2409.06411), the tokens of a completion
+        beyond the length of the shorter completion of its pair count `ld_alpha` times. None: `logps` itself."""
         if ld_alpha is None:
             return self.logps
         shared_lengths = torch.minimum(*self.token_counts.chunk(2)).repeat(2)
@@ -58,53 +59,21 @@ class SequenceLogps:
         return self._per_sequence(torch.where(beyond_shared, ld_alpha * self.token_logps, self.token_logps))
 
     def wpo_weights(self) -> torch.Tensor:
-        """[B] WPO pair weights (no grad): per sequence exp(mean over tokens of log p - log sum_v p(v)^2), the
-        probability of the completion under its own sampling-like reweighting; chosen weight * rejected weight."""
+        """[B] WPO pair weights (arXiv 2406.11827), no grad: per sequence exp(mean over tokens of log p - log sum_v
+        p(v)^2), the probability of the completion under its own sampling-like reweighting; chosen * rejected."""
         if self.token_log_sum_sq_probs is None:
             raise ValueError("WPO weights need sequence_logps(..., with_sum_sq_probs=True)")
         aligned = self._per_sequence((self.token_logps - self.token_log_sum_sq_probs).detach())
         chosen, rejected = torch.exp(aligned / self.token_counts).chunk(2)
         return chosen * rejected
 
-
-    def split(self, ld_alpha: float | None = None, with_wpo_weights: bool = False) -> "ChosenRejected":
-        """The [2B] values split once into their chosen and rejected halves, [B] each."""
-        chosen_logps, rejected_logps = self.weighted_logps(ld_alpha).chunk(2)
-        chosen_lengths, rejected_lengths = self.token_counts.chunk(2)
-        chosen_logits, rejected_logits = self.logits_sums.chunk(2)
-        chosen_entropy, rejected_entropy = self.entropy_sums.chunk(2)
-        return ChosenRejected(
-            chosen_logps=chosen_logps, rejected_logps=rejected_logps, chosen_lengths=chosen_lengths,
-            rejected_lengths=rejected_lengths, chosen_nll=-self.logps.chunk(2)[0], chosen_logits_sums=chosen_logits,
-            rejected_logits_sums=rejected_logits, chosen_entropy_sums=chosen_entropy,
-            rejected_entropy_sums=rejected_entropy, chosen_top1=self.top1_counts.chunk(2)[0],
-            pair_weights=self.wpo_weights() if with_wpo_weights else None, aux_loss=self.aux_loss)
-
-
-@dataclass(frozen=True)
-class ChosenRejected:
-    """A forward's result for B pairs, split once into named halves (torchtune's ChosenRejectedOutputs); every
-    tensor is [B], one value per pair, except `aux_loss` (a scalar or None).
-
-    chosen_logps / rejected_logps:  summed log-probs of the completion (LD-DPO weighted when asked).
-    chosen_lengths / rejected_lengths:  completion tokens (float).
-    chosen_nll:  summed negative log-likelihood of the chosen completion, unweighted (sft, cpo_alpha).
-    *_logits_sums, *_entropy_sums, chosen_top1:  per-token sums for metrics (no grad).
-    pair_weights:  WPO weights, when asked for.
-    """
-
-    chosen_logps: torch.Tensor
-    rejected_logps: torch.Tensor
-    chosen_lengths: torch.Tensor
-    rejected_lengths: torch.Tensor
-    chosen_nll: torch.Tensor
-    chosen_logits_sums: torch.Tensor
-    rejected_logits_sums: torch.Tensor
-    chosen_entropy_sums: torch.Tensor
-    rejected_entropy_sums: torch.Tensor
-    chosen_top1: torch.Tensor
-    pair_weights: torch.Tensor | None = None
-    aux_loss: torch.Tensor | None = None
+    def metric_halves(self) -> dict[str, torch.Tensor]:
+        """The per-sequence sums the metrics read, split into [B] halves: chosen_tokens, rejected_tokens, and so for
+        logits, entropy and top1."""
+        sums = {"logits": self.logits_sums, "tokens": self.token_counts, "entropy": self.entropy_sums,
+                "top1": self.top1_counts}
+        return {f"{half}_{name}": value for name, values in sums.items()
+                for half, value in zip(("chosen", "rejected"), values.chunk(2))}
 
 
 class _LabelLogProbs(torch.autograd.Function):

@@ -5,7 +5,8 @@ its own constraints: the hyperparameters it reads (config fields) and the values
 reference, needs lengths, sorts across the batch, has an f-divergence form, or rewards of its own (AlphaPO's form).
 `LossSettings` is built from the config, validated once (`DPOMinConfig.__post_init__`), and is what `dpo_loss` reads.
 Several variants combine as sum_i w_i * L_i per pair, so that the mean over pairs is sum_i w_i * mean(L_i). Adding
-a loss type with a hyperparameter of its own is one `LOSSES` entry and one `DPOMinConfig` field of the same name.
+a loss type with a hyperparameter of its own is one `LOSSES` entry and one `DPOMinConfig` field of the same name:
+`LossSettings` reads the field, and the resume check compares it (`LossSettings.config_fields`).
 """
 
 import math
@@ -78,10 +79,6 @@ class PairTerms:
     def delta(self) -> torch.Tensor:
         return self.chosen_scores - self.rejected_scores
 
-    def smoothed_logistic(self, margin: torch.Tensor) -> torch.Tensor:
-        """-(1 - eps) log sigmoid(beta m) - eps log sigmoid(-beta m): the logistic loss with labels flipped at eps."""
-        return -(1 - self.eps) * F.logsigmoid(self.beta * margin) - self.eps * F.logsigmoid(-self.beta * margin)
-
     def length_normalised_delta(self) -> torch.Tensor:
         return (self.chosen_scores / self.chosen_lengths.clamp(min=1)
                 - self.rejected_scores / self.rejected_lengths.clamp(min=1))
@@ -97,8 +94,13 @@ class PairTerms:
 
 
 # ---- reference-based losses: r = log pi - log pi_ref, D = r_chosen - r_rejected ----------------------------------
-def _sigmoid(t: PairTerms) -> torch.Tensor:  # DPO, arXiv 2305.18290; eps > 0 is conservative DPO
-    return t.smoothed_logistic(t.delta)
+def _sigmoid(t: PairTerms, logits: torch.Tensor | None = None) -> torch.Tensor:
+    """DPO, arXiv 2305.18290; label_smoothing ls > 0 is conservative DPO (cDPO, Mitchell 2023), labels flipped with
+    probability ls. aot, cpo and simpo take the same loss of logits of their own."""
+    beta, ls = t.beta, t.eps
+    if logits is None:  # (pi_c - ref_c) - (pi_r - ref_r) in log-probs; f-DPO takes f'(pi / pi_ref) for each ratio
+        logits = t.delta
+    return -F.logsigmoid(beta * logits) * (1 - ls) - F.logsigmoid(-beta * logits) * ls
 
 
 def _robust(t: PairTerms) -> torch.Tensor:  # arXiv 2403.00409: unbiased under label flips with probability eps
@@ -152,11 +154,11 @@ def _exo_pair(t: PairTerms) -> torch.Tensor:  # EXO, arXiv 2402.00856: KL(softma
 
 def _aot(t: PairTerms) -> torch.Tensor:  # AOT, arXiv 2406.05882: sorted policy margins against sorted reference ones
     policy_margins = torch.sort(t.chosen_logps - t.rejected_logps).values
-    return t.smoothed_logistic(policy_margins - torch.sort(t.ref_chosen_logps - t.ref_rejected_logps).values)
+    return _sigmoid(t, policy_margins - torch.sort(t.ref_chosen_logps - t.ref_rejected_logps).values)
 
 
 def _aot_unpaired(t: PairTerms) -> torch.Tensor:  # AOT, arXiv 2406.05882
-    return t.smoothed_logistic(torch.sort(t.chosen_logratios).values - torch.sort(t.rejected_logratios).values)
+    return _sigmoid(t, torch.sort(t.chosen_logratios).values - torch.sort(t.rejected_logratios).values)
 
 
 def _discopop(t: PairTerms) -> torch.Tensor:  # DiscoPOP, arXiv 2406.08414: logistic blending into exponential
@@ -172,7 +174,7 @@ def _cpo_rewards(t: PairTerms) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _cpo(t: PairTerms) -> torch.Tensor:  # CPO, arXiv 2401.08417, eq. 3 (its NLL term is `cpo_alpha`)
     chosen, rejected = _cpo_rewards(t)
-    return t.smoothed_logistic(chosen - rejected)
+    return _sigmoid(t, chosen - rejected)
 
 
 def _simpo_rewards(t: PairTerms) -> tuple[torch.Tensor, torch.Tensor]:
@@ -182,7 +184,7 @@ def _simpo_rewards(t: PairTerms) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _simpo(t: PairTerms) -> torch.Tensor:  # SimPO, arXiv 2405.14734: per-token log-probs, target margin gamma
     chosen, rejected = _simpo_rewards(t)
-    return t.smoothed_logistic(chosen - rejected - t.value("simpo_gamma") / t.beta)
+    return _sigmoid(t, chosen - rejected - t.value("simpo_gamma") / t.beta)
 
 
 @dataclass(frozen=True)
@@ -247,21 +249,19 @@ F_DIVERGENCES: dict[str, Callable[[torch.Tensor, float], torch.Tensor]] = {
 }
 
 
-def needs_reference(loss_types: str | Sequence[str], reference_free: bool = False) -> bool:
-    """Whether any of the loss types reads the reference log-probs."""
-    names = [loss_types] if isinstance(loss_types, str) else loss_types
-    wants = [LOSSES[name].needs_reference for name in names]
-    return not reference_free and (any(wants) or all(want is None for want in wants))
-
-
 def _hyperparameter_defaults() -> dict[str, float]:
     """Every hyperparameter some entry reads, at its default (read now: a test may add an entry)."""
     return {name: knob.default for entry in LOSSES.values() for name, knob in entry.reads.items()}
 
 
+# The LossSettings fields not read from a config field of their own name.
+_RENAMED_FIELDS = ("loss_types", "loss_weights", "hyperparameters")
+
+
 @dataclass(frozen=True)
 class LossSettings:
-    """Everything `dpo_loss` reads besides tensors: which losses, their weights, and their hyperparameters."""
+    """Every value the loss reads besides tensors: which losses, their weights and hyperparameters, and the two
+    modifiers applied before `dpo_loss` (LD-DPO's `ld_alpha` on the summed log-probs, WPO's `use_weighting`)."""
 
     loss_types: tuple[str, ...] = ("sigmoid",)
     loss_weights: tuple[float, ...] | None = None  # one per loss type; None: all 1
@@ -270,16 +270,24 @@ class LossSettings:
     f_divergence_type: str = "reverse_kl"
     f_alpha_divergence_coef: float = 0.5
     cpo_alpha: float = 0.0
+    ld_alpha: float | None = None
+    use_weighting: bool = False
     hyperparameters: Mapping[str, float] = field(default_factory=_hyperparameter_defaults)  # by config field name
 
     @classmethod
     def from_config(cls, config: Any) -> "LossSettings":
         """The settings of a `DPOMinConfig` (or any object with its fields), not yet validated."""
-        own = {f.name: getattr(config, f.name) for f in fields(cls) if f.name not in ("loss_types", "loss_weights",
-                                                                                       "hyperparameters")}
+        own = {f.name: getattr(config, f.name) for f in fields(cls) if f.name not in _RENAMED_FIELDS}
         weights = None if config.loss_weights is None else tuple(config.loss_weights)
         return cls(loss_types=tuple(config.loss_type), loss_weights=weights, **own,
                    hyperparameters={name: getattr(config, name) for name in _hyperparameter_defaults()})
+
+    @classmethod
+    def config_fields(cls) -> tuple[str, ...]:
+        """The config fields `from_config` reads (an entry's new hyperparameter included): a resumed run must share
+        them to train the same loss."""
+        own = (f.name for f in fields(cls) if f.name not in _RENAMED_FIELDS)
+        return ("loss_type", "loss_weights", *own, *_hyperparameter_defaults())
 
     @classmethod
     def of(cls, loss_type: str | Sequence[str] = "sigmoid", loss_weights: Sequence[float] | None = None,
@@ -302,7 +310,10 @@ class LossSettings:
 
     @property
     def reads_reference(self) -> bool:
-        return needs_reference(self.loss_types, self.reference_free)
+        """Whether a reference is built and run: some loss type reads it, or every one leaves it to the others
+        (sft alone keeps it for the reward metrics, as TRL); never with `reference_free`."""
+        wants = [LOSSES[name].needs_reference for name in self.loss_types]
+        return not self.reference_free and (any(wants) or all(want is None for want in wants))
 
     @property
     def needs_lengths(self) -> bool:
@@ -329,7 +340,16 @@ class LossSettings:
                     raise ValueError(f"loss_type {loss!r} needs {name} {knob}{knob.note}, got {values[name]}")
         self._check_unread_alpha()
         self._check_f_divergence()
+        self._check_modifiers()
         return self
+
+    def _check_modifiers(self) -> None:
+        if self.ld_alpha is not None and not 0.0 <= self.ld_alpha <= 1.0:
+            raise ValueError(f"ld_alpha must be in [0, 1] or None, got {self.ld_alpha}")
+        sorting = [name for name, entry in LOSSES.items() if entry.sorts_batch]
+        if self.use_weighting and set(sorting) & set(self.loss_types):
+            raise ValueError(f"use_weighting (WPO) cannot weight {'/'.join(sorting)}: they sort pairs across the "
+                             "batch")
 
     def _check_unread_alpha(self) -> None:
         alphapo = tuple(name for name, entry in LOSSES.items() if "alpha" in entry.reads)
@@ -369,7 +389,8 @@ def dpo_loss(
         ref_rejected_logps: [B] the same for the rejected completions.
         settings: the loss types, weights and hyperparameters (`DPOMinConfig.loss_settings`). Without it, the
             keyword `options` build one, with a config's field names: `beta=0.1, loss_type=["sigmoid", "sft"],
-            label_smoothing=0.1, ...` (see `DPOMinConfig` for each).
+            label_smoothing=0.1, ...` (see `DPOMinConfig` for each). Its `ld_alpha` and `use_weighting` shape the
+            inputs, not this function: the summed log-probs and `pair_weights` (`DPOMinTrainer.compute_loss`).
         chosen_lengths: [B] completion tokens of each chosen completion; needed by the losses with `needs_lengths`
             and by cpo_alpha.
         rejected_lengths: [B] the same for the rejected completions.
@@ -381,16 +402,10 @@ def dpo_loss(
         (losses [B], chosen_rewards [B], rejected_rewards [B]), rewards detached: beta * (policy - reference), or
         for a first loss type with rewards of its own (cpo, simpo), beta times those.
     """
-    if settings is None:
-        settings = LossSettings.of(**options)
-    elif options:
-        raise TypeError(f"pass either settings or keyword options, not both (got {sorted(options)})")
+    settings = _settings_of(settings, options)
     if settings.needs_lengths and (chosen_lengths is None or rejected_lengths is None):
         raise ValueError(f"loss types {[name for name, entry in LOSSES.items() if entry.needs_lengths]} and "
                          "cpo_alpha need chosen_lengths and rejected_lengths")
-    if settings.reference_free or ref_chosen_logps is None:
-        ref_chosen_logps, ref_rejected_logps = torch.zeros_like(policy_chosen_logps), \
-            torch.zeros_like(policy_rejected_logps)
     terms = _pair_terms(policy_chosen_logps, policy_rejected_logps, ref_chosen_logps, ref_rejected_logps, settings,
                         chosen_lengths, rejected_lengths, chosen_nll)
     losses = sum(weight * LOSSES[name].loss(terms) for name, weight in zip(settings.loss_types, settings.weights))
@@ -404,9 +419,19 @@ def dpo_loss(
     return losses, settings.beta * chosen_rewards.detach(), settings.beta * rejected_rewards.detach()
 
 
-def _pair_terms(chosen: torch.Tensor, rejected: torch.Tensor, ref_chosen: torch.Tensor, ref_rejected: torch.Tensor,
-                settings: LossSettings, chosen_lengths: torch.Tensor | None, rejected_lengths: torch.Tensor | None,
-                chosen_nll: torch.Tensor | None) -> PairTerms:
+def _settings_of(settings: LossSettings | None, options: dict[str, Any]) -> LossSettings:
+    if settings is None:
+        return LossSettings.of(**options)
+    if options:
+        raise TypeError(f"pass either settings or keyword options, not both (got {sorted(options)})")
+    return settings
+
+
+def _pair_terms(chosen: torch.Tensor, rejected: torch.Tensor, ref_chosen: torch.Tensor | None,
+                ref_rejected: torch.Tensor | None, settings: LossSettings, chosen_lengths: torch.Tensor | None,
+                rejected_lengths: torch.Tensor | None, chosen_nll: torch.Tensor | None) -> PairTerms:
+    if settings.reference_free or ref_chosen is None:  # log pi_ref taken as 0
+        ref_chosen, ref_rejected = torch.zeros_like(chosen), torch.zeros_like(rejected)
     chosen_logratios, rejected_logratios = chosen - ref_chosen, rejected - ref_rejected
     score = F_DIVERGENCES[settings.f_divergence_type]
     coef = settings.f_alpha_divergence_coef

@@ -11,7 +11,6 @@ from tqdm.auto import tqdm
 from transformers import ProgressCallback, TrainerCallback
 
 from .logps import sequence_logps
-from .losses import needs_reference
 
 # The held-out figures the command prints and compares (TRL's names) and how they are shown.
 HEADLINE = {"reward accuracy": ("eval_rewards/accuracies", ".4f"), "mean margin": ("eval_rewards/margins", "+.4f"),
@@ -40,7 +39,7 @@ class HeldOutPrinter(TrainerCallback):
         if not state.is_world_process_zero or not metrics or 0 < state.max_steps <= state.global_step:
             return
         when = "before training" if state.global_step == 0 else f"at step {state.global_step}"
-        with_reference = needs_reference(args.loss_type, args.reference_free)  # reference-free rewards start at log p
+        with_reference = args.loss_settings.reads_reference  # reference-free rewards start at log p
         note = "  (the policy starts as the reference: rewards are 0)" if state.global_step == 0 and with_reference \
             else ""
         tqdm.write(f"held-out {when}: {describe(metrics)}{note}")
@@ -301,9 +300,9 @@ def logprob_margins(model: torch.nn.Module, collator: Any, pairs: list[dict[str,
     model.eval()
     batch = collator([{key: pair[key] for key in ("prompt_ids", "chosen_ids", "rejected_ids")} for pair in pairs])
     batch = {key: value.to(model.device) if isinstance(value, torch.Tensor) else value for key, value in batch.items()}
-    halves = sequence_logps(model, batch).split()
+    chosen_logps, rejected_logps = sequence_logps(model, batch).logps.chunk(2)
     model.train(was_training)
-    return (halves.chosen_logps.float() - halves.rejected_logps.float()).tolist()
+    return (chosen_logps.float() - rejected_logps.float()).tolist()
 
 
 def _cell(text: str) -> str:

@@ -26,6 +26,8 @@ from itertools import zip_longest
 from pathlib import Path
 from typing import Any
 
+from .losses import LossSettings
+
 MANIFEST = "dpo_min_run.json"
 STAGING_SUFFIX, BACKUP_SUFFIX, LOCK_SUFFIX = ".partial", ".replaced", ".lock"
 # What a checkpoint needs to resume exactly, beside the model weights: file -> what it restores.
@@ -33,8 +35,8 @@ CHECKPOINT_FILES = {"optimizer.pt": "optimizer", "scheduler.pt": "scheduler", "t
 WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin", "model.safetensors", "pytorch_model.bin",
                 "model.safetensors.index.json", "pytorch_model.bin.index.json")
 # What a resumed run must share with the interrupted one (recorded with the run, compared on resume): the options
-# that decide which pairs it reaches in which order, how each pair is cut, and the loss it trains them with. The
-# pairs themselves are recorded too, as PAIRS_DIGEST (see `pairs_digest`).
+# that decide which pairs it reaches in which order and how each pair is cut, and (`resume_keys`) every config field
+# the loss reads, as LossSettings lists them. The pairs themselves are recorded too, as PAIRS_DIGEST (`pairs_digest`).
 RESUME_SETTINGS = (
     # the order of the pairs
     "per_device_train_batch_size", "gradient_accumulation_steps", "world_size", "max_steps", "num_train_epochs",
@@ -44,9 +46,6 @@ RESUME_SETTINGS = (
     "dataset_mixture", "dataset_mixer", "dataset_splits", "dataset_configs", "test_split_size",
     # truncation
     "max_length", "max_prompt_length", "truncation_mode",
-    # the loss
-    "loss_type", "loss_weights", "beta", "label_smoothing", "reference_free", "ld_alpha", "use_weighting",
-    "discopop_tau", "f_divergence_type", "f_alpha_divergence_coef", "simpo_gamma", "alpha", "cpo_alpha",
 )
 PAIRS_DIGEST = "pairs (sha256)"
 
@@ -185,7 +184,7 @@ class RunFolder:
         return links + [name for name in present if name not in listed and name not in links and name != MANIFEST]
 
     def begin(self, settings: dict[str, Any]) -> None:
-        """Create the staging folder (or reuse the interrupted run's) and record its RESUME_SETTINGS (a resumed run
+        """Create the staging folder (or reuse the interrupted run's) and record its `resume_settings` (a resumed run
         keeps the interrupted run's record)."""
         self.staging.mkdir(exist_ok=True)
         manifest = _read_manifest(self.staging)
@@ -292,11 +291,16 @@ def resolve_checkpoint(resume_from_checkpoint: str | None, staging: Path,
                          + (f" (incomplete: {'; '.join(skipped)})" if skipped else ""))
 
 
+def resume_keys() -> tuple[str, ...]:
+    """RESUME_SETTINGS and the loss's config fields, read now: a loss type added with a field of its own joins."""
+    return (*RESUME_SETTINGS, *LossSettings.config_fields())
+
+
 def resume_settings(*option_sets: Any) -> dict[str, Any]:
-    """The RESUME_SETTINGS of a run, each taken from the first of `option_sets` (data, training options) that has it;
+    """The `resume_keys` of a run, each taken from the first of `option_sets` (data, training options) that has it;
     a dataset file by its absolute path, so that a resume from another working folder names the same file."""
     settings = {}
-    for name in RESUME_SETTINGS:
+    for name in resume_keys():
         value = next((getattr(options, name) for options in option_sets if hasattr(options, name)), None)
         if name == "dataset" and isinstance(value, str) and os.path.exists(value):
             value = os.path.abspath(value)

@@ -45,7 +45,6 @@ from .data import (
     load_preference_dataset,
 )
 from .layouts import LayoutOptions
-from .losses import needs_reference
 from .mixtures import Mixture, handbook_mixture, legacy_mixer, trl_mixture
 from .models import load_model_and_tokenizer, quantization_config
 from .report import (
@@ -110,7 +109,7 @@ def load_model(model_args: ModelArguments, args: DPOMinConfig) -> tuple[Any, Any
         model, tokenizer = load_model_and_tokenizer(model_args.model, dtype, **init_kwargs)
         reference = None
         if (zero.zero_stage(args) == 3 and not model_args.use_peft and not args.precompute_ref_log_probs
-                and needs_reference(args.loss_type, args.reference_free)):
+                and args.loss_settings.reads_reference):
             # Full fine-tuning under ZeRO-3 (the handbook's zero3.yaml): the weights are partitioned as they load,
             # so the reference cannot be a copy of the policy; it is loaded again, as the handbook's dpo.py does.
             reference, _ = load_model_and_tokenizer(model_args.model, dtype, **init_kwargs)
@@ -405,7 +404,7 @@ def run(trainer: DPOMinTrainer, model_args: ModelArguments, data_args: DataArgum
     reference_margins = logprob_margins(model, trainer.data_collator, sample_pairs) if is_main else []
     # Without a measured step 0, a run that starts at its reference states the figures it has by definition.
     ties = (held_out is not None and not args.eval_on_start and not args.resume_from_checkpoint
-            and needs_reference(args.loss_type, args.reference_free))
+            and args.loss_settings.reads_reference)
     if ties:
         say(describe_ties(len(trainer.eval_dataset), args.loss_type))
     completions = CompletionLogger(staging / "samples.jsonl", tokenizer, prompts, reference_texts,

@@ -22,8 +22,8 @@ from . import trainer_setup as phases
 from .collator import NON_MODEL_KEYS
 from .compat import trl_hub_tags
 from .config import DPOMinConfig
-from .data import is_tokenized, tokenize_dataset
-from .logps import ChosenRejected, SequenceLogps, computed_tokens, sequence_logps
+from .data import REFERENCE_COLUMNS, is_tokenized, tokenize_dataset
+from .logps import SequenceLogps, computed_tokens, sequence_logps
 from .losses import dpo_loss
 from .offload import OffloadActivations
 from .reference import ModelReference, Reference, SyncReferenceCallback, choose_reference
@@ -192,7 +192,7 @@ class DPOMinTrainer(Trainer):
         bar = tqdm(loader, desc="reference log-probs", unit="batch", leave=False,
                    disable=self.args.disable_tqdm or not self.is_local_process_zero())
         for batch in bar:
-            ref = self.accelerator.gather_for_metrics(self._reference_halves(batch))
+            ref = self.accelerator.gather_for_metrics(self._reference_sequence_logps(batch).chunk(2))
             chosen.append(ref[0].float().cpu())
             rejected.append(ref[1].float().cpu())
         self.model.train(was_training)
@@ -235,44 +235,45 @@ class DPOMinTrainer(Trainer):
 
     # ---- loss ---------------------------------------------------------------------------------------------------
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        args, settings = self.args, self.args.loss_settings
-        offload = args.activation_offloading and model.training and torch.is_grad_enabled()
+        settings = self.args.loss_settings
+        offload = self.args.activation_offloading and model.training and torch.is_grad_enabled()
         with OffloadActivations(model) if offload else contextlib.nullcontext():
-            policy = sequence_logps(model, inputs, with_sum_sq_probs=args.use_weighting,
-                                    with_aux_loss=self.router_aux_loss_coef != 0.0).split(args.ld_alpha,
-                                                                                          args.use_weighting)
-        reference = self._reference_halves(inputs) if settings.reads_reference else (None, None)
+            policy = sequence_logps(model, inputs, with_sum_sq_probs=settings.use_weighting,
+                                    with_aux_loss=self.aux_loss_enabled)
+        # Each [2B] per-sequence value holds the B chosen completions, then the B rejected ones: chunk(2) splits it.
+        chosen_logps, rejected_logps = policy.ld_dpo_logps(settings.ld_alpha).chunk(2)
+        ref_chosen_logps, ref_rejected_logps = self._reference_sequence_logps(inputs).chunk(2) \
+            if settings.reads_reference else (None, None)
+        chosen_lengths, rejected_lengths = policy.token_counts.chunk(2)
+        pair_weights = policy.wpo_weights() if settings.use_weighting else None
         losses, chosen_rewards, rejected_rewards = dpo_loss(
-            policy.chosen_logps, policy.rejected_logps, *reference, settings, chosen_lengths=policy.chosen_lengths,
-            rejected_lengths=policy.rejected_lengths, chosen_nll=policy.chosen_nll, pair_weights=policy.pair_weights)
+            chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, settings, chosen_lengths=chosen_lengths,
+            rejected_lengths=rejected_lengths, chosen_nll=-policy.logps.chunk(2)[0], pair_weights=pair_weights)
         loss = losses.mean()
         if policy.aux_loss is not None:
             loss = loss + self.router_aux_loss_coef * policy.aux_loss
         if not torch.isfinite(loss):
-            self._raise_non_finite(loss, policy.chosen_logps, policy.rejected_logps, *reference)
-        self._record_metrics(policy, chosen_rewards, rejected_rewards, reference, inputs)
+            self._raise_non_finite(loss, chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps)
+        self._record_metrics(policy, (chosen_logps, rejected_logps), (chosen_rewards, rejected_rewards),
+                             (ref_chosen_logps, ref_rejected_logps), inputs)
         if return_outputs:
             return loss, {"chosen_rewards": chosen_rewards, "rejected_rewards": rejected_rewards}
         return loss
 
-    def _reference_halves(self, inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """[B] chosen and rejected reference log-probs of a batch: its precomputed columns, or one forward."""
-        if "ref_chosen_logps" in inputs:
-            return inputs["ref_chosen_logps"], inputs["ref_rejected_logps"]
-        reference = self.reference_logps(inputs).split(self.args.ld_alpha)
-        return reference.chosen_logps, reference.rejected_logps
+    def _reference_sequence_logps(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        """[2B] reference log-probs of a batch, chosen first: its precomputed columns, or one forward, LD-DPO
+        weighted as the policy's."""
+        if REFERENCE_COLUMNS[0] in inputs:
+            return torch.cat([inputs[name] for name in REFERENCE_COLUMNS])
+        return self.reference_logps(inputs).ld_dpo_logps(self.args.ld_alpha)
 
-    def _record_metrics(self, policy: ChosenRejected, chosen_rewards: torch.Tensor, rejected_rewards: torch.Tensor,
-                        reference: tuple[torch.Tensor | None, torch.Tensor | None],
+    def _record_metrics(self, policy: SequenceLogps, logps: tuple, rewards: tuple, reference: tuple,
                         inputs: dict[str, torch.Tensor]) -> None:
+        """`logps`, `rewards`, `reference`: (chosen, rejected) [B] halves; the reference's are None without one."""
         mode = "train" if self.model.training else "eval"
-        chosen_logps, rejected_logps = policy.chosen_logps.detach(), policy.rejected_logps.detach()
-        per_pair = {"chosen_rewards": chosen_rewards, "rejected_rewards": rejected_rewards,
-                    "chosen_logps": chosen_logps, "rejected_logps": rejected_logps,
-                    "chosen_logits": policy.chosen_logits_sums, "rejected_logits": policy.rejected_logits_sums,
-                    "chosen_tokens": policy.chosen_lengths, "rejected_tokens": policy.rejected_lengths,
-                    "chosen_entropy": policy.chosen_entropy_sums, "rejected_entropy": policy.rejected_entropy_sums,
-                    "chosen_top1": policy.chosen_top1}
+        chosen_logps, rejected_logps = logps[0].detach(), logps[1].detach()
+        per_pair = {"chosen_rewards": rewards[0], "rejected_rewards": rewards[1], "chosen_logps": chosen_logps,
+                    "rejected_logps": rejected_logps, **policy.metric_halves()}
         if reference[0] is not None:
             per_pair |= {"chosen_drift": chosen_logps - reference[0], "rejected_drift": rejected_logps - reference[1]}
         # Only per-pair [B] tensors go through gather_for_metrics: it trims the last batch to the dataset's length.
@@ -319,8 +320,7 @@ class DPOMinTrainer(Trainer):
     def _set_signature_columns_if_needed(self) -> None:
         # The columns the collator reads, so that remove_unused_columns=True (TRL's default) keeps them, as TRL does.
         if self._signature_columns is None:
-            self._signature_columns = ["prompt_ids", "chosen_ids", "rejected_ids", "ref_chosen_logps",
-                                       "ref_rejected_logps"]
+            self._signature_columns = ["prompt_ids", "chosen_ids", "rejected_ids", *REFERENCE_COLUMNS]
 
     def create_model_card(self, model_name: str | None = None, dataset_name: str | None = None,
                           tags: str | list[str] | None = None, **kwargs: Any) -> None:

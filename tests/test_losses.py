@@ -7,6 +7,7 @@ from conftest import tiny_llama
 
 from dpo_min import DPOMinConfig, DPOMinTrainer, dpo_loss
 from dpo_min.losses import LOSSES, Knob, LossEntry, LossSettings
+from dpo_min.run_dir import OutputDirError, RunFolder, check_same_run, resume_settings
 
 
 def t(*values):
@@ -123,11 +124,17 @@ def test_a_loss_type_with_a_new_hyperparameter_is_one_entry_and_one_field(monkey
     common = {"output_dir": str(tmp_path), "report_to": "none", "use_cpu": True, "loss_type": "margin_hinge"}
     with pytest.raises(ValueError, match=r"loss_type 'margin_hinge' needs margin > 0, got -1.0"):
         MarginConfig(**common, margin=-1.0)
-    args = MarginConfig(**common, margin=3.0, beta=0.5, max_steps=1, per_device_train_batch_size=2, logging_steps=1,
-                        save_strategy="no", disable_tqdm=True)
+    run = {"beta": 0.5, "max_steps": 1, "per_device_train_batch_size": 2, "logging_steps": 1, "save_strategy": "no",
+           "disable_tqdm": True}
+    args = MarginConfig(**common, **run, margin=3.0)
     # By hand: D = (-10 - -11) - (-12 - -11) = 2, so max(0, 3 - 0.5 * 2) = 2.
     losses, _, _ = dpo_loss(t(-10.0), t(-12.0), t(-11.0), t(-11.0), args.loss_settings)
     assert losses.item() == pytest.approx(2.0, abs=1e-12)
+    # Resume knows the new field too: a run recorded with margin 3 is not resumed with margin 2.
+    folder = RunFolder(tmp_path / "run")
+    folder.begin(resume_settings(args))
+    with pytest.raises(OutputDirError, match=r"other settings \(margin 3.0 -> 2.0\)"):
+        check_same_run(str(folder.staging / "checkpoint-1"), resume_settings(MarginConfig(**common, **run, margin=2.0)))
     trainer = DPOMinTrainer(tiny_llama(), args=args, train_dataset=hh_pairs.select(range(2)),
                             processing_class=tokenizer)
     trainer.train()

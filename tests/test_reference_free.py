@@ -6,9 +6,13 @@ from peft import LoraConfig, get_peft_model
 from transformers import LlamaForCausalLM
 
 from dpo_min import DPOMinConfig, DPOMinTrainer
-from dpo_min.losses import needs_reference
+from dpo_min.losses import LossSettings
 
 STEPS = 2
+
+
+def needs_reference(loss_type, reference_free=False):  # asked of the settings, as the trainer asks
+    return LossSettings.of(loss_type, reference_free=reference_free).reads_reference
 
 
 def settings(tmp_path, **overrides):
