@@ -420,6 +420,10 @@ def dpo_loss(
 
 
 def _settings_of(settings: LossSettings | None, options: dict[str, Any]) -> LossSettings:
+    shaping = sorted({"ld_alpha", "use_weighting"} & set(options))
+    if shaping:  # they act on the inputs; taken here they would change nothing, silently
+        raise TypeError(f"dpo_loss does not apply {shaping}: pass LD-DPO's log-probs (SequenceLogps.ld_dpo_logps) "
+                        "and WPO's pair_weights (SequenceLogps.wpo_weights) instead")
     if settings is None:
         return LossSettings.of(**options)
     if options:

@@ -92,6 +92,13 @@ def test_unknown_loss_type_lists_the_choices():
         dpo_loss(t(-1.0), t(-2.0), t(-1.0), t(-2.0), loss_type="dpo")
 
 
+@pytest.mark.parametrize("option", [{"ld_alpha": 0.5}, {"use_weighting": True}])
+def test_options_that_shape_the_inputs_are_refused_by_the_loss(option):
+    # LD-DPO and WPO act on the log-probs and pair weights given to dpo_loss; accepted here they would do nothing.
+    with pytest.raises(TypeError, match=next(iter(option))):
+        dpo_loss(t(-1.0), t(-2.0), t(-1.0), t(-2.0), **option)
+
+
 def test_length_normalised_losses_need_lengths():
     with pytest.raises(ValueError, match="chosen_lengths"):
         dpo_loss(t(-1.0), t(-2.0), t(-1.0), t(-2.0), loss_type="ipo")
