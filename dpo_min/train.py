@@ -427,7 +427,8 @@ def run(trainer: DPOMinTrainer, model_args: ModelArguments, data_args: DataArgum
     policy_margins = logprob_margins(model, trainer.data_collator, sample_pairs)
     samples = format_samples(prompts, reference_texts, completions.latest, list(zip(reference_margins, policy_margins)))
     repo_id = hub_repo_id(output_dir, args.hub_model_id)
-    (staging / "README.md").write_text(run_card(model_args, args, metrics, sources, repo_id))
+    (staging / "README.md").write_text(run_card(model_args, args, metrics, sources, repo_id,
+                                                trainer.reference.description))
     folder.publish()  # the folder resolved and locked at the start, wherever a link may point by now
     _say_results(say, len(prompts), samples, after, completions.latest)
     say(f"wrote {', '.join(sorted(path.name for path in folder.output_dir.iterdir()))} to {output_dir} "
@@ -495,15 +496,16 @@ def _check_push(repo_id: str, token: str | None) -> None:
 
 
 def run_card(model_args: ModelArguments, args: DPOMinConfig, metrics: dict[str, Any], sources: dict[str, Any],
-             repo_id: str) -> str:
-    """The model card of this run, for what it saved: an adapter, a merged model or a fully fine-tuned one."""
+             repo_id: str, reference: str) -> str:
+    """The model card of this run, for what it saved (an adapter, a merged model or a fully fine-tuned one) and
+    against what: `reference`, the trainer's description of its reference."""
     kind = "full" if not model_args.use_peft else "merged" if model_args.merge_adapter else "adapter"
     lora = {"r": model_args.lora_r, "alpha": model_args.lora_alpha, "dropout": model_args.lora_dropout,
             "target_modules": ", ".join(model_args.lora_target_modules), "use_rslora": model_args.use_rslora,
             "use_dora": model_args.use_dora} if model_args.use_peft else None
     return model_card(model=model_args.model, kind=kind, datasets=sources,
                       train_pairs=metrics["train_pairs"], held_out_pairs=metrics["held_out_pairs"], args=args,
-                      lora=lora, before=metrics["before"], after=metrics["after"], repo_id=repo_id)
+                      reference=reference, lora=lora, before=metrics["before"], after=metrics["after"], repo_id=repo_id)
 
 
 def cli() -> None:
