@@ -1,6 +1,7 @@
 """The model card dpo_min writes, and the push to the Hub (the upload replaced by a recorder: no network)."""
 
 import json
+import logging
 import os
 from types import SimpleNamespace
 
@@ -156,3 +157,38 @@ def test_a_failed_push_after_publishing_is_one_line_and_the_run_stays(tmp_path, 
                          f"is safe in {output_dir}: upload it with `hf upload my-dpo {output_dir}`")
     assert json.loads((output_dir / "dpo_min_run.json").read_text())["complete"] is True
     assert (output_dir / "adapter_model.safetensors").exists()
+
+
+def test_a_hub_token_is_used_for_the_push_and_written_nowhere(tmp_path, tiny_model_dir, monkeypatch, capsys, caplog):
+    # Trainer pickles the whole TrainingArguments into training_args.bin (the folder and every checkpoint), which
+    # the push uploads: the token must reach the Hub client and no file, log or TensorBoard event.
+    token, used = "hf_dpoMinSecret0123456789abcdef", []
+
+    class RecordingApi:
+        def __init__(self, token=None):
+            used.append(token)
+
+        def whoami(self):
+            return {"name": "me"}
+
+        def create_repo(self, repo_id, private=None, exist_ok=False):
+            return SimpleNamespace(repo_id=repo_id, url=f"https://huggingface.co/{repo_id}")
+
+        def upload_folder(self, repo_id, folder_path, **kwargs):
+            pass
+
+    monkeypatch.setattr(huggingface_hub, "HfApi", RecordingApi)
+    caplog.set_level(logging.DEBUG)
+    data_file = write_hh_rows(tmp_path / "pairs.jsonl", 12)
+    output_dir = tmp_path / "my-dpo"
+    assert main(tiny_args(tiny_model_dir, data_file, output_dir, "--push_to_hub", "--hub_token", token,
+                          "--save_strategy", "steps", "--save_steps", "1", "--report_to", "tensorboard")) == 0
+    assert used and set(used) == {token}  # the check before the run and the push both had it
+    files = [path for path in output_dir.rglob("*") if path.is_file()]
+    written = {str(path.relative_to(output_dir)) for path in files}
+    assert {"training_args.bin", "checkpoint-1/training_args.bin", "checkpoint-2/training_args.bin",
+            "dpo_min_run.json", "README.md"} <= written
+    assert any("tfevents" in name for name in written)
+    assert [path for path in files if token.encode() in path.read_bytes()] == []
+    captured = capsys.readouterr()
+    assert token not in captured.out + captured.err + caplog.text
