@@ -14,6 +14,7 @@ import sys
 import time
 import warnings
 from collections import Counter
+from contextlib import suppress
 from pathlib import Path
 from typing import Any
 
@@ -308,6 +309,31 @@ def _load_mixture(data_args: DataArguments, seed: int, num_proc: int | None) -> 
     return mixture
 
 
+def _local_data(data_args: DataArguments) -> list[tuple[str, str]]:
+    """The local files and folders the run reads, each with the option that names it: --dataset, and each mixture
+    entry's path (TRL), id (handbook), name (legacy mixer) and data_files. A name that is no path here is a hub
+    dataset's; a mixture that does not parse is said where the mixture is read."""
+    named = [("--dataset", data_args.dataset)]
+    for key in MIXTURE_KEYS:
+        value = getattr(data_args, key)
+        if value is None:
+            continue
+        with suppress(UsageError):
+            value = _mapping_or_list(value, key)
+        if key == "dataset_mixer" and isinstance(value, dict):
+            named += [(key, name) for name in value]
+        entries = value.get("datasets") if key == "dataset_mixture" and isinstance(value, dict) else value
+        for position, entry in enumerate(entries if isinstance(entries, list) else []):
+            if not isinstance(entry, dict):
+                continue
+            where = f"{key}[{position}]" if key == "datasets" else f"{key}.datasets[{position}]"
+            named += [(f"{where}.{field}", entry.get(field)) for field in ("path", "id")]
+            files = entry.get("data_files")
+            for group in files.values() if isinstance(files, dict) else [files]:
+                named += [(f"{where}.data_files", name) for name in (group if isinstance(group, list) else [group])]
+    return [(option, name) for option, name in named if isinstance(name, str) and os.path.exists(name)]
+
+
 def _mapping_or_list(value: Any, name: str) -> Any:
     """A recipe's value as it is; a flag's, JSON."""
     if not isinstance(value, str):
@@ -331,6 +357,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         model_args, data_args, args = parse_args(argv)
         folder = RunFolder(args.output_dir)  # follows links once; refuses the working folder or above it
+        folder.check_apart_from(_local_data(data_args))  # before the lock: a refusal writes nothing
         is_main = args.process_index == 0
         if is_main:  # the other processes of a run neither lock nor look: the main one may have made the folder
             folder.lock()

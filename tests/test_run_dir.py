@@ -356,3 +356,58 @@ def test_a_dangling_link_is_one_line_before_any_work(tmp_path, capsys):
     assert (f"--output_dir {tmp_path / 'latest'} is a symbolic link to {tmp_path / 'run-2'}, which does not exist"
             in one_error_line(capsys))
     assert sorted(os.listdir(tmp_path)) == ["latest"]  # no folder, staging or lock made through it
+
+
+# ---- a run never reads its own output as data (issue 25) -----------------------------------------------------------
+def data_options(tmp_path: Path, form: str, data: Path) -> list[str]:
+    """`data` named by --dataset or by a recipe's mixture in the given form."""
+    if form == "--dataset":
+        return ["--dataset", str(data)]
+    text = {"datasets": f"datasets:\n- path: {data}\n",
+            "datasets.data_files": f"datasets:\n- path: json\n  data_files: {{train: [{data}]}}\n",
+            "dataset_mixture": f"dataset_mixture:\n  datasets:\n  - id: {data}\n",
+            "dataset_mixer": f"dataset_mixer:\n  {data}: 1.0\n"}[form]
+    (tmp_path / "recipe.yaml").write_text(text)
+    return ["--config", str(tmp_path / "recipe.yaml")]
+
+
+@pytest.mark.parametrize("form", ["--dataset", "datasets", "dataset_mixture", "dataset_mixer"])
+def test_an_output_folder_inside_a_dataset_folder_is_refused_before_anything_is_written(tmp_path, capsys, form):
+    data = tmp_path / "data"
+    data.mkdir()
+    write_hh_rows(data / "pairs.jsonl", 4)
+    given = data_options(tmp_path, form, data)
+    output_dir = data / "runs" / "a"  # nested: the parents the lock would make count as written too
+    before = sorted(os.listdir(tmp_path))
+    # No model exists: a run that got past the check would fail on it instead.
+    code = main(["--model", str(tmp_path / "no-model"), *given, "--output_dir", str(output_dir), *RUNNABLE])
+    assert code == 2
+    option = {"--dataset": "--dataset", "datasets": "datasets[0].path", "dataset_mixture":
+              "dataset_mixture.datasets[0].id", "dataset_mixer": "dataset_mixer"}[form]
+    assert one_error_line(capsys) == (f"python -m dpo_min.train: error: --output_dir {output_dir} is inside the "
+                                      f"dataset folder {data} ({option}): a later run on that folder would read "
+                                      "this run's files as data; write the run elsewhere")
+    assert sorted(os.listdir(data)) == ["pairs.jsonl"] and sorted(os.listdir(tmp_path)) == before
+
+
+@pytest.mark.parametrize("form", ["--dataset", "datasets.data_files", "dataset_mixer"])
+def test_a_dataset_inside_the_output_folder_is_refused_before_anything_is_written(tmp_path, capsys, form):
+    output_dir = write_run(tmp_path / "a", {"samples.jsonl": "{}\n"})  # an earlier run's own file, as data
+    data = output_dir / "samples.jsonl"
+    given = data_options(tmp_path, form, data)
+    earlier, before = tree(output_dir), sorted(os.listdir(tmp_path))
+    code = main(["--model", str(tmp_path / "no-model"), *given, "--output_dir", str(output_dir), *RUNNABLE])
+    assert code == 2
+    option = {"--dataset": "--dataset", "datasets.data_files": "datasets[0].data_files",
+              "dataset_mixer": "dataset_mixer"}[form]
+    assert f"{option} {data} is inside --output_dir {output_dir}, which the run replaces" in one_error_line(capsys)
+    assert tree(output_dir) == earlier and sorted(os.listdir(tmp_path)) == before
+
+
+def test_a_dataset_beside_the_output_folder_is_not_refused(tmp_path):
+    data = write_hh_rows(tmp_path / "pairs.jsonl", 4)
+    RunFolder(tmp_path / "runs" / "a").check_apart_from([("--dataset", str(data)), ("--dataset", str(tmp_path / "d"))])
+    # ... while the same folder named through a link is seen for what it is
+    (tmp_path / "link").symlink_to(tmp_path)
+    with pytest.raises(OutputDirError, match="inside the dataset folder"):
+        RunFolder(tmp_path / "runs" / "a").check_apart_from([("--dataset", str(tmp_path / "link"))])
