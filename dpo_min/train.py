@@ -5,6 +5,7 @@ embedded HH-RLHF pairs, in a few minutes on a CPU. Read top to bottom, `main` is
 parse -> data -> model -> trainer -> samples and evaluation before -> train -> evaluation and samples after -> save.
 """
 
+import errno
 import json
 import logging
 import math
@@ -12,9 +13,11 @@ import os
 import signal
 import sys
 import time
+import traceback
 import warnings
 from collections import Counter
-from contextlib import suppress
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +51,7 @@ from .data import (
 from .layouts import LayoutOptions
 from .losses import needs_reference
 from .mixtures import Mixture, handbook_mixture, legacy_mixer, trl_mixture
-from .models import load_model_and_tokenizer, quantization_config
+from .models import cache_dir, load_model_and_tokenizer, quantization_config
 from .report import (
     CompletionLogger,
     HeldOutPrinter,
@@ -66,6 +69,7 @@ from .report import (
     tie_figures,
 )
 from .run_dir import (
+    MANIFEST,
     PAIRS_DIGEST,
     OutputDirError,
     RunFolder,
@@ -86,9 +90,44 @@ logger = logging.getLogger("dpo_min.data")  # shown on stdout by _show_data_log
 
 
 class InputError(Exception):
-    """A model or data set that cannot be used: one line on stderr, exit code 1."""
+    """A model or data set that cannot be used, or a disk that cannot hold the run: one line on stderr, exit code 1."""
 
     exit_code = 1
+
+
+@contextmanager
+def _writing(target: str | Callable[[BaseException], str]) -> Iterator[None]:
+    """A full disk while writing `target` ("what to where", or `target(error)`) is one line naming it (InputError),
+    not safetensors' or torch's traceback. The caller's except clause then discards the staging folder as for any
+    failure."""
+    try:
+        yield
+    except Exception as error:
+        text = str(error)
+        full = (isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT)) or any(
+            sign in text for sign in ("No space left on device", "Disk quota exceeded", "os error 28"))
+        # torch's zip writer says only "unexpected pos N vs M" (or "file write failed") when a write comes up short.
+        short_write = "PytorchStreamWriter" in text or "unexpected pos" in text
+        if not (full or short_write):
+            raise
+        where = target(error) if callable(target) else target
+        if full:
+            raise InputError(f"no space left on device writing {where}") from None
+        raise InputError(f"could not write {where} ({text.strip().splitlines()[0]}): is the disk full?") from None
+
+
+def _in_training(trainer: DPOMinTrainer, staging: Path) -> Callable[[BaseException], str]:
+    """What a write that failed inside train() was writing, from the functions the error passed through: a
+    checkpoint (the trainer has removed the cut one), the reference log-prob cache, else the samples or TensorBoard
+    events."""
+    def target(error: BaseException) -> str:
+        passed = {frame.f_code.co_name for frame, _ in traceback.walk_tb(error.__traceback__)}
+        if "_save_checkpoint" in passed:
+            return f"checkpoint-{trainer.state.global_step} to {staging}"
+        if "_with_reference_logps" in passed:
+            return f"the reference log-probs to their cache ({cache_dir() / 'ref_logps'})"
+        return f"the samples or TensorBoard events to {staging}"
+    return target
 
 
 # ---- model and data -------------------------------------------------------------------------------------------------
@@ -439,9 +478,11 @@ def run(trainer: DPOMinTrainer, model_args: ModelArguments, data_args: DataArgum
     trainer.add_callback(completions)
     # The evaluation before training runs inside train() (eval_on_start): an evaluate() ahead of train() would leave
     # the model without its DDP wrapper, and several processes would then train apart, never syncing gradients.
-    train_metrics = trainer.train(resume_from_checkpoint=args.resume_from_checkpoint).metrics
+    with _writing(_in_training(trainer, staging)):
+        train_metrics = trainer.train(resume_from_checkpoint=args.resume_from_checkpoint).metrics
     before, after = _held_out_before_after(trainer, held_out is not None, ties, say)
-    model = _save_weights(trainer, model_args.merge_adapter and model_args.use_peft, staging, is_main)
+    with _writing(f"the final weights to {staging}"):
+        model = _save_weights(trainer, model_args.merge_adapter and model_args.use_peft, staging, is_main)
     if not is_main:
         return
 
@@ -449,14 +490,18 @@ def run(trainer: DPOMinTrainer, model_args: ModelArguments, data_args: DataArgum
     metrics = {"model": str(model.name_or_path), "train_pairs": train_pairs,
                "held_out_pairs": 0 if held_out is None else len(trainer.eval_dataset), "before": before,
                "after": after, "train": train_metrics, "wall_time_s": round(wall_time, 1)}
-    (staging / "metrics.json").write_text(json.dumps(metrics, indent=2, allow_nan=True) + "\n")
-    plot_training(trainer.state.log_history, staging / "training_curves.png")
+    with _writing(f"metrics.json to {staging}"):
+        (staging / "metrics.json").write_text(json.dumps(metrics, indent=2, allow_nan=True) + "\n")
+    with _writing(f"training_curves.png to {staging}"):
+        plot_training(trainer.state.log_history, staging / "training_curves.png")
     policy_margins = logprob_margins(model, trainer.data_collator, sample_pairs)
     samples = format_samples(prompts, reference_texts, completions.latest, list(zip(reference_margins, policy_margins)))
     repo_id = hub_repo_id(output_dir, args.hub_model_id)
-    (staging / "README.md").write_text(run_card(model_args, args, metrics, sources, repo_id,
-                                                trainer.reference.description))
-    folder.publish()  # the folder resolved and locked at the start, wherever a link may point by now
+    card = run_card(model_args, args, metrics, sources, repo_id, trainer.reference.description)
+    with _writing(f"README.md to {staging}"):
+        (staging / "README.md").write_text(card)
+    with _writing(f"{MANIFEST} to {staging}"):
+        folder.publish()  # the folder resolved and locked at the start, wherever a link may point by now
     _say_results(say, len(prompts), samples, after, completions.latest)
     say(f"wrote {', '.join(sorted(path.name for path in folder.output_dir.iterdir()))} to {output_dir} "
         f"in {wall_time:.0f} s")
