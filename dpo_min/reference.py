@@ -69,9 +69,13 @@ def _add_adapter_copy(model: "PeftModel", name: str) -> str:
 class Reference:
     """No reference: the loss reads none. The base of every kind; each overrides what it has."""
 
-    description = "none (the loss reads no reference)"
+    description = "none (the loss reads no reference)"  # one line, for the log and the model card
     model: torch.nn.Module | None = None  # a separate reference model (prepared for the run), if any
     adapter: str | None = None  # the name of a reference adapter of the policy, if any
+
+    def __init__(self, description: str | None = None):
+        if description is not None:
+            self.description = description
 
     @contextlib.contextmanager
     def computing(self, policy: torch.nn.Module) -> Iterator[torch.nn.Module]:
@@ -115,7 +119,7 @@ class Reference:
 class ModelReference(Reference):
     """A separate frozen model: `ref_model`, or a copy of the model for full fine-tuning."""
 
-    def __init__(self, model: torch.nn.Module, description: str = "ref_model"):
+    def __init__(self, model: torch.nn.Module, description: str = "ref_model, a separate frozen model"):
         self.module = self.model = model
         self.description = description
 
@@ -160,7 +164,7 @@ class PolicyReference(Reference):
 class AdapterOff(Reference):
     """A PEFT model with its adapter disabled: the base model."""
 
-    description = "the model with its adapter disabled"
+    description = "the base model (the adapter disabled)"
     cache_name = "adapter disabled"
 
     @contextlib.contextmanager
@@ -257,9 +261,10 @@ def choose_reference(model: Any, ref_model: Any, args: Any, peft_config: Any,
     """The model (wrapped in `peft_config`, if given) and its reference, checked against TR-DPO's needs."""
     model, wrapped = _set_up_adapters(model, args, ref_model, peft_config)
     if not reads_reference:  # a ref_model given to such a loss is not kept
-        reference = Reference()
+        why = "reference_free" if args.reference_free else f"loss_type {', '.join(args.loss_type)}"
+        reference = Reference(f"none ({why}: the loss reads no reference)")
     elif ref_model is not None:
-        reference = ModelReference(ref_model.eval().requires_grad_(False))
+        reference = ModelReference(ref_model.eval().requires_grad_(False), _given_reference(ref_model, model))
     elif is_peft(model):
         reference = _peft_reference(model, args, wrapped)
     elif args.precompute_ref_log_probs:
@@ -271,4 +276,15 @@ def choose_reference(model: Any, ref_model: Any, args: Any, peft_config: Any,
         reference = ModelReference(copy.deepcopy(model).eval().requires_grad_(False), "a frozen copy of the model")
     if args.sync_ref_model:
         reference.check_sync(model)
+    if args.precompute_ref_log_probs and reads_reference and not reference.fixed_before_training():
+        reference.description += ", log-probs precomputed"
     return model, reference
+
+
+def _given_reference(ref_model: Any, model: Any) -> str:
+    """ref_model by its name; the same name as the policy's is the base model loaded again (the command does so
+    for full fine-tuning under ZeRO-3, where the partitioned policy cannot be copied)."""
+    name = getattr(ref_model, "name_or_path", "") or ""
+    if name and name == getattr(model, "name_or_path", None):
+        return f"the base model loaded a second time as ref_model ({name}), frozen"
+    return f"ref_model {name}, a separate frozen model" if name else "ref_model, a separate frozen model"

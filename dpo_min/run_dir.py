@@ -20,7 +20,7 @@ import signal
 import sys
 import threading
 import zipfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager, suppress
 from itertools import zip_longest
 from pathlib import Path
@@ -85,6 +85,22 @@ class RunFolder:
                                  "folder for the run")
         if self.output_dir.exists() and not self.output_dir.is_dir():
             raise OutputDirError(f"--output_dir {self.named} is a file")
+
+    def check_apart_from(self, data: Iterable[tuple[str, str]]) -> None:
+        """Refuse a run whose output would become its data, before anything is written: an output folder inside a
+        dataset folder (a later run on that folder reads the run's files, training_curves.png included), or a
+        dataset inside the output folder or its staging sibling (the publish replaces it). `data`: (the option
+        that names it, a local file or folder)."""
+        mine = [path.resolve() for path in (self.output_dir, self.staging)]
+        for option, name in data:
+            source = Path(name).resolve()
+            if source.is_dir() and mine[0].is_relative_to(source):
+                raise OutputDirError(f"--output_dir {self.shown} is inside the dataset folder {name} ({option}): "
+                                     "a later run on that folder would read this run's files as data; write the "
+                                     "run elsewhere")
+            if any(source.is_relative_to(folder) for folder in mine):
+                raise OutputDirError(f"{option} {name} is inside --output_dir {self.shown}, which the run replaces; "
+                                     "move the data or write the run elsewhere")
 
     @property
     def shown(self) -> str:

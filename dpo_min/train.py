@@ -5,6 +5,7 @@ embedded HH-RLHF pairs, in a few minutes on a CPU. Read top to bottom, `main` is
 parse -> data -> model -> trainer -> samples and evaluation before -> train -> evaluation and samples after -> save.
 """
 
+import errno
 import json
 import logging
 import math
@@ -12,8 +13,11 @@ import os
 import signal
 import sys
 import time
+import traceback
 import warnings
 from collections import Counter
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +50,7 @@ from .data import (
 )
 from .layouts import LayoutOptions
 from .mixtures import Mixture, handbook_mixture, legacy_mixer, trl_mixture
-from .models import load_model_and_tokenizer, quantization_config
+from .models import cache_dir, load_model_and_tokenizer, quantization_config
 from .report import (
     CompletionLogger,
     HeldOutPrinter,
@@ -64,6 +68,7 @@ from .report import (
     tie_figures,
 )
 from .run_dir import (
+    MANIFEST,
     PAIRS_DIGEST,
     OutputDirError,
     RunFolder,
@@ -84,9 +89,44 @@ logger = logging.getLogger("dpo_min.data")  # shown on stdout by _show_data_log
 
 
 class InputError(Exception):
-    """A model or data set that cannot be used: one line on stderr, exit code 1."""
+    """A model or data set that cannot be used, or a disk that cannot hold the run: one line on stderr, exit code 1."""
 
     exit_code = 1
+
+
+@contextmanager
+def _writing(target: str | Callable[[BaseException], str]) -> Iterator[None]:
+    """A full disk while writing `target` ("what to where", or `target(error)`) is one line naming it (InputError),
+    not safetensors' or torch's traceback. The caller's except clause then discards the staging folder as for any
+    failure."""
+    try:
+        yield
+    except Exception as error:
+        text = str(error)
+        full = (isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT)) or any(
+            sign in text for sign in ("No space left on device", "Disk quota exceeded", "os error 28"))
+        # torch's zip writer says only "unexpected pos N vs M" (or "file write failed") when a write comes up short.
+        short_write = "PytorchStreamWriter" in text or "unexpected pos" in text
+        if not (full or short_write):
+            raise
+        where = target(error) if callable(target) else target
+        if full:
+            raise InputError(f"no space left on device writing {where}") from None
+        raise InputError(f"could not write {where} ({text.strip().splitlines()[0]}): is the disk full?") from None
+
+
+def _in_training(trainer: DPOMinTrainer, staging: Path) -> Callable[[BaseException], str]:
+    """What a write that failed inside train() was writing, from the functions the error passed through: a
+    checkpoint (the trainer has removed the cut one), the reference log-prob cache, else the samples or TensorBoard
+    events."""
+    def target(error: BaseException) -> str:
+        passed = {frame.f_code.co_name for frame, _ in traceback.walk_tb(error.__traceback__)}
+        if "_save_checkpoint" in passed:
+            return f"checkpoint-{trainer.state.global_step} to {staging}"
+        if "_with_reference_logps" in passed:
+            return f"the reference log-probs to their cache ({cache_dir() / 'ref_logps'})"
+        return f"the samples or TensorBoard events to {staging}"
+    return target
 
 
 # ---- model and data -------------------------------------------------------------------------------------------------
@@ -308,6 +348,31 @@ def _load_mixture(data_args: DataArguments, seed: int, num_proc: int | None) -> 
     return mixture
 
 
+def _local_data(data_args: DataArguments) -> list[tuple[str, str]]:
+    """The local files and folders the run reads, each with the option that names it: --dataset, and each mixture
+    entry's path (TRL), id (handbook), name (legacy mixer) and data_files. A name that is no path here is a hub
+    dataset's; a mixture that does not parse is said where the mixture is read."""
+    named = [("--dataset", data_args.dataset)]
+    for key in MIXTURE_KEYS:
+        value = getattr(data_args, key)
+        if value is None:
+            continue
+        with suppress(UsageError):
+            value = _mapping_or_list(value, key)
+        if key == "dataset_mixer" and isinstance(value, dict):
+            named += [(key, name) for name in value]
+        entries = value.get("datasets") if key == "dataset_mixture" and isinstance(value, dict) else value
+        for position, entry in enumerate(entries if isinstance(entries, list) else []):
+            if not isinstance(entry, dict):
+                continue
+            where = f"{key}[{position}]" if key == "datasets" else f"{key}.datasets[{position}]"
+            named += [(f"{where}.{field}", entry.get(field)) for field in ("path", "id")]
+            files = entry.get("data_files")
+            for group in files.values() if isinstance(files, dict) else [files]:
+                named += [(f"{where}.data_files", name) for name in (group if isinstance(group, list) else [group])]
+    return [(option, name) for option, name in named if isinstance(name, str) and os.path.exists(name)]
+
+
 def _mapping_or_list(value: Any, name: str) -> Any:
     """A recipe's value as it is; a flag's, JSON."""
     if not isinstance(value, str):
@@ -331,6 +396,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         model_args, data_args, args = parse_args(argv)
         folder = RunFolder(args.output_dir)  # follows links once; refuses the working folder or above it
+        folder.check_apart_from(_local_data(data_args))  # before the lock: a refusal writes nothing
         is_main = args.process_index == 0
         if is_main:  # the other processes of a run neither lock nor look: the main one may have made the folder
             folder.lock()
@@ -412,9 +478,11 @@ def run(trainer: DPOMinTrainer, model_args: ModelArguments, data_args: DataArgum
     trainer.add_callback(completions)
     # The evaluation before training runs inside train() (eval_on_start): an evaluate() ahead of train() would leave
     # the model without its DDP wrapper, and several processes would then train apart, never syncing gradients.
-    train_metrics = trainer.train(resume_from_checkpoint=args.resume_from_checkpoint).metrics
+    with _writing(_in_training(trainer, staging)):
+        train_metrics = trainer.train(resume_from_checkpoint=args.resume_from_checkpoint).metrics
     before, after = _held_out_before_after(trainer, held_out is not None, ties, say)
-    model = _save_weights(trainer, model_args.merge_adapter and model_args.use_peft, staging, is_main)
+    with _writing(f"the final weights to {staging}"):
+        model = _save_weights(trainer, model_args.merge_adapter and model_args.use_peft, staging, is_main)
     if not is_main:
         return
 
@@ -422,13 +490,18 @@ def run(trainer: DPOMinTrainer, model_args: ModelArguments, data_args: DataArgum
     metrics = {"model": str(model.name_or_path), "train_pairs": train_pairs,
                "held_out_pairs": 0 if held_out is None else len(trainer.eval_dataset), "before": before,
                "after": after, "train": train_metrics, "wall_time_s": round(wall_time, 1)}
-    (staging / "metrics.json").write_text(json.dumps(metrics, indent=2, allow_nan=True) + "\n")
-    plot_training(trainer.state.log_history, staging / "training_curves.png")
+    with _writing(f"metrics.json to {staging}"):
+        (staging / "metrics.json").write_text(json.dumps(metrics, indent=2, allow_nan=True) + "\n")
+    with _writing(f"training_curves.png to {staging}"):
+        plot_training(trainer.state.log_history, staging / "training_curves.png")
     policy_margins = logprob_margins(model, trainer.data_collator, sample_pairs)
     samples = format_samples(prompts, reference_texts, completions.latest, list(zip(reference_margins, policy_margins)))
     repo_id = hub_repo_id(output_dir, args.hub_model_id)
-    (staging / "README.md").write_text(run_card(model_args, args, metrics, sources, repo_id))
-    folder.publish()  # the folder resolved and locked at the start, wherever a link may point by now
+    card = run_card(model_args, args, metrics, sources, repo_id, trainer.reference.description)
+    with _writing(f"README.md to {staging}"):
+        (staging / "README.md").write_text(card)
+    with _writing(f"{MANIFEST} to {staging}"):
+        folder.publish()  # the folder resolved and locked at the start, wherever a link may point by now
     _say_results(say, len(prompts), samples, after, completions.latest)
     say(f"wrote {', '.join(sorted(path.name for path in folder.output_dir.iterdir()))} to {output_dir} "
         f"in {wall_time:.0f} s")
@@ -495,15 +568,16 @@ def _check_push(repo_id: str, token: str | None) -> None:
 
 
 def run_card(model_args: ModelArguments, args: DPOMinConfig, metrics: dict[str, Any], sources: dict[str, Any],
-             repo_id: str) -> str:
-    """The model card of this run, for what it saved: an adapter, a merged model or a fully fine-tuned one."""
+             repo_id: str, reference: str) -> str:
+    """The model card of this run, for what it saved (an adapter, a merged model or a fully fine-tuned one) and
+    against what: `reference`, the trainer's description of its reference."""
     kind = "full" if not model_args.use_peft else "merged" if model_args.merge_adapter else "adapter"
     lora = {"r": model_args.lora_r, "alpha": model_args.lora_alpha, "dropout": model_args.lora_dropout,
             "target_modules": ", ".join(model_args.lora_target_modules), "use_rslora": model_args.use_rslora,
             "use_dora": model_args.use_dora} if model_args.use_peft else None
     return model_card(model=model_args.model, kind=kind, datasets=sources,
                       train_pairs=metrics["train_pairs"], held_out_pairs=metrics["held_out_pairs"], args=args,
-                      lora=lora, before=metrics["before"], after=metrics["after"], repo_id=repo_id)
+                      reference=reference, lora=lora, before=metrics["before"], after=metrics["after"], repo_id=repo_id)
 
 
 def cli() -> None:

@@ -387,6 +387,10 @@ class DPOMinTrainer(Trainer):
         self.args.output_dir = staging if trial is None else output_dir
         try:
             super()._save_checkpoint(model, trial)
+        except Exception:
+            # A save cut short (a full disk) leaves no half-written checkpoint to hold the space or mislead a resume.
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
         finally:
             self.args.output_dir = output_dir
         if trial is not None:  # hyperparameter search keeps Trainer's own layout

@@ -1,6 +1,7 @@
 """The model card dpo_min writes, and the push to the Hub (the upload replaced by a recorder: no network)."""
 
 import json
+import logging
 import os
 from types import SimpleNamespace
 
@@ -44,7 +45,8 @@ def test_repo_id_comes_from_the_output_folder_never_its_staging_name(tmp_path):
 def test_card_of_the_default_model_names_the_hub_model_not_the_cache():
     args = DPOMinConfig(output_dir="unused", max_steps=8, learning_rate=5e-4)
     card = model_card(model=None, kind="adapter", datasets={"Anthropic/hh-rlhf": 32}, train_pairs=32,
-                      held_out_pairs=100, args=args, lora={"r": 16}, before={"eval_rewards/accuracies": 0.0},
+                      held_out_pairs=100, args=args, reference="the base model (the adapter disabled)",
+                      lora={"r": 16}, before={"eval_rewards/accuracies": 0.0},
                       after={"eval_rewards/accuracies": 0.62}, repo_id="demo")
     assert base_model_name(None) in card.split("---")[1] and str(cache_dir()) not in card
     assert "| reward accuracy, 95% interval (Wilson) | [0.000, 0.037] | [0.522, 0.709] |" in card
@@ -58,7 +60,8 @@ def test_card_of_a_mixture_names_every_dataset_that_trained(tmp_path):
     assert sources == {str(first): 6, str(second): 2}  # counted from the pairs themselves
     args = DPOMinConfig(output_dir="unused")
     card = model_card(model="org/base", kind="adapter", datasets={"org/pairs-a": 5, **sources}, train_pairs=13,
-                      held_out_pairs=0, args=args, lora=None, before={}, after={}, repo_id="mix")
+                      held_out_pairs=0, args=args, reference="a frozen copy of the model", lora=None, before={},
+                      after={}, repo_id="mix")
     assert "datasets:\n- org/pairs-a\ntags:" in card  # local files are named in the text, not as hub datasets
     assert (f"A mixture of 3 datasets, 13 preference pairs trained on, 0 held out; the pairs each gave to training:"
             f"\n\n- `org/pairs-a`: 5\n- `{first}`: 6\n- `{second}`: 2\n") in card
@@ -78,6 +81,7 @@ def test_adapter_card_shows_the_run(tmp_path, tiny_model_dir):
             f"{after['eval_rewards/accuracies']:.3f} |") in card
     assert f"| DPO loss | {metrics['before']['eval_loss']:.4f} | {after['eval_loss']:.4f} |" in card
     assert "| beta | 0.2 |" in card and "| loss_type | sigmoid |" in card and "| lora_r | 16 |" in card
+    assert "| reference | the base model (the adapter disabled) |" in card  # the trainer's own description
     assert f"`{data_file}`: 4 preference pairs trained on, 3 held out."  # 2 steps of 2 in card
     assert "![training curves](training_curves.png)" in card and (output_dir / "training_curves.png").exists()
     import transformers
@@ -153,3 +157,38 @@ def test_a_failed_push_after_publishing_is_one_line_and_the_run_stays(tmp_path, 
                          f"is safe in {output_dir}: upload it with `hf upload my-dpo {output_dir}`")
     assert json.loads((output_dir / "dpo_min_run.json").read_text())["complete"] is True
     assert (output_dir / "adapter_model.safetensors").exists()
+
+
+def test_a_hub_token_is_used_for_the_push_and_written_nowhere(tmp_path, tiny_model_dir, monkeypatch, capsys, caplog):
+    # Trainer pickles the whole TrainingArguments into training_args.bin (the folder and every checkpoint), which
+    # the push uploads: the token must reach the Hub client and no file, log or TensorBoard event.
+    token, used = "hf_dpoMinSecret0123456789abcdef", []
+
+    class RecordingApi:
+        def __init__(self, token=None):
+            used.append(token)
+
+        def whoami(self):
+            return {"name": "me"}
+
+        def create_repo(self, repo_id, private=None, exist_ok=False):
+            return SimpleNamespace(repo_id=repo_id, url=f"https://huggingface.co/{repo_id}")
+
+        def upload_folder(self, repo_id, folder_path, **kwargs):
+            pass
+
+    monkeypatch.setattr(huggingface_hub, "HfApi", RecordingApi)
+    caplog.set_level(logging.DEBUG)
+    data_file = write_hh_rows(tmp_path / "pairs.jsonl", 12)
+    output_dir = tmp_path / "my-dpo"
+    assert main(tiny_args(tiny_model_dir, data_file, output_dir, "--push_to_hub", "--hub_token", token,
+                          "--save_strategy", "steps", "--save_steps", "1", "--report_to", "tensorboard")) == 0
+    assert used and set(used) == {token}  # the check before the run and the push both had it
+    files = [path for path in output_dir.rglob("*") if path.is_file()]
+    written = {str(path.relative_to(output_dir)) for path in files}
+    assert {"training_args.bin", "checkpoint-1/training_args.bin", "checkpoint-2/training_args.bin",
+            "dpo_min_run.json", "README.md"} <= written
+    assert any("tfevents" in name for name in written)
+    assert [path for path in files if token.encode() in path.read_bytes()] == []
+    captured = capsys.readouterr()
+    assert token not in captured.out + captured.err + caplog.text

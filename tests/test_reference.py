@@ -9,9 +9,10 @@ from conftest import tiny_llama
 from datasets import Dataset
 from packaging.version import Version
 from peft import LoraConfig, get_peft_model
-from transformers import MixtralConfig, MixtralForCausalLM, TrainerCallback
+from transformers import AutoModelForCausalLM, MixtralConfig, MixtralForCausalLM, TrainerCallback
 
 from dpo_min import DPODataCollator, DPOMinConfig, DPOMinTrainer, dpo_loss
+from dpo_min.card import model_card
 from dpo_min.logps import sequence_logps
 
 VOCAB = 64
@@ -219,3 +220,56 @@ def test_an_adapter_on_target_parameters_gets_trls_reference(tmp_path, tokenizer
     assert trainer.ref_adapter_name == ("ref" if copied else None)
     torch.testing.assert_close(trainer.reference_logps(batch).logps, adapted if copied else base)
     assert (adapted - base).abs().max() > 1e-4
+
+
+# ---- what the trainer says its reference is (issue 25): the card prints this line --------------------------------
+def named_adapters():
+    model = get_peft_model(tiny_llama(vocab_size=VOCAB), lora(), adapter_name="policy")
+    model.add_adapter("frozen", lora())
+    return model
+
+
+REFERENCE_KINDS = {
+    "simpo": (dict(loss_type="simpo"), {}, "none (loss_type simpo: the loss reads no reference)"),
+    "cpo": (dict(loss_type="cpo"), {}, "none (loss_type cpo: the loss reads no reference)"),
+    "reference_free": (dict(reference_free=True), {}, "none (reference_free: the loss reads no reference)"),
+    "adapter off": ({}, dict(peft_config=lora()), "the base model (the adapter disabled)"),
+    "adapter off, precomputed": (dict(precompute_ref_log_probs=True), dict(peft_config=lora()),
+                                 "the base model (the adapter disabled), log-probs precomputed"),
+    "fresh adapter copy (TR-DPO)": (dict(sync_ref_model=True), dict(peft_config=lora()),
+                                    "a copy of the fresh adapter (TR-DPO)"),
+    "named adapter": (dict(model_adapter_name="policy", ref_adapter_name="frozen"), dict(model=named_adapters),
+                      "adapter 'frozen'"),
+    "copy of the adapter given": ({}, dict(model=lambda: get_peft_model(tiny_llama(vocab_size=VOCAB), lora())),
+                                  "a frozen copy of the adapter the model came with"),
+    "frozen copy": ({}, {}, "a frozen copy of the model"),
+    "ref_model": ({}, dict(ref_model=lambda: tiny_llama(seed=1, vocab_size=VOCAB)),
+                  "ref_model, a separate frozen model"),
+    "policy before its first step": (dict(precompute_ref_log_probs=True), {},
+                                     "the model before its first step (log-probs precomputed)"),
+}
+
+
+@pytest.mark.parametrize("kind", REFERENCE_KINDS)
+def test_the_trainer_describes_its_reference_and_the_card_prints_it(tmp_path, tokenizer, kind):
+    options, build, expected = REFERENCE_KINDS[kind]
+    model = build.get("model", lambda: tiny_llama(vocab_size=VOCAB))()
+    ref_model = build["ref_model"]() if "ref_model" in build else None
+    args = config(tmp_path, **options)
+    trainer = DPOMinTrainer(model, ref_model, args=args, train_dataset=pairs(4), processing_class=tokenizer,
+                            peft_config=build.get("peft_config"))
+    assert trainer.reference.description == expected
+    card = model_card(model="org/base", kind="full", datasets={"org/pairs": 4}, train_pairs=4, held_out_pairs=0,
+                      args=args, reference=trainer.reference.description, lora=None, before={}, after={},
+                      repo_id="r")
+    [line] = [line for line in card.splitlines() if line.startswith("| reference |")]
+    assert line == f"| reference | {expected} |"
+
+
+def test_a_ref_model_loaded_from_the_policys_own_path_is_named_a_second_load(tmp_path, tokenizer, tiny_model_dir):
+    # What the command passes for full fine-tuning under ZeRO-3 (train.load_model): the base model loaded again.
+    model, ref_model = (AutoModelForCausalLM.from_pretrained(str(tiny_model_dir)) for _ in range(2))
+    trainer = DPOMinTrainer(model, ref_model, args=config(tmp_path), train_dataset=pairs(4),
+                            processing_class=tokenizer)
+    assert trainer.reference.description == (f"the base model loaded a second time as ref_model ({tiny_model_dir}), "
+                                             "frozen")

@@ -15,6 +15,7 @@ from conftest import ROOT, write_hh_rows
 from safetensors.torch import save_file
 
 from dpo_min import run_dir
+from dpo_min.models import cache_dir
 from dpo_min.run_dir import MANIFEST, OutputDirError, RunFolder, checkpoint_problems, resolve_checkpoint
 from dpo_min.train import main
 
@@ -356,3 +357,131 @@ def test_a_dangling_link_is_one_line_before_any_work(tmp_path, capsys):
     assert (f"--output_dir {tmp_path / 'latest'} is a symbolic link to {tmp_path / 'run-2'}, which does not exist"
             in one_error_line(capsys))
     assert sorted(os.listdir(tmp_path)) == ["latest"]  # no folder, staging or lock made through it
+
+
+# ---- a run never reads its own output as data (issue 25) -----------------------------------------------------------
+def data_options(tmp_path: Path, form: str, data: Path) -> list[str]:
+    """`data` named by --dataset or by a recipe's mixture in the given form."""
+    if form == "--dataset":
+        return ["--dataset", str(data)]
+    text = {"datasets": f"datasets:\n- path: {data}\n",
+            "datasets.data_files": f"datasets:\n- path: json\n  data_files: {{train: [{data}]}}\n",
+            "dataset_mixture": f"dataset_mixture:\n  datasets:\n  - id: {data}\n",
+            "dataset_mixer": f"dataset_mixer:\n  {data}: 1.0\n"}[form]
+    (tmp_path / "recipe.yaml").write_text(text)
+    return ["--config", str(tmp_path / "recipe.yaml")]
+
+
+@pytest.mark.parametrize("form", ["--dataset", "datasets", "dataset_mixture", "dataset_mixer"])
+def test_an_output_folder_inside_a_dataset_folder_is_refused_before_anything_is_written(tmp_path, capsys, form):
+    data = tmp_path / "data"
+    data.mkdir()
+    write_hh_rows(data / "pairs.jsonl", 4)
+    given = data_options(tmp_path, form, data)
+    output_dir = data / "runs" / "a"  # nested: the parents the lock would make count as written too
+    before = sorted(os.listdir(tmp_path))
+    # No model exists: a run that got past the check would fail on it instead.
+    code = main(["--model", str(tmp_path / "no-model"), *given, "--output_dir", str(output_dir), *RUNNABLE])
+    assert code == 2
+    option = {"--dataset": "--dataset", "datasets": "datasets[0].path", "dataset_mixture":
+              "dataset_mixture.datasets[0].id", "dataset_mixer": "dataset_mixer"}[form]
+    assert one_error_line(capsys) == (f"python -m dpo_min.train: error: --output_dir {output_dir} is inside the "
+                                      f"dataset folder {data} ({option}): a later run on that folder would read "
+                                      "this run's files as data; write the run elsewhere")
+    assert sorted(os.listdir(data)) == ["pairs.jsonl"] and sorted(os.listdir(tmp_path)) == before
+
+
+@pytest.mark.parametrize("form", ["--dataset", "datasets.data_files", "dataset_mixer"])
+def test_a_dataset_inside_the_output_folder_is_refused_before_anything_is_written(tmp_path, capsys, form):
+    output_dir = write_run(tmp_path / "a", {"samples.jsonl": "{}\n"})  # an earlier run's own file, as data
+    data = output_dir / "samples.jsonl"
+    given = data_options(tmp_path, form, data)
+    earlier, before = tree(output_dir), sorted(os.listdir(tmp_path))
+    code = main(["--model", str(tmp_path / "no-model"), *given, "--output_dir", str(output_dir), *RUNNABLE])
+    assert code == 2
+    option = {"--dataset": "--dataset", "datasets.data_files": "datasets[0].data_files",
+              "dataset_mixer": "dataset_mixer"}[form]
+    assert f"{option} {data} is inside --output_dir {output_dir}, which the run replaces" in one_error_line(capsys)
+    assert tree(output_dir) == earlier and sorted(os.listdir(tmp_path)) == before
+
+
+def test_a_dataset_beside_the_output_folder_is_not_refused(tmp_path):
+    data = write_hh_rows(tmp_path / "pairs.jsonl", 4)
+    RunFolder(tmp_path / "runs" / "a").check_apart_from([("--dataset", str(data)), ("--dataset", str(tmp_path / "d"))])
+    # ... while the same folder named through a link is seen for what it is
+    (tmp_path / "link").symlink_to(tmp_path)
+    with pytest.raises(OutputDirError, match="inside the dataset folder"):
+        RunFolder(tmp_path / "runs" / "a").check_apart_from([("--dataset", str(tmp_path / "link"))])
+
+
+# ---- a full disk (issue 25): one line naming what and where, the earlier run and whole checkpoints kept -----------
+def fail_on_call(number: int, error: BaseException, real, wanted=lambda *args: True):
+    """`real`, except that its `number`-th wanted call raises `error` (a write the disk has no room for)."""
+    calls = []
+
+    def write(*args, **kwargs):
+        if wanted(*args):
+            calls.append(args)
+            if len(calls) == number:
+                raise error
+        return real(*args, **kwargs)
+    return write
+
+
+NO_SPACE = "Error while serializing: I/O error: No space left on device (os error 28)"  # safetensors' own words
+DISK_FULL = {  # where the write fails -> (what to patch, the save that fails, what the run names, extra options)
+    "final weights": ("safetensors", 1, "no space left on device writing the final weights to {staging}",
+                      ["--save_strategy", "no"]),
+    "checkpoint weights": ("safetensors", 2, "no space left on device writing checkpoint-2 to {staging}",
+                           ["--save_strategy", "steps", "--save_steps", "1"]),
+    "checkpoint optimizer": ("torch", 2, "could not write checkpoint-2 to {staging} ([enforce fail at "
+                             "inline_container.cc:672] . unexpected pos 576 vs 534): is the disk full?",
+                             ["--save_strategy", "steps", "--save_steps", "1"]),
+    "reference cache": ("torch cache", 1, "could not write the reference log-probs to their cache ({cache}) ([enforce "
+                        "fail at inline_container.cc:672] . unexpected pos 576 vs 534): is the disk full?",
+                        ["--save_strategy", "no", "--precompute_ref_log_probs", "true"]),
+    "card": ("card", 1, "no space left on device writing README.md to {staging}", ["--save_strategy", "no"]),
+}
+
+
+@pytest.mark.parametrize("where", DISK_FULL)
+def test_a_full_disk_is_one_line_and_the_earlier_run_and_whole_checkpoints_stay(tmp_path, capsys, monkeypatch,
+                                                                                 tiny_model_dir, where):
+    import pathlib
+
+    import safetensors.torch
+    from safetensors import SafetensorError
+
+    patched, failing_call, message, extra = DISK_FULL[where]
+    output_dir = write_run(tmp_path / "a", {"adapter_model.safetensors": "earlier", "README.md": "earlier card"})
+    earlier = tree(output_dir)
+    if patched == "safetensors":  # every save_file (transformers', peft's) goes through it
+        monkeypatch.setattr(safetensors.torch, "serialize_file", fail_on_call(
+            failing_call, SafetensorError(NO_SPACE), safetensors.torch.serialize_file))
+    elif patched.startswith("torch"):  # torch's zip writer on a full disk says no more than this
+        def wanted(obj, file, *rest):  # the checkpoint's optimizer.pt, or the cache's open temporary file
+            return str(file).endswith("optimizer.pt") if patched == "torch" else not isinstance(file, (str, Path))
+        monkeypatch.setattr(torch, "save", fail_on_call(
+            failing_call, RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 576 vs 534"),
+            torch.save, wanted))
+    else:
+        monkeypatch.setattr(pathlib.Path, "write_text", fail_on_call(
+            failing_call, OSError(28, "No space left on device"), pathlib.Path.write_text,
+            lambda path, *rest: path.name == "README.md"))
+    data = write_hh_rows(tmp_path / "pairs.jsonl", 12)
+    code = main(["--model", str(tiny_model_dir), "--dataset", str(data), "--output_dir", str(output_dir), "--use_peft",
+                 *RUNNABLE, *extra])
+    assert code == 1
+    staging = tmp_path / "a.partial"
+    # stderr less transformers' progress bars ("Loading weights: 100%|...| 21/21 [00:00<...]")
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip() and "it/s]" not in line]
+    expected = message.format(staging=staging, cache=cache_dir() / "ref_logps")
+    assert lines[-1] == f"python -m dpo_min.train: error: {expected}"
+    assert tree(output_dir) == earlier
+    if "steps" in extra:  # the checkpoint before the full disk stays, whole, to resume from; the cut one is gone
+        assert sorted(os.listdir(staging)) == ["checkpoint-1", MANIFEST] and not checkpoint_problems(
+            staging / "checkpoint-1")
+        assert lines[:-1] == [f"checkpoints of the interrupted run kept in {staging}"]
+    else:
+        assert not staging.exists() and len(lines) == 1
+    assert sorted(os.listdir(tmp_path)) == ["a", *(["a.partial"] if "steps" in extra else []), "pairs.jsonl"]
