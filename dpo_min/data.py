@@ -197,11 +197,12 @@ def _load_named(path_or_name: str, split: str, config: str | None, streaming: bo
 
 def _check_one_file_type(folder: str, load_kwargs: Mapping[str, Any]) -> None:
     """datasets reads a folder's files of its commonest type only (`infer_module_for_data_files`, then a filter on
-    that type): a folder of several types is refused, naming them, rather than read in part. Files that a README's
-    `configs:` or `data_files` name are read as named."""
+    that type), and only its split-named files where some are: such a folder is refused, naming the files, rather
+    than read in part. Files that a README's `configs:` or `data_files` name are read as named."""
     base = os.path.join(folder, load_kwargs["data_dir"]) if load_kwargs.get("data_dir") else folder
     if load_kwargs.get("data_files") is not None or _readme_configs(base):
         return
+
     def found(patterns: Mapping[str, list[str]]) -> list[str]:
         files = DataFilesDict.from_patterns(patterns, base_path=base, allowed_extensions=_ALL_ALLOWED_EXTENSIONS)
         return sorted(os.path.relpath(file, base) for split in files.values() for file in split)
@@ -212,17 +213,21 @@ def _check_one_file_type(folder: str, load_kwargs: Mapping[str, Any]) -> None:
     by_type: dict[str, list[str]] = {}
     for name in every:
         kind = infer_module_for_data_files_list([name])[0]  # datasets' own rule, one file at a time
-        if kind is not None:
+        if kind not in (None, *_NOTES):
             by_type.setdefault(kind, []).append(name)
     if len(by_type) > 1:
         listed = "; ".join(f"{kind}: {_some(names)}" for kind, names in by_type.items())
         raise ValueError(f"{base}: holds data files of {len(by_type)} types, and datasets would read one type "
                          f"only: {listed}; keep one type in the folder, or name a file")
     # Files named by split (train.jsonl, test-*.parquet) make datasets read those alone and leave out the others.
-    left_out = sorted(set(every) - set(in_splits))
+    left_out = sorted(set(name for names in by_type.values() for name in names) - set(in_splits))
     if left_out:
         raise ValueError(f"{base}: datasets reads its files by split name ({_some(in_splits)}) and would leave out "
                          f"{_some(left_out)}; name every file by its split, or keep one split's files there")
+
+
+# datasets 5 reads .md and .toml files as "harbor" task data; beside preference files they are a folder's notes.
+_NOTES = ("harbor",)
 
 
 def _some(names: list[str]) -> str:

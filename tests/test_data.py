@@ -480,6 +480,7 @@ def test_a_folder_of_several_file_types_is_refused_naming_them_and_one_type_give
         load_preference_dataset(str(folder))
     (folder / names[1]).unlink()
     write(folder / f"{names[0].split('.')[0]}-2.json", unique_pairs(7, tag="K"), "json")
+    (folder / "NOTES.md").write_text("# where these pairs came from\n")  # a note, not a file of another type
     assert sorted(load_preference_dataset(str(folder))["prompt"]) == sorted(
         [f"J{i}" for i in range(30)] + [f"K{i}" for i in range(7)])
 
