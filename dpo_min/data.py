@@ -11,11 +11,14 @@ import gzip
 import json
 import logging
 import os
+import sys
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
+import yaml
 from datasets import (
     Dataset,
     DatasetDict,
@@ -26,6 +29,8 @@ from datasets import (
     load_dataset,
     load_from_disk,
 )
+from datasets.data_files import DataFilesDict, get_data_patterns
+from datasets.load import _ALL_ALLOWED_EXTENSIONS, infer_module_for_data_files_list
 
 from .layouts import (
     CARRIED_COLUMNS,
@@ -43,6 +48,7 @@ from .layouts import (
 logger = logging.getLogger(__name__)
 
 _FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
+FILE_SPLIT = "train"  # a data file has one split; datasets names it "train"
 PAIR_COLUMNS = ("prompt", "chosen", "rejected")
 TOKEN_COLUMNS = ("prompt_ids", "chosen_ids", "rejected_ids")
 REFERENCE_COLUMNS = ("ref_chosen_logps", "ref_rejected_logps")
@@ -86,20 +92,75 @@ def _load_raw(path_or_name: str, split: str, config: str | None, streaming: bool
         return _load_saved(path_or_name, split, config, streaming)
     if os.path.isdir(path_or_name) or not os.path.exists(path_or_name):
         return _load_named(path_or_name, split, config, streaming, load_kwargs)
-    stem = path_or_name[:-3] if path_or_name.endswith(".gz") else path_or_name
-    builder = _FILE_BUILDERS.get(os.path.splitext(stem)[1].lower())
+    builder = data_file_type(path_or_name)
     if builder is None:
         raise ValueError(f"{path_or_name}: unknown file type; use .json, .jsonl, .parquet or .csv (optionally .gz), "
                          "or a dataset folder")
+    _check_file_split(path_or_name, split, config)
     try:
-        # A file is one split, "train"; a slice of it (train[:10%]) is honoured.
-        dataset = load_dataset(builder, data_files={"train": path_or_name}, streaming=streaming, **load_kwargs,
-                               split=split if _split_base(split) == "train" else "train")
+        with _quiet(f"datasets.packaged_modules.{builder}.{builder}"):  # its log line; ours names the line too
+            dataset = load_dataset(builder, data_files={FILE_SPLIT: path_or_name}, streaming=streaming,
+                                   split=FILE_SPLIT if streaming else split, **load_kwargs)  # slices: map-style only
+        if builder == "json" and not streaming:
+            dataset.data.table.validate(full=True)  # pyarrow reads text that is not UTF-8, and fails later
     except Exception as error:  # datasets wraps parse errors in several exception types
         raise ValueError(f"{path_or_name}: {_why_unreadable(path_or_name, builder, error)}") from error
-    if not streaming and len(dataset) == 0:
+    if streaming:
+        return _slice_stream(dataset, split, path_or_name)
+    if len(dataset) == 0:
         raise ValueError(f"{path_or_name}: the file holds no rows")
-    return _columns_object(dataset, path_or_name) if builder == "json" and not streaming else dataset
+    return _columns_object(dataset, path_or_name) if builder == "json" else dataset
+
+
+@contextmanager
+def _quiet(name: str) -> Iterator[None]:
+    """Hold back a library logger's lines below CRITICAL while a call that raises its own message runs."""
+    library_logger = logging.getLogger(name)
+    level = library_logger.level
+    library_logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        library_logger.setLevel(level)
+
+
+def data_file_type(path: str) -> str | None:
+    """The datasets builder of a data file (json, parquet, csv; .gz forms too); None for a folder or a name."""
+    if not os.path.isfile(path):
+        return None
+    stem = path[:-3] if path.endswith(".gz") else path
+    return _FILE_BUILDERS.get(os.path.splitext(stem)[1].lower())
+
+
+def _check_file_split(path: str, split: str, config: str | None) -> None:
+    """A data file is one split of one config: naming another would read the whole file as it (train on the
+    held-out rows), so it is refused; a slice of its split (train[:80%]) is honoured."""
+    if config not in (None, "default"):
+        raise ValueError(f"{path}: a data file has no configs (subsets); drop the config name {config!r}")
+    others = [name for name in _split_names_in(split) if name != FILE_SPLIT]
+    if others:
+        raise ValueError(f"{path}: a data file has one split, {FILE_SPLIT!r}; there is no split {others[0]!r} "
+                         f"(name {FILE_SPLIT!r} or a slice of it, such as 'train[:80%]')")
+
+
+def _split_names_in(spec: str) -> list[str]:
+    """The splits a datasets split spec names: 'train[:10%]+test' -> ['train', 'test']."""
+    return [_split_base(part) for part in spec.split("+")]
+
+
+def _slice_stream(stream: IterableDataset, spec: str, path: str) -> IterableDataset:
+    """A slice of a streamed file by rows (train[:1000], train[50:]): a stream has no length for percents or
+    counts from the end."""
+    if spec.strip() == FILE_SPLIT:
+        return stream
+    if "%" in spec or "-" in spec:
+        raise ValueError(f"{path}: a stream has no length to take {spec!r} of; slice it by rows from the start "
+                         "(train[:1000], train[50:]), or drop --streaming")
+    parts = []
+    for one in ReadInstruction.from_spec(spec).to_absolute({FILE_SPLIT: sys.maxsize}):
+        part = stream.skip(one.from_) if one.from_ else stream
+        parts.append(part.take(one.to - one.from_) if one.to < sys.maxsize else part)
+    return parts[0] if len(parts) == 1 else concatenate_datasets(parts)
 
 
 def _columns_object(dataset: Dataset, path: str) -> Dataset:
@@ -123,17 +184,77 @@ def _load_named(path_or_name: str, split: str, config: str | None, streaming: bo
                 load_kwargs: dict[str, Any]) -> AnyDataset:
     """`datasets.load_dataset(name or folder, config, split=...)`: a folder's README.md `configs:`, or its data files
     named by split (data/train_prefs-*.parquet), as for the hub dataset it is a copy of."""
+    if os.path.isdir(path_or_name):
+        _check_one_file_type(path_or_name, load_kwargs)
     try:
         return load_dataset(path_or_name, config, split=split, streaming=streaming, **load_kwargs)
     except ValueError as error:
         if not str(error).startswith("Unknown split"):
             raise
-        raise ValueError(f"{path_or_name}: no split {split!r}; it has {_split_names(path_or_name, config)}") from None
+        raise ValueError(f"{path_or_name}: no split {split!r}; it has "
+                         f"{_split_names(path_or_name, config, load_kwargs)}") from None
 
 
-def _split_names(path_or_name: str, config: str | None) -> str:
+def _check_one_file_type(folder: str, load_kwargs: Mapping[str, Any]) -> None:
+    """datasets reads a folder's files of its commonest type only (`infer_module_for_data_files`, then a filter on
+    that type), and only its split-named files where some are: such a folder is refused, naming the files, rather
+    than read in part. Files that a README's `configs:` or `data_files` name are read as named."""
+    base = os.path.join(folder, load_kwargs["data_dir"]) if load_kwargs.get("data_dir") else folder
+    if load_kwargs.get("data_files") is not None or _readme_configs(base):
+        return
+
+    def found(patterns: Mapping[str, list[str]]) -> list[str]:
+        files = DataFilesDict.from_patterns(patterns, base_path=base, allowed_extensions=_ALL_ALLOWED_EXTENSIONS)
+        return sorted(os.path.relpath(file, base) for split in files.values() for file in split)
     try:
-        return ", ".join(get_dataset_split_names(path_or_name, config))
+        in_splits, every = found(get_data_patterns(base)), found({"all": ["**"]})
+    except Exception:  # no data files: datasets' own error says so
+        return
+    by_type: dict[str, list[str]] = {}
+    for name in every:
+        kind = infer_module_for_data_files_list([name])[0]  # datasets' own rule, one file at a time
+        if kind not in (None, *_NOTES):
+            by_type.setdefault(kind, []).append(name)
+    if len(by_type) > 1:
+        listed = "; ".join(f"{kind}: {_some(names)}" for kind, names in by_type.items())
+        raise ValueError(f"{base}: holds data files of {len(by_type)} types, and datasets would read one type "
+                         f"only: {listed}; keep one type in the folder, or name a file")
+    # Files named by split (train.jsonl, test-*.parquet) make datasets read those alone and leave out the others.
+    left_out = sorted(set(name for names in by_type.values() for name in names) - set(in_splits))
+    if left_out:
+        raise ValueError(f"{base}: datasets reads its files by split name ({_some(in_splits)}) and would leave out "
+                         f"{_some(left_out)}; name every file by its split, or keep one split's files there")
+
+
+# datasets 5 reads .md and .toml files as "harbor" task data; beside preference files they are a folder's notes.
+_NOTES = ("harbor",)
+
+
+def _some(names: list[str]) -> str:
+    """'2 files (a.jsonl, b.jsonl)', at most three named."""
+    return (f"{len(names)} file{'s' * (len(names) > 1)} ({', '.join(names[:3])}"
+            f"{', ...' if len(names) > 3 else ''})")
+
+
+def _readme_configs(folder: str) -> bool:
+    """The folder's README.md front matter has `configs:` (a hub dataset's card naming its data files)."""
+    readme = os.path.join(folder, "README.md")
+    if not os.path.isfile(readme):
+        return False
+    with open(readme, encoding="utf-8", errors="replace") as file:
+        text = file.read()
+    if not text.startswith("---"):
+        return False
+    try:
+        header = yaml.safe_load(text.split("---", 2)[1])
+    except yaml.YAMLError:
+        return False
+    return isinstance(header, Mapping) and "configs" in header
+
+
+def _split_names(path_or_name: str, config: str | None, load_kwargs: dict[str, Any]) -> str:
+    try:
+        return ", ".join(get_dataset_split_names(path_or_name, config, **load_kwargs))
     except Exception:
         return "other splits"
 
@@ -171,31 +292,49 @@ def _load_saved(folder: str, split: str, config: str | None, streaming: bool) ->
 
 
 def _why_unreadable(path: str, builder: str, error: Exception) -> str:
-    """A reason that names the row: datasets says 'Expected bytes, got a list' for mixed layouts, '' for empty."""
+    """A reason that names the line or row: datasets says 'An error occurred while generating the dataset' for a
+    line that is not JSON, 'Expected bytes, got a list' for mixed layouts, '' for an empty file."""
     if builder == "json":
         try:
-            with (gzip.open(path, "rt") if path.endswith(".gz") else open(path)) as file:
-                text = file.read()
-        except (OSError, EOFError, UnicodeDecodeError):
-            text = None
-        if text is not None and not text.strip():
-            return "the file is empty"
-        if text is not None:
-            found = _first_mixed_row(text)
-            if found:
-                return found
+            with (gzip.open(path, "rb") if path.endswith(".gz") else open(path, "rb")) as file:
+                found = _json_fault(file.read())
+        except (OSError, EOFError):  # a truncated .gz: datasets' reason says so
+            found = None
+        if found:
+            return found
     reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
     return f"could not be read as {builder}: {reason}"
 
 
-def _first_mixed_row(text: str) -> str | None:
+def _json_fault(data: bytes) -> str | None:
+    """The first line that is not UTF-8 or not JSON, or the first row of another kind than row 0's."""
+    if not data.strip():
+        return "the file is empty"
+    newline = b"\n"
     try:
-        rows = json.loads(text) if text.lstrip().startswith("[") else [json.loads(line) for line in
-                                                                         text.splitlines() if line.strip()]
-    except json.JSONDecodeError:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        return f"line {data.count(newline, 0, error.start) + 1} is not UTF-8 text"
+    try:
+        rows = json.loads(text)  # one JSON document (a list of rows, or an object of columns)
+    except json.JSONDecodeError as error:
+        if text.lstrip().startswith("["):
+            return f"line {error.lineno} is not JSON: {error.msg} (column {error.colno})"
+        rows = []
+        # JSON Lines split on "\n" alone: str.splitlines would also split at U+2028 inside a string.
+        for number, line in enumerate(text.split("\n"), start=1):
+            if not line.strip():
+                continue
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as line_error:
+                return f"line {number} is not JSON: {line_error.msg} (column {line_error.colno})"
+    if not isinstance(rows, list) or not rows or not all(isinstance(row, dict) for row in rows):
         return None
-    if not rows or not all(isinstance(row, dict) for row in rows):
-        return None
+    return _first_mixed_row(rows)
+
+
+def _first_mixed_row(rows: list[dict[str, Any]]) -> str | None:
     first = {name: value_kind(value) for name, value in rows[0].items()}
     for index, row in enumerate(rows[1:], start=1):
         for name, value in row.items():
@@ -213,6 +352,45 @@ def _mixed_kinds(index: int | str, field: str, kind: str, first_kind: str) -> st
     # TRL would treat every row as the first row's kind, so a file or dataset holds one kind of row.
     return (f"row {index}: field '{field}' is {_KIND_WORDS[kind]} but row 0's is {_KIND_WORDS[first_kind]}; "
             "standard (string) and conversational (message list) rows cannot be mixed")
+
+
+# ---- held-out pairs that are also train pairs ------------------------------------------------------------------
+ALSO_HELD_OUT = "train pairs also held out"  # a STREAM_COUNTS key
+
+
+def _pair_keys(pairs: AnyDataset) -> Iterable[str]:
+    """Each pair's content (prompt, chosen, rejected) as one text, batch by batch."""
+    for batch in pairs.select_columns(list(PAIR_COLUMNS)).iter(batch_size=1000):
+        yield from (json.dumps(pair, sort_keys=True) for pair in zip(*(batch[name] for name in PAIR_COLUMNS)))
+
+
+def count_shared_pairs(train: Dataset, held_out: Dataset) -> int:
+    """How many held-out pairs are also train pairs by content: split apart by row, duplicate rows or a dataset
+    listed twice still put the same pair on both sides."""
+    held = Counter(_pair_keys(held_out))
+    shared = {key for key in _pair_keys(train) if key in held}
+    return sum(held[key] for key in shared)
+
+
+def warn_shared_pairs(train: Dataset, held_out: Dataset | None, source: str = "data") -> int:
+    """Count the held-out pairs that are train pairs too and warn with the count; returns it."""
+    shared = count_shared_pairs(train, held_out) if held_out is not None else 0
+    if shared:
+        logger.warning("%s: %d of the %d held-out pairs are also train pairs (the same prompt, chosen and rejected: "
+                       "duplicate rows, or a dataset listed twice); their held-out scores measure recall", source,
+                       shared, len(held_out))
+    return shared
+
+
+def count_shared_in_stream(train: IterableDataset, held_out: Dataset) -> IterableDataset:
+    """The train stream, counting (in STREAM_COUNTS) the pairs it gives that are also held out, as it is read."""
+    held = set(_pair_keys(held_out))
+
+    def count(batch: dict[str, list]) -> dict[str, list]:
+        keys = (json.dumps(pair, sort_keys=True) for pair in zip(*(batch[name] for name in PAIR_COLUMNS)))
+        STREAM_COUNTS[ALSO_HELD_OUT] += sum(key in held for key in keys)
+        return batch
+    return train.map(count, batched=True, features=train.features)
 
 
 # ---- layouts -> pairs: every row is validated here, once -----------------------------------------------------
@@ -488,7 +666,9 @@ def describe_stream_counts(counts: Mapping[str, int]) -> str:
     """'read 40 rows, dropped 3: 2 skipped by the layout (ties), 1 with no completion token left after truncation'."""
     dropped = {reason: counts.get(reason, 0) for reason in (SKIPPED, *DROP_REASONS[1:]) if counts.get(reason, 0)}
     listed = ", ".join(f"{number} {reason}" for reason, number in dropped.items())
-    return f"read {counts.get('read', 0)} rows, dropped {sum(dropped.values())}" + (f": {listed}" if listed else "")
+    shared = counts.get(ALSO_HELD_OUT, 0)
+    return (f"read {counts.get('read', 0)} rows, dropped {sum(dropped.values())}" + (f": {listed}" if listed else "")
+            + (f"; {shared} {ALSO_HELD_OUT} (the same prompt, chosen and rejected)" if shared else ""))
 
 
 def _count_usable(reasons: list[int]) -> list[bool]:

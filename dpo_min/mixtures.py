@@ -24,7 +24,17 @@ from typing import Any
 import yaml
 from datasets import Dataset, DatasetDict, IterableDataset, concatenate_datasets
 
-from .data import DEFAULT_OPTIONS, SOURCE_DATASET, SOURCE_ROW, AnyDataset, _load_raw, to_preference_dataset
+from .data import (
+    DEFAULT_OPTIONS,
+    FILE_SPLIT,
+    SOURCE_DATASET,
+    SOURCE_ROW,
+    AnyDataset,
+    _load_raw,
+    data_file_type,
+    to_preference_dataset,
+    warn_shared_pairs,
+)
 from .layouts import LayoutOptions, feature_kind
 
 logger = logging.getLogger("dpo_min.data")  # the command shows this logger's lines
@@ -126,12 +136,16 @@ def legacy_mixer(mixer: Any, splits: list[str] | None = None, configs: list[str]
     if len(train_splits) != 1:
         # mix_datasets pairs the k-th train split with the k-th dataset's fraction: only one train split each is right.
         raise ValueError(f"dataset_splits: give exactly one train split, got {train_splits}")
-    sources, raws, reasons, held_out = [], [], [], []
+    sources, raws, reasons, held_out, absent = [], [], [], [], []
     for (name, fraction), config in zip(mixer.items(), configs):
         if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 <= fraction <= 1:
             raise ValueError(f"dataset_mixer: {name}: a fraction of its train rows in [0, 1], got {fraction!r}")
         for split in splits:
             source = Source(name, split, config)
+            if "train" not in split and data_file_type(name):
+                # A file's one split is its train split: reading it as the test split too held out every train row.
+                absent.append(f"{source.label}: nothing held out: a data file has one split, {FILE_SPLIT!r}")
+                continue
             raw = _load_source(source, streaming=False)
             raw = raw.remove_columns([column for column in raw.column_names
                                       if column not in LEGACY_KEPT_COLUMNS and column != SOURCE_ROW])
@@ -142,6 +156,7 @@ def legacy_mixer(mixer: Any, splits: list[str] | None = None, configs: list[str]
             else:
                 held_out.append((source, raw))
     mixture = _finish(sources, raws, reasons, None, 42, "", num_proc, options, shuffle_seed=42)
+    mixture.lines += absent
     if held_out:
         parts = [_pairs(raw, source, num_proc, options) for source, raw in held_out]
         mixture.held_out = concatenate_datasets(parts).shuffle(seed=42)
@@ -176,10 +191,14 @@ def _finish(sources: list[Source], raws: list[AnyDataset], reasons: list[str], t
     """Rows -> pairs per dataset, concatenated (and shuffled where the publisher shuffles), the held-out split."""
     if not sources:
         raise ValueError("the mixture lists no dataset")
-    parts = [_pairs(raw, source, num_proc, options) for raw, source in zip(raws, sources)]
     lines = [f"{source.label}: {len(raw) if isinstance(raw, Dataset) else 'streamed'} rows: {reason}"
              for source, raw, reason in zip(sources, raws, reasons)]
-    kinds = {source.label: feature_kind(part.features["prompt"]) for source, part in zip(sources, parts)
+    # A share of 0 (or one that rounds to no row) is allowed, as its publisher allows it: that dataset gives nothing.
+    given = [(raw, source) for raw, source in zip(raws, sources) if not isinstance(raw, Dataset) or len(raw)]
+    if not given:
+        raise ValueError(f"the mixture takes no rows: {'; '.join(lines)}")
+    parts = [_pairs(raw, source, num_proc, options) for raw, source in given]
+    kinds = {source.label: feature_kind(part.features["prompt"]) for (_, source), part in zip(given, parts)
              if part.features is not None}
     if len(set(kinds.values())) > 1:
         raise ValueError(f"a mixture cannot mix string and message-list prompts: {kinds}; use as_messages")
@@ -289,5 +308,6 @@ def load_mixture(entries: list[Mapping[str, Any]], seed: int = 42, num_proc: int
                           options=LayoutOptions(**options))
     for line in mixture.lines:
         logger.info("mixture: %s", line)
+    warn_shared_pairs(mixture.train, mixture.held_out, "the mixture")
     return DatasetDict({"train": mixture.train, **({"test": mixture.held_out} if mixture.held_out is not None
                                                    else {})})

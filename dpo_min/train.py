@@ -45,8 +45,10 @@ from .data import (
     SKIPPED,
     SOURCE_DATASET,
     STREAM_COUNTS,
+    count_shared_in_stream,
     describe_stream_counts,
     load_preference_dataset,
+    warn_shared_pairs,
 )
 from .layouts import LayoutOptions
 from .mixtures import Mixture, handbook_mixture, legacy_mixer, trl_mixture
@@ -213,6 +215,7 @@ def load_pairs(data_args: DataArguments, args: DPOMinConfig) -> tuple[Dataset, D
         reach = args.max_steps * args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size
         if len(train) > reach:
             train = train.shuffle(seed=seed).select(range(reach))
+    warn_shared_pairs(train, held_out, source)  # the pairs as trained and evaluated, whichever form split them
     return train, held_out
 
 
@@ -246,12 +249,14 @@ def _stream_pairs(train: Any, source: str, data_args: DataArguments, args: DPOMi
     count = data_args.max_eval_samples
     if data_args.eval_split:  # the whole split, as without --streaming, or its first --max_eval_samples pairs
         split = _load(source, data_args.eval_split, data_args, args)
-        return train, _held_out_of_stream(split if count is None else split.take(count), source,
-                                          f"split {data_args.eval_split!r}", whole=count is None)
+        held_out = _held_out_of_stream(split if count is None else split.take(count), source,
+                                       f"split {data_args.eval_split!r}", whole=count is None)
+        return count_shared_in_stream(train, held_out), held_out
     if data_args.eval_fraction == 0 or not count:
         return train, None
     # A stream cannot be split by fraction: the first max_eval_samples pairs are held out, training skips them.
-    return train.skip(count), _held_out_of_stream(train.take(count), source, "the stream's first pairs", whole=False)
+    held_out = _held_out_of_stream(train.take(count), source, "the stream's first pairs", whole=False)
+    return count_shared_in_stream(train.skip(count), held_out), held_out
 
 
 def _held_out_of_stream(stream: Any, source: str, what: str, whole: bool) -> Dataset:

@@ -1,6 +1,7 @@
 import copy
 import gzip
 import json
+import os
 
 import pytest
 from conftest import HH_PATH, ROOT, tiny_llama
@@ -311,9 +312,12 @@ def test_streaming_evaluates_the_whole_eval_split_or_max_eval_samples(tmp_path, 
     test_split = write_jsonl(tmp_path / "test.jsonl", [dict(STANDARD, prompt=f"Q{i}") for i in range(150)])
     monkeypatch.setattr(train, "_load", lambda *_: load_preference_dataset(str(test_split), streaming=True))
     args = DPOMinConfig(output_dir=str(tmp_path / "out"), max_steps=1, precompute_ref_log_probs=False)
+    # A real train stream: _stream_pairs counts its pairs that are also held out (issue 25).
+    train_split = write_jsonl(tmp_path / "train.jsonl", [dict(STANDARD, prompt=f"T{i}") for i in range(4)])
     for cap, expected in ((None, 150), (20, 20)):
         data_args = DataArguments(dataset="org/pairs", streaming=True, eval_split="test", max_eval_samples=cap)
-        _, held_out = train._stream_pairs("the train stream", "org/pairs", data_args, args)
+        stream = load_preference_dataset(str(train_split), streaming=True)
+        _, held_out = train._stream_pairs(stream, "org/pairs", data_args, args)
         assert len(held_out) == expected and held_out["prompt"] == [f"Q{i}" for i in range(expected)]
     assert "held out 150 pairs: split 'test', the whole split" in capsys.readouterr().out
 
@@ -358,3 +362,205 @@ def test_the_command_streams_with_max_steps(tmp_path, tiny_model_dir, capsys):
     state = json.loads((output_dir / "trainer_state.json").read_text())
     assert [entry["step"] for entry in state["log_history"] if "loss" in entry] == [1, 2]
     assert "stream, in the run: read 8 rows, dropped 0\n" in capsys.readouterr().out
+
+
+# ---- issue 25: a file has one split, held-out pairs are not train pairs, a folder keeps every file ---------------
+def unique_pairs(count, tag="Q"):
+    return [dict(STANDARD, prompt=f"{tag}{i}") for i in range(count)]
+
+
+def load_pairs_of(tmp_path, **data):
+    """train.load_pairs on DataArguments(**data): the command's data step alone, without a model."""
+    from dpo_min import DPOMinConfig, train
+    from dpo_min.cli_args import DataArguments
+
+    streaming = data.get("streaming", False)
+    args = DPOMinConfig(output_dir=str(tmp_path / "out"), max_steps=1000, per_device_train_batch_size=1,
+                        precompute_ref_log_probs=not streaming, report_to=[])
+    return train.load_pairs(DataArguments(**data), args)
+
+
+def contents(pairs):
+    return [(pair["prompt"], pair["chosen"], pair["rejected"]) for pair in pairs]
+
+
+def shared_warning(caplog):
+    """The count in the data logger's warning about held-out pairs that are train pairs too (0 without one)."""
+    found = [record.getMessage() for record in caplog.records
+             if record.name == "dpo_min.data" and "held-out pairs are also train pairs" in record.getMessage()]
+    assert len(found) <= 1, found
+    return int(found[0].split(": ")[1].split(" of ")[0]) if found else 0
+
+
+@pytest.mark.parametrize("form", ["single", "trl", "handbook", "legacy"])
+def test_no_held_out_pair_is_a_train_pair_and_duplicates_are_counted_in_every_form(tmp_path, caplog, form):
+    pairs = write_jsonl(tmp_path / "pairs.jsonl", unique_pairs(20))
+    twice = write_jsonl(tmp_path / "twice.jsonl", unique_pairs(20) + unique_pairs(4))  # Q0..Q3 twice
+    folder = tmp_path / "folder"  # for the legacy mixer: a folder with a test split holding 3 train rows
+    folder.mkdir()
+    write_jsonl(folder / "train.jsonl", unique_pairs(12))
+    write_jsonl(folder / "test.jsonl", unique_pairs(3) + unique_pairs(5, tag="T"))
+    unique, duplicated = {
+        "single": ({"dataset": str(pairs), "eval_fraction": 0.25}, {"dataset": str(twice), "eval_fraction": 0.5}),
+        "trl": ({"datasets": [{"path": str(pairs), "split": "train[:10]"}, {"path": str(pairs), "split":
+                 "train[10:]"}], "test_split_size": "5"},
+                {"datasets": [{"path": str(pairs)}, {"path": str(pairs)}], "test_split_size": "5"}),
+        "handbook": ({"dataset_mixture": {"datasets": [{"id": str(pairs)}], "test_split_size": 5}},
+                     {"dataset_mixture": {"datasets": [{"id": str(twice)}], "test_split_size": 12, "seed": 3}}),
+        "legacy": ({"dataset_mixer": {str(pairs): 1.0}, "eval_fraction": 0.25},
+                   {"dataset_mixer": {str(folder): 1.0}}),
+    }[form]
+    train, held_out = load_pairs_of(tmp_path, **unique)
+    assert len(train) + len(held_out) == 20 and not set(contents(train)) & set(contents(held_out))
+    assert shared_warning(caplog) == 0
+    caplog.clear()
+    train, held_out = load_pairs_of(tmp_path, **duplicated)
+    # The independent count: the held-out pairs whose prompt (unique to its content here) is also trained on.
+    trained = set(train["prompt"])
+    expected = sum(prompt in trained for prompt in held_out["prompt"])
+    assert expected > 0 and shared_warning(caplog) == expected
+
+
+def test_the_legacy_mixer_on_a_file_holds_out_nothing_and_says_so(tmp_path, caplog):
+    pairs = write_jsonl(tmp_path / "pairs.jsonl", unique_pairs(20))
+    with caplog.at_level("INFO", logger="dpo_min.data"):
+        train, held_out = load_pairs_of(tmp_path, dataset_mixer={str(pairs): 0.5})
+    # Before issue 25 the whole file was also its test split: 20 held-out pairs, 10 of them trained on.
+    assert held_out is None and sorted(train["prompt"]) == sorted(f"Q{i}" for i in range(10))
+    assert f"mixture: {pairs}[test]: nothing held out: a data file has one split, 'train'" in caplog.messages
+
+
+def test_a_stream_holds_out_its_first_pairs_and_counts_train_pairs_also_held_out(tmp_path):
+    from dpo_min.data import ALSO_HELD_OUT, STREAM_COUNTS
+
+    for rows, expected in ((unique_pairs(12), 0), (unique_pairs(12) + unique_pairs(3) + unique_pairs(2), 5)):
+        path = write_jsonl(tmp_path / "stream.jsonl", rows)
+        train, held_out = load_pairs_of(tmp_path, dataset=str(path), streaming=True, max_eval_samples=4)
+        before = STREAM_COUNTS[ALSO_HELD_OUT]
+        trained = contents(train)
+        assert len(held_out) == 4 and len(trained) == len(rows) - 4
+        # Counted by the stream as it is read; the independent count compares the contents.
+        assert STREAM_COUNTS[ALSO_HELD_OUT] - before == expected == sum(
+            pair in set(contents(held_out)) for pair in trained)
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "json", "csv", "parquet", "jsonl.gz"])
+def test_a_file_has_one_split_train_and_its_slices_are_honoured(tmp_path, fmt):
+    path = tmp_path / f"pairs.{fmt}"
+    write_jsonl(path, unique_pairs(20)) if fmt == "jsonl" else write(path, unique_pairs(20), fmt)
+    for split, named in (("test", "test"), ("validation[:5]", "validation"), ("train[:5]+test", "test")):
+        with pytest.raises(ValueError, match=rf"pairs\.\S+: a data file has one split, 'train'; there is no split "
+                                             rf"'{named}' \(name 'train' or a slice of it"):
+            load_preference_dataset(str(path), split=split)
+    assert load_preference_dataset(str(path), split="train[:5]")["prompt"] == [f"Q{i}" for i in range(5)]
+    assert load_preference_dataset(str(path), split="train[10%:]")["prompt"] == [f"Q{i}" for i in range(2, 20)]
+    with pytest.raises(ValueError, match=r"pairs\.\S+: a data file has no configs \(subsets\); drop the config name"):
+        load_preference_dataset(str(path), config="harmless")
+
+
+def test_a_streamed_file_honours_a_slice_by_rows_and_refuses_one_by_percent(tmp_path):
+    path = write_jsonl(tmp_path / "pairs.jsonl", unique_pairs(20))
+    stream = load_preference_dataset(str(path), split="train[3:5]+train[18:]", streaming=True)
+    assert [pair["prompt"] for pair in stream] == ["Q3", "Q4", "Q18", "Q19"]
+    with pytest.raises(ValueError, match=r"pairs\.jsonl: a stream has no length to take 'train\[:10%\]' of"):
+        load_preference_dataset(str(path), split="train[:10%]", streaming=True)
+    with pytest.raises(ValueError, match="a data file has one split, 'train'; there is no split 'test'"):
+        load_preference_dataset(str(path), split="test", streaming=True)
+
+
+@pytest.mark.parametrize("names", [("part1.jsonl", "part2.parquet"), ("train.jsonl", "train.parquet")])
+def test_a_folder_of_several_file_types_is_refused_naming_them_and_one_type_gives_every_row(tmp_path, names):
+    folder = tmp_path / "pairs"
+    folder.mkdir()
+    write_jsonl(folder / names[0], unique_pairs(30, tag="J"))
+    write(folder / names[1], unique_pairs(18, tag="P"), "parquet")
+    # datasets alone reads the 18 parquet rows and drops the 30 JSON rows without a word.
+    with pytest.raises(ValueError, match=rf"pairs: holds data files of 2 types, and datasets would read one type "
+                                         rf"only: json: 1 file \({names[0]}\); parquet: 1 file \({names[1]}\)"):
+        load_preference_dataset(str(folder))
+    (folder / names[1]).unlink()
+    write(folder / f"{names[0].split('.')[0]}-2.json", unique_pairs(7, tag="K"), "json")
+    (folder / "NOTES.md").write_text("# where these pairs came from\n")  # a note, not a file of another type
+    assert sorted(load_preference_dataset(str(folder))["prompt"]) == sorted(
+        [f"J{i}" for i in range(30)] + [f"K{i}" for i in range(7)])
+
+
+def test_a_folder_whose_files_datasets_would_read_by_split_name_in_part_is_refused(tmp_path):
+    folder = tmp_path / "pairs"
+    folder.mkdir()
+    write_jsonl(folder / "train.jsonl", unique_pairs(5))
+    write_jsonl(folder / "extra.jsonl", unique_pairs(4, tag="X"))  # datasets alone reads train.jsonl only
+    with pytest.raises(ValueError, match=r"pairs: datasets reads its files by split name \(1 file \(train\.jsonl\)\) "
+                                         r"and would leave out 1 file \(extra\.jsonl\)"):
+        load_preference_dataset(str(folder))
+
+
+@pytest.mark.parametrize("name, text, message", [
+    ("pairs.jsonl", '{"prompt": "a", "chosen": "b", "rejected": "c"}\n\n{"prompt": "a", "chosen": "b",}\n',
+     "line 3 is not JSON: Expecting property name enclosed in double quotes (column 31)"),
+    ("pairs.json", '[\n{"prompt": "a", "chosen": "b", "rejected": "c"},\n{"prompt": "a" "chosen": "b"}\n]',
+     "line 3 is not JSON: Expecting ',' delimiter (column 16)"),
+    ("pairs.jsonl", b'{"prompt": "a", "chosen": "b", "rejected": "c"}\n{"prompt": "\xff"}\n',
+     "line 2 is not UTF-8 text"),
+])
+def test_a_malformed_json_line_names_its_file_and_line(tmp_path, name, text, message):
+    path = tmp_path / name
+    path.write_bytes(text if isinstance(text, bytes) else text.encode())
+    with pytest.raises(ValueError) as raised:
+        load_preference_dataset(str(path))
+    assert str(raised.value) == f"{path}: {message}"
+
+
+def data_mistake(kind):
+    """A command line for one data mistake of issue 25, in tmp_path."""
+    def make(tmp_path):
+        pairs = str(write_jsonl(tmp_path / "pairs.jsonl", unique_pairs(20)))
+        recipe = tmp_path / "recipe.yaml"
+        if kind == "split":
+            return ["--dataset", pairs, "--split", "validation[:5]"]
+        if kind == "stream-split":
+            return ["--dataset", pairs, "--split", "test", "--streaming", "--max_steps", "1",
+                    "--precompute_ref_log_probs", "false"]
+        if kind == "config":
+            return ["--dataset", pairs, "--dataset_config", "harmless"]
+        if kind == "bad-line":
+            (tmp_path / "pairs.jsonl").write_text('{"prompt": "a", "chosen": "b", "rejected": "c"}\nnot json\n')
+            return ["--dataset", pairs]
+        if kind == "mixed-folder":
+            (tmp_path / "folder").mkdir()
+            write(tmp_path / "folder" / "b.parquet", unique_pairs(3), "parquet")
+            (tmp_path / "pairs.jsonl").rename(tmp_path / "folder" / "a.jsonl")
+            return ["--dataset", str(tmp_path / "folder")]
+        recipe.write_text({
+            "trl-split": f"datasets:\n  - path: {pairs}\n    split: test\n",
+            "trl-name": f"datasets:\n  - path: {pairs}\n    name: harmless\n",
+            "handbook-split": f"dataset_mixture:\n  datasets:\n    - id: {pairs}\n      split: test\n",
+            "handbook-config": f"dataset_mixture:\n  datasets:\n    - id: {pairs}\n      config: harmless\n",
+            "legacy-split": f"dataset_mixer:\n  {pairs}: 0.5\ndataset_splits: [train_prefs, test_prefs]\n",
+        }[kind])
+        return ["--config", str(recipe)]
+    return make
+
+
+@pytest.mark.parametrize("kind, message", [
+    ("split", "pairs.jsonl: a data file has one split, 'train'; there is no split 'validation'"),
+    ("stream-split", "pairs.jsonl: a data file has one split, 'train'; there is no split 'test'"),
+    ("trl-split", "pairs.jsonl: a data file has one split, 'train'; there is no split 'test'"),
+    ("handbook-split", "pairs.jsonl: a data file has one split, 'train'; there is no split 'test'"),
+    ("legacy-split", "pairs.jsonl: a data file has one split, 'train'; there is no split 'train_prefs'"),
+    ("config", "pairs.jsonl: a data file has no configs (subsets); drop the config name 'harmless'"),
+    ("trl-name", "pairs.jsonl: a data file has no configs (subsets); drop the config name 'harmless'"),
+    ("handbook-config", "pairs.jsonl: a data file has no configs (subsets); drop the config name 'harmless'"),
+    ("bad-line", "pairs.jsonl: line 2 is not JSON: Expecting value (column 1)"),
+    ("mixed-folder", "folder: holds data files of 2 types, and datasets would read one type only: json: 1 file "
+                     "(a.jsonl); parquet: 1 file (b.parquet)"),
+])
+def test_a_data_mistake_is_one_line_exit_1_and_writes_nothing(tmp_path, capsys, tiny_model_dir, kind, message):
+    from dpo_min.train import main
+
+    extra = data_mistake(kind)(tmp_path)
+    before = sorted(os.listdir(tmp_path))
+    code = main(["--model", str(tiny_model_dir), "--output_dir", str(tmp_path / "out"), *extra])
+    error_lines = capsys.readouterr().err.strip().splitlines()
+    assert code == 1 and len(error_lines) == 1 and message in error_lines[0], error_lines
+    assert sorted(os.listdir(tmp_path)) == before

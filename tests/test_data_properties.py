@@ -92,7 +92,7 @@ def test_property_run_tried_many_rows():
 def test_a_file_that_is_not_json_names_the_file(tmp_path):
     path = tmp_path / "pairs.jsonl"
     path.write_text('{"prompt": "a", "chosen": "b", "rejected": "c"}\nthis is not json\n')
-    with pytest.raises(ValueError, match=r"pairs\.jsonl: could not be read as json"):
+    with pytest.raises(ValueError, match=r"pairs\.jsonl: line 2 is not JSON: Expecting value \(column 1\)$"):
         load_preference_dataset(str(path))
 
 

@@ -256,6 +256,36 @@ def test_rename_columns_is_datasets_mapping_from_the_source_column_to_the_new_na
     assert mixture.train["prompt"] == ["Q0", "Q1", "Q2"]
 
 
+def write_prompts(path: Path, tag: str, count: int) -> str:
+    path.write_text("".join(json.dumps({"prompt": f"{tag}{i}", "chosen": "a", "rejected": "b"}) + "\n"
+                            for i in range(count)))
+    return str(path)
+
+
+@pytest.mark.parametrize("form", ["trl", "handbook", "legacy"])
+def test_a_share_of_zero_takes_no_row_of_that_dataset_and_says_so(tmp_path, form):
+    zero, other = write_prompts(tmp_path / "zero.jsonl", "Z", 20), write_prompts(tmp_path / "other.jsonl", "O", 6)
+    mixture, said = {
+        "trl": (lambda: trl_mixture([{"path": zero, "fraction": 0}, {"path": other, "fraction": 1}]),
+                "0 rows: fraction 0 (share 0) of a 6-row mixture: its first 0 of 20 rows"),
+        "handbook": (lambda: handbook_mixture({"datasets": [{"id": zero, "weight": 0}, {"id": other}]}),
+                     "0 rows: weight 0 of its 20 rows, shuffled with seed 0"),
+        "legacy": (lambda: legacy_mixer({zero: 0.0, other: 1.0}, ["train"]),
+                   "0 rows: fraction 0.0 of its 20 rows, the first ones"),
+    }[form]
+    made = mixture()
+    # Before issue 25: "the dataset holds no rows", for a file of 20 rows.
+    assert sorted(made.train["prompt"]) == [f"O{i}" for i in range(6)]
+    assert f"{zero}[train]: {said}" in made.lines
+
+
+def test_a_mixture_whose_every_share_takes_no_row_is_one_line(tmp_path):
+    zero = write_prompts(tmp_path / "zero.jsonl", "Z", 3)
+    with pytest.raises(ValueError, match=rf"^the mixture takes no rows: {re.escape(zero)}\[train\]: 0 rows: weight 0.2 "
+                                         r"of its 3 rows, shuffled with seed 0$"):
+        handbook_mixture({"datasets": [{"id": zero, "weight": 0.2}]})
+
+
 # ---- local folders (item 4) --------------------------------------------------------------------------------------
 def test_a_hub_layout_folder_is_read_by_split_and_config_and_a_missing_split_is_named(hub_copies):
     folder = hub_copies / "HuggingFaceTB" / "smoltalk2"
