@@ -148,7 +148,7 @@ def describe_held_out(after: dict[str, float], margins: list[float]) -> str:
     low, high = wilson_interval(wins, pairs)
     verdict = "chance (0.5) is outside it" if low > 0.5 or high < 0.5 else "it contains chance (0.5)"
     mean, mean_low, mean_high = mean_interval(margins)
-    lines = [f"held-out after training, {pairs} pairs never trained on:",
+    lines = [f"held-out after training, {pairs} pairs:",  # never trained on, unless load_pairs warned
              f"  reward accuracy {wins}/{pairs} = {wins / pairs:.3f}, 95% interval [{low:.3f}, {high:.3f}] (Wilson): "
              f"{verdict}",
              f"  mean margin {mean:+.4f}, 95% interval [{mean_low:+.4f}, {mean_high:+.4f}] over the {pairs} pairs "
