@@ -2,10 +2,10 @@
 
 from .collator import DPODataCollator, PackedDPODataCollator
 from .config import DPOMinConfig
-from .data import load_preference_dataset, tokenize_dataset
+from .data.loading import load_preference_dataset, tokenize_dataset
+from .data.mixtures import load_mixture
 from .logps import sequence_logps
 from .losses import dpo_loss
-from .mixtures import load_mixture
 from .models import load_model_and_tokenizer
 from .trainer import DPOMinTrainer
 

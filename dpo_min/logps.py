@@ -12,8 +12,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .attention import packed_forward_kwargs
 from .collator import IGNORE_INDEX, NON_MODEL_KEYS
+from .scale.attention import packed_forward_kwargs
 
 CHUNK_TOKENS = 256
 

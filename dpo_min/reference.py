@@ -24,7 +24,7 @@ from accelerate.utils import extract_model_from_parallel
 from packaging.version import Version
 from transformers import TrainerCallback
 
-from . import sharding, zero
+from .scale import sharding, zero
 
 try:
     from peft import LoraConfig, PeftModel, get_peft_model

@@ -17,16 +17,17 @@ from tqdm.auto import tqdm
 from transformers import EvalPrediction, PreTrainedModel, Trainer, TrainerCallback, set_seed
 from transformers.trainer_utils import rotate_checkpoints
 
-from . import ref_cache, sharding, zero
+from . import ref_cache
 from . import trainer_setup as phases
 from .collator import NON_MODEL_KEYS
 from .compat import trl_hub_tags
 from .config import DPOMinConfig
-from .data import REFERENCE_COLUMNS, is_tokenized, tokenize_dataset
+from .data.loading import REFERENCE_COLUMNS, is_tokenized, tokenize_dataset
 from .logps import SequenceLogps, computed_tokens, sequence_logps
 from .losses import dpo_loss
-from .offload import OffloadActivations
 from .reference import ModelReference, Reference, SyncReferenceCallback, choose_reference
+from .scale import sharding, zero
+from .scale.offload import OffloadActivations
 
 logger = logging.getLogger(__name__)
 

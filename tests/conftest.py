@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from dpo_min.data import load_preference_dataset
+from dpo_min.data.loading import load_preference_dataset
 from dpo_min.models import cache_dir, convert_gguf, default_gguf_path
 
 ROOT = Path(__file__).resolve().parent.parent

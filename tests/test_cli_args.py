@@ -15,9 +15,9 @@ from conftest import write_hh_rows
 from transformers import HfArgumentParser
 
 from dpo_min import models
-from dpo_min.cli_args import DEMO_DEFAULTS, SMOLLM2_TEMPLATE_WITHOUT_SYSTEM, TRL_NAMES, UsageError, parse_args
 from dpo_min.config import DPOMinConfig
 from dpo_min.train import load_pairs, main
+from dpo_min.train.args import DEMO_DEFAULTS, SMOLLM2_TEMPLATE_WITHOUT_SYSTEM, TRL_NAMES, UsageError, parse_args
 
 TRL_KEYS = {f.name for cls in (trl.ScriptArguments, trl.ModelConfig, trl.DPOConfig) for f in fields(cls)}
 
@@ -337,7 +337,7 @@ warmup_ratio: 0.1
 def test_hub_model_revision_pushes_to_that_branch(tmp_path, monkeypatch):
     import huggingface_hub
 
-    from dpo_min.card import push_to_hub
+    from dpo_min.train.card import push_to_hub
 
     calls = []
 

@@ -7,7 +7,13 @@ import pytest
 from conftest import HH_PATH, ROOT, tiny_llama
 from datasets import Dataset
 
-from dpo_min.data import load_preference_dataset, to_preference_rows, tokenize_dataset, tokenize_row, truncate_pair
+from dpo_min.data.loading import (
+    load_preference_dataset,
+    to_preference_rows,
+    tokenize_dataset,
+    tokenize_row,
+    truncate_pair,
+)
 
 STANDARD = {"prompt": "The sky is", "chosen": " blue.", "rejected": " green."}
 CONVERSATIONAL = {
@@ -186,7 +192,7 @@ def test_string_pairs_with_an_empty_implicit_prompt_are_an_error_unless_the_data
     rows = [{"chosen": "Paris is the capital.", "rejected": "Lyon is the capital."}]
     with pytest.raises(ValueError, match=r"row 0: field 'chosen' shares no prompt .*--no_prompt"):
         to_preference_rows(rows)
-    from dpo_min.layouts import LayoutOptions
+    from dpo_min.data.layouts import LayoutOptions
 
     assert to_preference_rows(rows, options=LayoutOptions(no_prompt=True)) == [
         {"prompt": "", "chosen": "Paris is the capital.", "rejected": "Lyon is the capital."}]
@@ -244,7 +250,7 @@ def write_jsonl(path, rows):
 
 
 def test_a_mixture_names_each_source_and_names_the_dataset_and_row_of_a_bad_row(tmp_path):
-    from dpo_min.mixtures import load_mixture
+    from dpo_min.data.mixtures import load_mixture
 
     orca = write_jsonl(tmp_path / "orca.jsonl", ORCA_ROWS)
     plain = write_jsonl(tmp_path / "plain.jsonl", [dict(STANDARD, prompt=f"Q{i}") for i in range(4)])
@@ -257,7 +263,7 @@ def test_a_mixture_names_each_source_and_names_the_dataset_and_row_of_a_bad_row(
 
 
 def test_mixture_fractions_are_trls_shares_of_the_largest_mixture_without_repeated_rows(tmp_path):
-    from dpo_min.mixtures import load_mixture
+    from dpo_min.data.mixtures import load_mixture
 
     small = write_jsonl(tmp_path / "small.jsonl", [dict(STANDARD, prompt=f"S{i}") for i in range(6)])
     large = write_jsonl(tmp_path / "large.jsonl", [dict(STANDARD, prompt=f"L{i}") for i in range(40)])
@@ -286,7 +292,7 @@ def test_a_streamed_dataset_gives_the_same_token_ids_on_the_fly(tmp_path, tokeni
 
 
 def test_a_stream_counts_what_it_drops_as_it_is_read(tmp_path, tokenizer):
-    from dpo_min.data import STREAM_COUNTS, describe_stream_counts
+    from dpo_min.data.loading import STREAM_COUNTS, describe_stream_counts
 
     haiku, long = [{"role": "user", "content": "Write a haiku."}], [{"role": "user", "content": "word " * 60}]
     opening = "the same opening words, " * 8
@@ -307,7 +313,7 @@ def test_a_stream_counts_what_it_drops_as_it_is_read(tmp_path, tokenizer):
 
 def test_streaming_evaluates_the_whole_eval_split_or_max_eval_samples(tmp_path, monkeypatch, capsys):
     from dpo_min import DPOMinConfig, train
-    from dpo_min.cli_args import DataArguments
+    from dpo_min.train.args import DataArguments
 
     test_split = write_jsonl(tmp_path / "test.jsonl", [dict(STANDARD, prompt=f"Q{i}") for i in range(150)])
     monkeypatch.setattr(train, "_load", lambda *_: load_preference_dataset(str(test_split), streaming=True))
@@ -372,7 +378,7 @@ def unique_pairs(count, tag="Q"):
 def load_pairs_of(tmp_path, **data):
     """train.load_pairs on DataArguments(**data): the command's data step alone, without a model."""
     from dpo_min import DPOMinConfig, train
-    from dpo_min.cli_args import DataArguments
+    from dpo_min.train.args import DataArguments
 
     streaming = data.get("streaming", False)
     args = DPOMinConfig(output_dir=str(tmp_path / "out"), max_steps=1000, per_device_train_batch_size=1,
@@ -387,7 +393,7 @@ def contents(pairs):
 def shared_warning(caplog):
     """The count in the data logger's warning about held-out pairs that are train pairs too (0 without one)."""
     found = [record.getMessage() for record in caplog.records
-             if record.name == "dpo_min.data" and "held-out pairs are also train pairs" in record.getMessage()]
+             if record.name == "dpo_min.data.loading" and "held-out pairs are also train pairs" in record.getMessage()]
     assert len(found) <= 1, found
     return int(found[0].split(": ")[1].split(" of ")[0]) if found else 0
 
@@ -423,7 +429,7 @@ def test_no_held_out_pair_is_a_train_pair_and_duplicates_are_counted_in_every_fo
 
 def test_the_legacy_mixer_on_a_file_holds_out_nothing_and_says_so(tmp_path, caplog):
     pairs = write_jsonl(tmp_path / "pairs.jsonl", unique_pairs(20))
-    with caplog.at_level("INFO", logger="dpo_min.data"):
+    with caplog.at_level("INFO", logger="dpo_min.data.loading"):
         train, held_out = load_pairs_of(tmp_path, dataset_mixer={str(pairs): 0.5})
     # Before issue 25 the whole file was also its test split: 20 held-out pairs, 10 of them trained on.
     assert held_out is None and sorted(train["prompt"]) == sorted(f"Q{i}" for i in range(10))
@@ -431,7 +437,7 @@ def test_the_legacy_mixer_on_a_file_holds_out_nothing_and_says_so(tmp_path, capl
 
 
 def test_a_stream_holds_out_its_first_pairs_and_counts_train_pairs_also_held_out(tmp_path):
-    from dpo_min.data import ALSO_HELD_OUT, STREAM_COUNTS
+    from dpo_min.data.loading import ALSO_HELD_OUT, STREAM_COUNTS
 
     for rows, expected in ((unique_pairs(12), 0), (unique_pairs(12) + unique_pairs(3) + unique_pairs(2), 5)):
         path = write_jsonl(tmp_path / "stream.jsonl", rows)

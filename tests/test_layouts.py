@@ -27,9 +27,9 @@ from transformers import (
 )
 
 from dpo_min import DPOMinConfig, DPOMinTrainer, tokenize_dataset
-from dpo_min.attention import PACKED_FAMILIES, SEGMENTED_SDPA, use_segmented_attention
 from dpo_min.collator import PackedDPODataCollator, make_collator
 from dpo_min.logps import sequence_logps
+from dpo_min.scale.attention import PACKED_FAMILIES, SEGMENTED_SDPA, use_segmented_attention
 
 # (padding_free, share_prompt); (False, False) is the padded reference layout.
 LAYOUTS = {"padded": (False, False), "padding_free": (True, False), "shared_packed": (True, True),

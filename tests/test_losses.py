@@ -7,7 +7,7 @@ from conftest import tiny_llama
 
 from dpo_min import DPOMinConfig, DPOMinTrainer, dpo_loss
 from dpo_min.losses import LOSSES, Knob, LossEntry, LossSettings
-from dpo_min.run_dir import OutputDirError, RunFolder, check_same_run, resume_settings
+from dpo_min.train.run_dir import OutputDirError, RunFolder, check_same_run, resume_settings
 
 
 def t(*values):

@@ -11,8 +11,8 @@ import torch
 import yaml
 from datasets import Dataset, DatasetDict, concatenate_datasets, load_dataset
 
-from dpo_min.data import load_preference_dataset
-from dpo_min.mixtures import handbook_mixture, legacy_mixer, load_mixture, trl_mixture
+from dpo_min.data.loading import load_preference_dataset
+from dpo_min.data.mixtures import handbook_mixture, legacy_mixer, load_mixture, trl_mixture
 
 ROOT = Path(__file__).resolve().parent.parent
 TRL_RECIPES = ROOT / "tests" / "recipes"
@@ -121,7 +121,7 @@ def one_thread():
 
 
 def mixture_lines(records) -> list[str]:
-    return [record.getMessage() for record in records if record.name == "dpo_min.data" and
+    return [record.getMessage() for record in records if record.name == "dpo_min.data.loading" and
             record.getMessage().startswith("mixture: ")]
 
 

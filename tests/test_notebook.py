@@ -12,7 +12,7 @@ from nbclient import NotebookClient
 from nbformat.v4 import new_code_cell
 
 NOTEBOOK = ROOT / "notebooks" / "quickstart.ipynb"
-# What the notebook prints, as the command does (dpo_min.report.describe_ties / describe_held_out).
+# What the notebook prints, as the command does (dpo_min.train.report.describe_ties / describe_held_out).
 TIES = re.compile(r"held-out before training: all (\d+) pairs are ties by definition .*: reward accuracy 0/(\d+), "
                   r"mean margin 0, loss ln 2 = 0\.6931")
 AFTER = re.compile(r"reward accuracy (\d+)/(\d+) = [\d.]+, 95% interval .*\n  mean margin ([+-][\d.]+), 95% interval "

@@ -12,8 +12,8 @@ from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM, MixtralConfig, MixtralForCausalLM, TrainerCallback
 
 from dpo_min import DPODataCollator, DPOMinConfig, DPOMinTrainer, dpo_loss
-from dpo_min.card import model_card
 from dpo_min.logps import sequence_logps
+from dpo_min.train.card import model_card
 
 VOCAB = 64
 

@@ -13,9 +13,9 @@ from test_train import held_out_pairs, sequence_logp, tiny_run_args
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from dpo_min.config import DPOMinConfig
-from dpo_min.data import tokenize_dataset
-from dpo_min.report import describe_held_out, describe_ties, mean_interval, plot_training, smoothed, tie_figures
+from dpo_min.data.loading import tokenize_dataset
 from dpo_min.train import main
+from dpo_min.train.report import describe_held_out, describe_ties, mean_interval, plot_training, smoothed, tie_figures
 
 
 def test_each_evaluation_logs_scalars_and_completions_to_tensorboard(tmp_path, tiny_model_dir):
@@ -119,7 +119,7 @@ def test_greedy_completions_in_one_batch_equal_those_of_one_prompt_at_a_time(tok
     """The prompts are generated together, left-padded; each must get the text it gets alone."""
     from conftest import tiny_llama
 
-    from dpo_min.report import greedy_completions
+    from dpo_min.train.report import greedy_completions
 
     model = tiny_llama(seed=3)
     texts = ["Hi", "How do I bake bread at home without yeast?", "Name a colour."]

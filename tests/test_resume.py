@@ -180,8 +180,8 @@ def test_a_resume_with_the_same_data_and_settings_passes_the_checks(finished_run
 
 def test_a_resume_compares_parsed_mixtures_and_names_the_entries_that_differ(tmp_path):
     """The same mixture as YAML in a recipe and as JSON on the command line is the same run; another entry is named."""
-    from dpo_min.cli_args import parse_args
-    from dpo_min.run_dir import MANIFEST, OutputDirError, check_same_run, resume_settings
+    from dpo_min.train.args import parse_args
+    from dpo_min.train.run_dir import MANIFEST, OutputDirError, check_same_run, resume_settings
 
     mixture = [{"path": "a.jsonl"}, {"path": "b.jsonl", "split": "train"}]
     recipe = tmp_path / "recipe.yaml"

@@ -14,10 +14,9 @@ import torch
 from conftest import ROOT, write_hh_rows
 from safetensors.torch import save_file
 
-from dpo_min import run_dir
 from dpo_min.models import cache_dir
-from dpo_min.run_dir import MANIFEST, OutputDirError, RunFolder, checkpoint_problems, resolve_checkpoint
-from dpo_min.train import main
+from dpo_min.train import main, run_dir
+from dpo_min.train.run_dir import MANIFEST, OutputDirError, RunFolder, checkpoint_problems, resolve_checkpoint
 
 FORK = multiprocessing.get_context("fork")
 # Options with which a run on 12 pairs goes through (so that, without the checks, it would reach the replace).

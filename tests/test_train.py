@@ -16,9 +16,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from dpo_min import DPOMinTrainer, models
 from dpo_min.config import DPOMinConfig
-from dpo_min.data import load_preference_dataset, to_preference_rows, tokenize_dataset
-from dpo_min.report import collapse_warnings, is_empty_completion
+from dpo_min.data.loading import load_preference_dataset, to_preference_rows, tokenize_dataset
 from dpo_min.train import DEMO_DEFAULTS, DataArguments, ModelArguments, UsageError, main, parse_args
+from dpo_min.train.report import collapse_warnings, is_empty_completion
 
 OUTPUT_FILES = ("adapter_config.json", "adapter_model.safetensors", "tokenizer.json", "trainer_state.json",
                 "metrics.json", "training_curves.png", "samples.jsonl")

@@ -26,7 +26,7 @@ from itertools import zip_longest
 from pathlib import Path
 from typing import Any
 
-from .losses import LossSettings
+from ..losses import LossSettings
 
 MANIFEST = "dpo_min_run.json"
 STAGING_SUFFIX, BACKUP_SUFFIX, LOCK_SUFFIX = ".partial", ".replaced", ".lock"

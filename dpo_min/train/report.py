@@ -10,7 +10,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import ProgressCallback, TrainerCallback
 
-from .logps import sequence_logps
+from ..logps import sequence_logps
 
 # The held-out figures the command prints and compares (TRL's names) and how they are shown.
 HEADLINE = {"reward accuracy": ("eval_rewards/accuracies", ".4f"), "mean margin": ("eval_rewards/margins", "+.4f"),

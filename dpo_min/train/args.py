@@ -20,8 +20,8 @@ from huggingface_hub import try_to_load_from_cache
 from transformers import HfArgumentParser, PretrainedConfig, PreTrainedModel
 from transformers.optimization import TYPE_TO_SCHEDULER_FUNCTION, GreedyLR, SchedulerType
 
-from .config import DPOMinConfig
-from .layouts import PREFERENCE_LABELS
+from ..config import DPOMinConfig
+from ..data.layouts import PREFERENCE_LABELS
 
 PROG = "python -m dpo_min.train"
 

@@ -24,7 +24,8 @@ from typing import Any
 import yaml
 from datasets import Dataset, DatasetDict, IterableDataset, concatenate_datasets
 
-from .data import (
+from .layouts import LayoutOptions, feature_kind
+from .loading import (
     DEFAULT_OPTIONS,
     FILE_SPLIT,
     SOURCE_DATASET,
@@ -35,7 +36,6 @@ from .data import (
     to_preference_dataset,
     warn_shared_pairs,
 )
-from .layouts import LayoutOptions, feature_kind
 
 logger = logging.getLogger("dpo_min.data")  # the command shows this logger's lines
 

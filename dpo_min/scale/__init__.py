@@ -1,0 +1,1 @@
+"""Scale-out: FSDP2 sharding, DeepSpeed ZeRO, activation offloading, packed (segmented) attention."""

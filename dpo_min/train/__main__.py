@@ -1,0 +1,5 @@
+"""`python -m dpo_min.train`."""
+
+from . import cli
+
+cli()

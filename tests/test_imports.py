@@ -1,0 +1,91 @@
+"""The folders show the design: the DPO core at dpo_min's top, the data, the command (dpo_min.train) and scale-out as
+folders, and imports that point one way. Every import is read from the source (those inside functions too), so a
+lazy import cannot hide a wrong direction."""
+
+import ast
+import sys
+from graphlib import CycleError, TopologicalSorter
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parent.parent / "dpo_min"
+# Each part, and the parts it may import from. The command is the only client of everything.
+MAY_IMPORT = {
+    "core": {"core", "data", "scale"},
+    "data": {"data"},
+    "scale": {"scale"},
+    "command": {"core", "data", "scale", "command"},
+}
+
+
+def part_of(module: str) -> str:
+    """'dpo_min.data.mixtures' -> 'data'; 'dpo_min.train.card' -> 'command'; a top-level module -> 'core'."""
+    parts = module.split(".")
+    if len(parts) > 1 and parts[1] in ("data", "scale"):
+        return parts[1]
+    return "command" if len(parts) > 1 and parts[1] == "train" else "core"
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imported_modules(path: Path) -> set[str]:
+    """The dpo_min modules a file imports, relative imports resolved ('from . import zero' -> dpo_min.scale.zero)."""
+    package = module_name(path).split(".") if path.name == "__init__.py" else module_name(path).split(".")[:-1]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names if alias.name.startswith("dpo_min")}
+        elif isinstance(node, ast.ImportFrom):
+            base = package[:len(package) - node.level + 1] if node.level else []
+            stem = ".".join([*base, *(node.module.split(".") if node.module else [])])
+            if not stem.startswith("dpo_min"):
+                continue
+            for alias in node.names:  # `from . import zero` names a module; `from .zero import f` names a function
+                candidate = f"{stem}.{alias.name}"
+                where = PACKAGE.parent.joinpath(*candidate.split("."))
+                is_module = where.with_suffix(".py").exists() or (where / "__init__.py").exists()
+                found.add(candidate if is_module else stem)
+    return found
+
+
+def wrong_imports() -> list[str]:
+    wrong = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        importer = module_name(path)
+        for imported in sorted(imported_modules(path)):
+            if part_of(imported) not in MAY_IMPORT[part_of(importer)]:
+                wrong.append(f"{importer} ({part_of(importer)}) imports {imported} ({part_of(imported)})")
+    return wrong
+
+
+def test_imports_point_one_way():
+    assert wrong_imports() == []
+
+
+def test_modules_import_each_other_without_a_cycle():
+    graph = {module_name(path): imported_modules(path) - {module_name(path)} for path in PACKAGE.rglob("*.py")}
+    try:
+        TopologicalSorter(graph).prepare()
+    except CycleError as error:
+        raise AssertionError(f"import cycle: {' -> '.join(error.args[1])}") from None
+
+
+def test_the_rule_catches_a_core_module_that_imports_the_command(tmp_path, monkeypatch):
+    # The walk itself, on a package with one wrong import inside a function: it must be found.
+    fake = tmp_path / "dpo_min"
+    (fake / "train").mkdir(parents=True)
+    (fake / "__init__.py").write_text("")
+    (fake / "train" / "__init__.py").write_text("")
+    (fake / "train" / "card.py").write_text("")
+    (fake / "trainer.py").write_text("def f():\n    from .train import card\n")
+    monkeypatch.setattr(sys.modules[__name__], "PACKAGE", fake)
+    assert wrong_imports() == ["dpo_min.trainer (core) imports dpo_min.train.card (command)"]
+
+
+def test_the_core_is_the_files_at_the_top():
+    top = {path.stem for path in PACKAGE.glob("*.py")} - {"__init__"}
+    assert {"config", "collator", "logps", "losses", "reference", "trainer", "models"} <= top
+    assert {path.name for path in PACKAGE.iterdir() if path.is_dir() and (path / "__init__.py").exists()} == {
+        "data", "train", "scale"}
