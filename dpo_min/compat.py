@@ -1,12 +1,17 @@
-"""TRL compatibility: the fields of TRL 1.16's `DPOConfig` that dpo_min has no field of its own for, and hub tags.
+"""TRL compatibility: every table of TRL 1.16's names that dpo_min answers to, in one place.
 
-`DPOMinConfig` accepts every field of TRL's `DPOConfig`, so that a script written for TRL runs after changing its
-import. Most are dpo_min's own fields (or TrainingArguments'), with TRL's meaning. The others are in `TRL_FIELDS`:
-each is a real dataclass field with TRL's type and default (so TRL's keyword arguments and command-line flags
-parse), and any other value is refused with a one-line error that names the field and says why. None is silently
-ignored. Adding a TRL field is adding an entry; a field dpo_min implements leaves the table.
+A script written for TRL runs after changing its imports, and a recipe or command line written for `trl dpo` runs
+as written. What that takes, table by table:
+- `TRL_FIELDS`: `DPOConfig` fields with no dpo_min field behind them, accepted at TRL's default only;
+- `TRL_NEGATIONS`: TRL's `--no_<name>` flags for fields whose default here is already off;
+- `TRL_ATTRIBUTES`: `DPOTrainer`'s public attributes, read from the config;
+- `TRL_NAMES`, `TRL_WITHOUT_COUNTERPART`: the command's options as TRL names them, and TRL's options with none here;
+- `TRL_TAGS`: the hub tags TRL's trainer puts on a model.
+None is silently ignored: a value dpo_min cannot honour is refused with a one-line error that names it and says
+why. Adding a TRL name is adding an entry; a field dpo_min implements leaves the table.
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, make_dataclass
 from typing import Any
 
@@ -24,18 +29,36 @@ class TRLField:
     refusal: str
 
 
+# Each is a real dataclass field with TRL's type and default, so that TRL's keyword arguments and command-line flags
+# parse; any other value is refused.
 TRL_FIELDS: dict[str, TRLField] = {
     # TRL-internal.
     "pad_token": TRLField(str | None, None, "it is deprecated in TRL; set tokenizer.pad_token on the "
                                             "processing_class instead"),
 }
 
-# The table as dataclass fields, for DPOMinConfig to inherit.
+# TRL's DPOConfig defaults these to True, so HfArgumentParser gives TRL's command line `--no_<name>` for them (TRL's
+# own docstring commands pass --no_remove_unused_columns); here they default to False and would get no such flag.
+# A `no_<name>` field each gives it, with TRL's meaning: <name>=False.
+TRL_NEGATIONS = ("gradient_checkpointing", "remove_unused_columns")
+
+# Both tables as dataclass fields, for DPOMinConfig to inherit.
 TRLOnlyFields = make_dataclass("TRLOnlyFields", [
-    (name, entry.type, field(default=entry.default, metadata={
+    *[(name, entry.type, field(default=entry.default, metadata={
         "help": f"TRL DPOConfig field, accepted at its default {entry.default!r} only: {entry.refusal}."}))
-    for name, entry in TRL_FIELDS.items()
+      for name, entry in TRL_FIELDS.items()],
+    *[(f"no_{name}", bool, field(default=False, metadata={"help": f"TRL's --no_{name}: {name}=False."}))
+      for name in TRL_NEGATIONS],
 ])
+
+
+def apply_trl_negations(config: Any) -> None:
+    """Set each `<name>` of `TRL_NEGATIONS` to False where `no_<name>` asks for it; refuse both at once."""
+    for name in TRL_NEGATIONS:
+        if getattr(config, f"no_{name}"):
+            if getattr(config, name):
+                raise ValueError(f"{name}=True and no_{name}=True contradict each other: give one")
+            setattr(config, name, False)
 
 
 def check_trl_fields(config: Any) -> None:
@@ -45,6 +68,54 @@ def check_trl_fields(config: Any) -> None:
         if value != entry.default:
             raise ValueError(f"{name}={value!r} is not supported by dpo_min: {entry.refusal} (TRL DPOConfig field, "
                              f"accepted at its default {entry.default!r} only)")
+
+
+# TRL DPOTrainer's public attributes that scripts read, with TRL's meaning: name -> how it reads the trainer's
+# config (read each time, not copied at construction: tests swap the config).
+TRL_ATTRIBUTES: dict[str, Callable[[Any], Any]] = {
+    "beta": lambda args: args.beta,
+    "loss_types": lambda args: args.loss_type,
+    "loss_weights": lambda args: args.loss_weights or [1.0] * len(args.loss_type),
+    "label_smoothing": lambda args: args.label_smoothing,
+    "ld_alpha": lambda args: args.ld_alpha,
+    "use_weighting": lambda args: args.use_weighting,
+    "f_divergence_type": lambda args: args.f_divergence_type,
+    "f_alpha_divergence_coef": lambda args: args.f_alpha_divergence_coef,
+    "precompute_ref_logps": lambda args: args.precompute_ref_log_probs,
+    "padding_free": lambda args: args.padding_free,
+}
+
+# The table as read-only properties, for DPOMinTrainer to inherit.
+TRLAttributes = type("TRLAttributes", (), {
+    name: property(lambda self, read=read: read(self.args),
+                   doc="TRL DPOTrainer's attribute of this name, read from args.")
+    for name, read in TRL_ATTRIBUTES.items()
+})
+
+# TRL's (ScriptArguments, ModelConfig, DPOConfig) names for the command's options that dpo_min calls otherwise.
+TRL_NAMES = {
+    "model_name_or_path": "model",
+    "dataset_name": "dataset",
+    "dataset_train_split": "split",
+    "dataset_test_split": "eval_split",
+    "dataset_streaming": "streaming",
+}
+
+_ANY = object()  # TRL_WITHOUT_COUNTERPART: every value is accepted
+# TRL options without a counterpart here: (the value accepted, why). Those that only change speed take any value;
+# the others only TRL's default, so that a recipe relying on them fails instead of silently training something else.
+TRL_WITHOUT_COUNTERPART: dict[str, tuple[Any, str]] = {
+    "ignore_bias_buffers": (_ANY, "LoRA on every linear layer leaves no bias buffers to skip"),
+    "bnb_4bit_quant_storage": (_ANY, "the storage dtype is bitsandbytes' default"),
+    "lora_target_parameters": (None, "LoRA on parameters (not modules) is not exposed"),
+}
+
+
+def check_trl_option(name: str, value: Any) -> None:
+    """Refuse a value of a TRL option in `TRL_WITHOUT_COUNTERPART` that dpo_min cannot honour."""
+    accepted, why = TRL_WITHOUT_COUNTERPART[name]
+    if accepted is not _ANY and value != accepted:
+        raise ValueError(f"TRL's {name}={value!r} is not supported by dpo_min ({why})")
 
 
 def trl_hub_tags(model: Any, environ: dict[str, str]) -> list[str]:

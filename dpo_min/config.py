@@ -7,7 +7,7 @@ from typing import Any
 
 from transformers import TrainingArguments
 
-from .compat import TRLOnlyFields, check_trl_fields
+from .compat import TRLOnlyFields, apply_trl_negations, check_trl_fields
 from .losses import F_DIVERGENCES, LOSS_TYPES, LOSSES, LossSettings
 
 TRUNCATION_MODES = ("keep_end", "keep_start")
@@ -21,7 +21,8 @@ class DPOMinConfig(TRLOnlyFields, TrainingArguments):
     """Training arguments for `DPOMinTrainer`.
 
     Defaults follow TRL's `DPOConfig` where both have the option, so that the same numbers come out. Every other
-    field of TRL's `DPOConfig` is accepted too: see `compat.TRL_FIELDS` for what each does.
+    field of TRL's `DPOConfig` is accepted too, and TRL's `--no_<name>` flags: see `compat.TRL_FIELDS` and
+    `compat.TRL_NEGATIONS` for what each does.
     """
 
     # Fields whose JSON string (from the command line) TrainingArguments parses into a dict. Not annotated: a
@@ -133,18 +134,9 @@ class DPOMinConfig(TRLOnlyFields, TrainingArguments):
     remove_unused_columns: bool = field(
         default=False, metadata={"help": "Kept False: the collator picks the columns it needs."}
     )
-    # TRL's DPOConfig defaults these two to True, so HfArgumentParser gives TRL's command line `--no_<name>` for
-    # them (TRL's own docstring commands pass --no_remove_unused_columns); here they default to False or None and
-    # would get no such flag. These fields give it, with TRL's meaning.
-    no_gradient_checkpointing: bool = field(
-        default=False, metadata={"help": "TRL's --no_gradient_checkpointing: gradient_checkpointing=False."}
-    )
-    no_remove_unused_columns: bool = field(
-        default=False, metadata={"help": "TRL's --no_remove_unused_columns: remove_unused_columns=False."}
-    )
 
     def __post_init__(self):
-        self._apply_negative_flags()
+        apply_trl_negations(self)
         super().__post_init__()
         check_trl_fields(self)
         if isinstance(self.chat_template_kwargs, str):
@@ -174,13 +166,6 @@ class DPOMinConfig(TRLOnlyFields, TrainingArguments):
         # Trainer pickles the whole config into training_args.bin, in the output folder and every checkpoint, and a
         # push uploads it: a pickled copy holds no token. The live config keeps it, for the push.
         return {name: None if name in SECRET_FIELDS else value for name, value in self.__dict__.items()}
-
-    def _apply_negative_flags(self) -> None:
-        for name in ("gradient_checkpointing", "remove_unused_columns"):
-            if getattr(self, f"no_{name}"):
-                if getattr(self, name):
-                    raise ValueError(f"{name}=True and no_{name}=True contradict each other: give one")
-                setattr(self, name, False)
 
     def _accept_liger_kernel(self) -> None:
         # What TRL 1.16 asks of Liger in DPO is memory: a fused LM head that never holds the [2B, T, V] logits (the

@@ -20,7 +20,7 @@ from transformers.trainer_utils import rotate_checkpoints
 from . import ref_cache
 from . import trainer_setup as phases
 from .collator import NON_MODEL_KEYS
-from .compat import trl_hub_tags
+from .compat import TRLAttributes, trl_hub_tags
 from .config import DPOMinConfig
 from .data.loading import REFERENCE_COLUMNS, is_tokenized, tokenize_dataset
 from .logps import SequenceLogps, computed_tokens, sequence_logps
@@ -56,11 +56,7 @@ def _datasets_progress_bars(show: bool):
         (datasets.enable_progress_bars if were_shown else datasets.disable_progress_bars)()
 
 
-def _trl_attribute(read: Callable[[DPOMinConfig], Any]) -> property:
-    return property(lambda self: read(self.args), doc="TRL DPOTrainer's attribute of this name, read from args.")
-
-
-class DPOMinTrainer(Trainer):
+class DPOMinTrainer(TRLAttributes, Trainer):  # TRLAttributes: TRL's public attributes, compat.TRL_ATTRIBUTES
     """Direct Preference Optimization on `transformers.Trainer`; the constructor is TRL 1.16 `DPOTrainer`'s (see
     README, "Coming from TRL"). Which reference applies is decided once, in `reference.choose_reference`;
     `precompute_ref_log_probs=True` computes its log-probs once, up front (cached on disk)."""
@@ -109,18 +105,6 @@ class DPOMinTrainer(Trainer):
         self._pending_margins: list[torch.Tensor] = []  # ... gathered batch by batch until the evaluation logs
         if args.sync_ref_model:
             self.add_callback(SyncReferenceCallback(self.sync_reference))
-
-    # TRL DPOTrainer's public attributes that scripts read, with TRL's meaning (from the config, which tests swap).
-    beta = _trl_attribute(lambda args: args.beta)
-    loss_types = _trl_attribute(lambda args: args.loss_type)
-    loss_weights = _trl_attribute(lambda args: args.loss_weights or [1.0] * len(args.loss_type))
-    label_smoothing = _trl_attribute(lambda args: args.label_smoothing)
-    ld_alpha = _trl_attribute(lambda args: args.ld_alpha)
-    use_weighting = _trl_attribute(lambda args: args.use_weighting)
-    f_divergence_type = _trl_attribute(lambda args: args.f_divergence_type)
-    f_alpha_divergence_coef = _trl_attribute(lambda args: args.f_alpha_divergence_coef)
-    precompute_ref_logps = _trl_attribute(lambda args: args.precompute_ref_log_probs)
-    padding_free = _trl_attribute(lambda args: args.padding_free)
 
     @property
     def aux_loss_enabled(self) -> bool:

@@ -15,9 +15,10 @@ from conftest import write_hh_rows
 from transformers import HfArgumentParser
 
 from dpo_min import models
+from dpo_min.compat import TRL_NAMES
 from dpo_min.config import DPOMinConfig
 from dpo_min.train import load_pairs, main
-from dpo_min.train.args import DEMO_DEFAULTS, SMOLLM2_TEMPLATE_WITHOUT_SYSTEM, TRL_NAMES, UsageError, parse_args
+from dpo_min.train.args import DEMO_DEFAULTS, SMOLLM2_TEMPLATE_WITHOUT_SYSTEM, UsageError, parse_args
 
 TRL_KEYS = {f.name for cls in (trl.ScriptArguments, trl.ModelConfig, trl.DPOConfig) for f in fields(cls)}
 

@@ -1,7 +1,8 @@
 """The command line of `python -m dpo_min.train`: its options, recipe files, TRL's option names, the demo's defaults.
 
-Read top to bottom: the option dataclasses, the defaults (every run; the demo only), the table of TRL names, then
-`parse_args`, which turns a command line (and optionally a YAML recipe) into the three dataclasses.
+Read top to bottom: the option dataclasses, the defaults (every run; the demo only), the table of the handbook's keys,
+then `parse_args`, which turns a command line (and optionally a YAML recipe) into the three dataclasses. TRL's names
+for the options are tables of `compat`.
 """
 
 import difflib
@@ -20,6 +21,7 @@ from huggingface_hub import try_to_load_from_cache
 from transformers import HfArgumentParser, PretrainedConfig, PreTrainedModel
 from transformers.optimization import TYPE_TO_SCHEDULER_FUNCTION, GreedyLR, SchedulerType
 
+from ..compat import TRL_NAMES, TRL_WITHOUT_COUNTERPART, check_trl_option
 from ..config import DPOMinConfig
 from ..data.layouts import PREFERENCE_LABELS
 
@@ -176,23 +178,6 @@ DEMO_DEFAULTS = {
 }
 # How --help names a demo default too long to print.
 DEMO_DEFAULTS_SHOWN = {"chat_template": "SmolLM2's own, less its default system message"}
-
-# TRL's (ScriptArguments, ModelConfig, DPOConfig) names for options dpo_min calls otherwise.
-TRL_NAMES = {
-    "model_name_or_path": "model",
-    "dataset_name": "dataset",
-    "dataset_train_split": "split",
-    "dataset_test_split": "eval_split",
-    "dataset_streaming": "streaming",
-}
-_ANY = object()
-# TRL options without a counterpart here: (the value accepted, why). Those that only change speed take any value;
-# the others only TRL's default, so that a recipe relying on them fails instead of silently training something else.
-TRL_WITHOUT_COUNTERPART: dict[str, tuple[Any, str]] = {
-    "ignore_bias_buffers": (_ANY, "LoRA on every linear layer leaves no bias buffers to skip"),
-    "bnb_4bit_quant_storage": (_ANY, "the storage dtype is bitsandbytes' default"),
-    "lora_target_parameters": (None, "LoRA on parameters (not modules) is not exposed"),
-}
 
 
 # Keys of the alignment-handbook's recipes (written for transformers 4 and older TRL) that dpo_min spells otherwise:
@@ -395,9 +380,10 @@ def _translate(name: str, value: Any, where: str) -> dict[str, Any]:
     if name in TRL_NAMES:
         return {TRL_NAMES[name]: value}
     if name in TRL_WITHOUT_COUNTERPART and name not in known_options():
-        accepted, why = TRL_WITHOUT_COUNTERPART[name]
-        if accepted is not _ANY and value != accepted:
-            raise UsageError(f"{where}: TRL's {name}={value!r} is not supported by dpo_min ({why})")
+        try:
+            check_trl_option(name, value)
+        except ValueError as error:
+            raise UsageError(f"{where}: {error}") from None
         return {}
     return {name: value}
 
