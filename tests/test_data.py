@@ -393,7 +393,7 @@ def contents(pairs):
 def shared_warning(caplog):
     """The count in the data logger's warning about held-out pairs that are train pairs too (0 without one)."""
     found = [record.getMessage() for record in caplog.records
-             if record.name == "dpo_min.data.loading" and "held-out pairs are also train pairs" in record.getMessage()]
+             if record.name == "dpo_min.data" and "held-out pairs are also train pairs" in record.getMessage()]
     assert len(found) <= 1, found
     return int(found[0].split(": ")[1].split(" of ")[0]) if found else 0
 
@@ -429,7 +429,7 @@ def test_no_held_out_pair_is_a_train_pair_and_duplicates_are_counted_in_every_fo
 
 def test_the_legacy_mixer_on_a_file_holds_out_nothing_and_says_so(tmp_path, caplog):
     pairs = write_jsonl(tmp_path / "pairs.jsonl", unique_pairs(20))
-    with caplog.at_level("INFO", logger="dpo_min.data.loading"):
+    with caplog.at_level("INFO", logger="dpo_min.data"):
         train, held_out = load_pairs_of(tmp_path, dataset_mixer={str(pairs): 0.5})
     # Before issue 25 the whole file was also its test split: 20 held-out pairs, 10 of them trained on.
     assert held_out is None and sorted(train["prompt"]) == sorted(f"Q{i}" for i in range(10))

@@ -31,7 +31,7 @@ def test_ultrafeedback_h4_prompt_is_the_shared_user_turn(tmp_path, caplog):
     row = {"prompt": question, "prompt_id": "a1b2", "chosen": [user(question), assistant("Eight.")],
            "rejected": [user(question), assistant("Six.")],
            "messages": [user(question), assistant("Eight.")], "score_chosen": 9.0, "score_rejected": 2.0}
-    with caplog.at_level(logging.INFO, logger="dpo_min.data.loading"):
+    with caplog.at_level(logging.INFO, logger="dpo_min.data"):
         [pair] = load(tmp_path, [row])
     assert pair == {"prompt": [user(question)], "chosen": [assistant("Eight.")], "rejected": [assistant("Six.")]}
     assert "layout ultrafeedback_h4" in caplog.text
@@ -252,7 +252,7 @@ def test_the_log_line_names_the_layout_the_rows_are_in_and_tokenizing_reads_them
     monkeypatch.setattr(layouts, "validate_pair", lambda pair, index: checked.append(index) or validate(pair, index))
     path = tmp_path / "rows.jsonl"
     path.write_text(json.dumps(ONE_ROW[name]) + "\n" + json.dumps(ONE_ROW[name]) + "\n")
-    with caplog.at_level(logging.INFO, logger="dpo_min.data.loading"):
+    with caplog.at_level(logging.INFO, logger="dpo_min.data"):
         tokenize_dataset(load_preference_dataset(str(path)), tokenizer)
     assert re.findall(r"layout (\w+) \(as", caplog.text) == [name]
     assert checked == [0, 1]  # each row validated once, when it is read; tokenizing trusts what reading produced

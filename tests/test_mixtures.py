@@ -121,7 +121,7 @@ def one_thread():
 
 
 def mixture_lines(records) -> list[str]:
-    return [record.getMessage() for record in records if record.name == "dpo_min.data.loading" and
+    return [record.getMessage() for record in records if record.name == "dpo_min.data" and
             record.getMessage().startswith("mixture: ")]
 
 

@@ -45,7 +45,7 @@ from .layouts import (
     value_kind,
 )
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("dpo_min.data")  # one logger for the data folder: the command shows its lines
 
 _FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
 FILE_SPLIT = "train"  # a data file has one split; datasets names it "train"
