@@ -17,8 +17,7 @@ from tqdm.auto import tqdm
 from transformers import EvalPrediction, PreTrainedModel, Trainer, TrainerCallback, set_seed
 from transformers.trainer_utils import rotate_checkpoints
 
-from . import ref_cache, sharding, zero
-from . import trainer_setup as phases
+from . import ref_cache, sharding, trainer_setup, zero
 from .collator import NON_MODEL_KEYS
 from .compat import trl_hub_tags
 from .config import DPOMinConfig
@@ -80,19 +79,21 @@ class DPOMinTrainer(Trainer):
         peft_config: Any = None,  # a peft.PeftConfig
     ):
         # TRL 1.16's signature, positional order included. `model` and `ref_model` may be hub ids or paths.
-        args = phases.validated_args(model, ref_model, args, train_dataset, eval_dataset, compute_metrics,
-                               quantization_config)
+        args = trainer_setup.validated_args(model, ref_model, args, train_dataset, eval_dataset, compute_metrics,
+                                            quantization_config)
         # The adapter's random init (and any weight a checkpoint lacks) must depend on the seed alone, as in TRL.
         set_seed(args.seed)
-        model, ref_model, processing_class = phases.load(model, ref_model, args, processing_class, quantization_config)
-        self.router_aux_loss_coef = phases.check_model(model, args)
+        model, ref_model, processing_class = trainer_setup.load(model, ref_model, args, processing_class,
+                                                                quantization_config)
+        self.router_aux_loss_coef = trainer_setup.check_model(model, args)
         # A loss that reads no reference gets none: no copy of the model or adapter, no reference forward.
         model, self.reference = choose_reference(model, ref_model, args, peft_config,
                                                  args.loss_settings.reads_reference)
         logger.info("reference: %s", self.reference.description)
-        phases.prepare_models([model, *self.reference.modules()], args)
+        trainer_setup.prepare_models([model, *self.reference.modules()], args)
         tokenizer = getattr(processing_class, "tokenizer", processing_class)
-        super().__init__(model=model, args=args, data_collator=data_collator or phases.collator(model, tokenizer, args),
+        collator = data_collator or trainer_setup.collator(model, tokenizer, args)
+        super().__init__(model=model, args=args, data_collator=collator,
                          train_dataset=_tokenized(train_dataset, tokenizer, args),
                          eval_dataset=_tokenized(eval_dataset, tokenizer, args), processing_class=processing_class,
                          compute_metrics=compute_metrics, callbacks=callbacks, optimizers=optimizers)
@@ -158,7 +159,7 @@ class DPOMinTrainer(Trainer):
     def _with_reference_logps(self, dataset: Dataset, description: str) -> Dataset:
         """Add `ref_chosen_logps` / `ref_rejected_logps` columns: one reference pass over the data, up front."""
         if isinstance(dataset, IterableDataset):
-            raise ValueError(phases.ITERABLE_REFUSAL)
+            raise ValueError(trainer_setup.ITERABLE_REFUSAL)
         if dataset is None or "ref_chosen_logps" in dataset.column_names:
             return dataset
         if self.reference.fixed_before_training() and self.state.global_step > 0:
