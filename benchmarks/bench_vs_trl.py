@@ -90,7 +90,7 @@ def run_config(config: str, model_path: str, batch_size: int, warmup: int, steps
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
     from dpo_min import DPOMinConfig, DPOMinTrainer, load_model_and_tokenizer, load_preference_dataset
-    from dpo_min.attention import use_segmented_attention
+    from dpo_min.attention import use_packed_attention
     from dpo_min.collator import PackedDPODataCollator
     from dpo_min.data import tokenize_dataset
     from dpo_min.logps import sequence_logps
@@ -124,7 +124,7 @@ def run_config(config: str, model_path: str, batch_size: int, warmup: int, steps
             from peft import get_peft_model
 
             model = get_peft_model(model, peft_config)
-        use_segmented_attention(model)
+        use_packed_attention(model)
 
         class SFTTrainer(Trainer):
             def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
