@@ -245,7 +245,7 @@ class DPOMinTrainer(Trainer):
         chosen_logps, rejected_logps = policy.ld_dpo_logps(settings.ld_alpha).chunk(2)
         ref_chosen_logps, ref_rejected_logps = self._reference_sequence_logps(inputs).chunk(2) \
             if settings.reads_reference else (None, None)
-        chosen_lengths, rejected_lengths = policy.token_counts.chunk(2)
+        chosen_lengths, rejected_lengths = policy.lengths.chunk(2)
         pair_weights = policy.wpo_weights() if settings.use_weighting else None
         losses, chosen_rewards, rejected_rewards = dpo_loss(
             chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, settings, chosen_lengths=chosen_lengths,
@@ -280,11 +280,11 @@ class DPOMinTrainer(Trainer):
         # Only per-pair [B] tensors go through gather_for_metrics: it trims the last batch to the dataset's length.
         pairs = self.accelerator.gather_for_metrics(per_pair)
         metrics = self._metrics[mode]
-        tokens = pairs["chosen_tokens"].sum() + pairs["rejected_tokens"].sum()
+        tokens = pairs["chosen_lengths"].sum() + pairs["rejected_lengths"].sum()
         # TRL's definitions: entropy over every completion token; token accuracy (argmax = label) over the chosen
         # ones; num_tokens the running count of training tokens computed, padding excluded.
         metrics["entropy"].append(((pairs["chosen_entropy"].sum() + pairs["rejected_entropy"].sum()) / tokens).item())
-        metrics["mean_token_accuracy"].append((pairs["chosen_top1"].sum() / pairs["chosen_tokens"].sum()).item())
+        metrics["mean_token_accuracy"].append((pairs["chosen_top1"].sum() / pairs["chosen_lengths"].sum()).item())
         if mode == "train":
             self._total_train_tokens += int(self.accelerator.gather(computed_tokens(inputs)).sum())
         metrics["num_tokens"] = [self._total_train_tokens]
@@ -300,11 +300,11 @@ class DPOMinTrainer(Trainer):
         for half in ("chosen", "rejected"):
             metrics[f"logps/{half}"].append(pairs[f"{half}_logps"].mean().item())
         for half in ("chosen", "rejected"):  # mean logit over completion tokens, token-weighted across the batch (TRL)
-            metrics[f"logits/{half}"].append((pairs[f"{half}_logits"].sum() / pairs[f"{half}_tokens"].sum()).item())
+            metrics[f"logits/{half}"].append((pairs[f"{half}_logits"].sum() / pairs[f"{half}_lengths"].sum()).item())
         for half in ("chosen", "rejected") if reference[0] is not None else ():
             # Drift from the reference: mean policy - reference log-ratio per completion token, token-weighted. A
             # model that collapses can still rank pairs "right"; this shows how far it went to do so.
-            metrics[f"drift/{half}"].append((pairs[f"{half}_drift"].sum() / pairs[f"{half}_tokens"].sum()).item())
+            metrics[f"drift/{half}"].append((pairs[f"{half}_drift"].sum() / pairs[f"{half}_lengths"].sum()).item())
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         """The loss; with `compute_metrics`, also what TRL 1.16 passes it: the logits of a plain forward of the
