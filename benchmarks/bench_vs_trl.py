@@ -94,7 +94,7 @@ def run_config(config: str, model_path: str, batch_size: int, warmup: int, steps
     from dpo_min.data.loading import tokenize_dataset
     from dpo_min.logps import sequence_logps
     from dpo_min.losses import LossSettings
-    from dpo_min.scale.attention import use_segmented_attention
+    from dpo_min.scale.attention import use_packed_attention
 
     mode, method = config.split("/")
     trainer_kind, overrides = METHODS[method]
@@ -124,7 +124,7 @@ def run_config(config: str, model_path: str, batch_size: int, warmup: int, steps
             from peft import get_peft_model
 
             model = get_peft_model(model, peft_config)
-        use_segmented_attention(model)
+        use_packed_attention(model)
 
         class SFTTrainer(Trainer):
             def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):

@@ -70,17 +70,17 @@ def add_reference_logps(batch: dict[str, torch.Tensor], examples: list[dict[str,
 
 @dataclass
 class _Row:
-    """Per-token columns of one row. A token may attend to an earlier token of the same `group` whose `branch` is
-    its own or 0 (the shared prompt prefix); padding is group -1."""
+    """Per-token columns of one row, named as the batch names them. A token may attend to an earlier token of its
+    segment whose branch is its own or 0 (the shared prompt prefix); padding is segment -1."""
 
     input_ids: list[int] = field(default_factory=list)
     position_ids: list[int] = field(default_factory=list)
     labels: list[int] = field(default_factory=list)
     sequence_index: list[int] = field(default_factory=list)
-    group: list[int] = field(default_factory=list)
-    branch: list[int] = field(default_factory=list)
+    segment_ids: list[int] = field(default_factory=list)
+    branch_ids: list[int] = field(default_factory=list)
 
-    def add(self, ids: list[int], first_position: int, group: int, branch: int, sequence: int | None = None) -> None:
+    def add(self, ids: list[int], first_position: int, segment: int, branch: int, sequence: int | None = None) -> None:
         """Append `ids` at positions first_position, first_position + 1, ...; score them when `sequence` is given."""
         scored = sequence is not None
         self.input_ids += ids
@@ -90,8 +90,8 @@ class _Row:
         if scored and first_position == 0 and ids:
             # Nothing precedes a sequence's first token, so nothing predicts it (as in the padded layout).
             self.labels[-len(ids)], self.sequence_index[-len(ids)] = IGNORE_INDEX, -1
-        self.group += [group] * len(ids)
-        self.branch += [branch] * len(ids)
+        self.segment_ids += [segment] * len(ids)
+        self.branch_ids += [branch] * len(ids)
 
 
 @dataclass
@@ -125,18 +125,18 @@ class PackedDPODataCollator:
             prompt, chosen, rejected = ex["prompt_ids"], ex["chosen_ids"], ex["rejected_ids"]
             if self.share_prompt:
                 row, shared = _Row(), len(prompt) - 1 if prompt else 0
-                row.add(prompt[:shared], 0, group=pair, branch=0)
+                row.add(prompt[:shared], 0, segment=pair, branch=0)
                 for branch, completion, sequence in ((1, chosen, pair), (2, rejected, num_pairs + pair)):
-                    row.add(prompt[shared:], shared, group=pair, branch=branch)
-                    row.add(completion, len(prompt), group=pair, branch=branch, sequence=sequence)
+                    row.add(prompt[shared:], shared, segment=pair, branch=branch)
+                    row.add(completion, len(prompt), segment=pair, branch=branch, sequence=sequence)
                 rows.append(row)
         if not self.share_prompt:
             for sequence in range(2 * num_pairs):
                 ex = examples[sequence % num_pairs]
                 completion = ex["chosen_ids"] if sequence < num_pairs else ex["rejected_ids"]
                 row = _Row()
-                row.add(ex["prompt_ids"], 0, group=sequence, branch=1)
-                row.add(completion, len(ex["prompt_ids"]), group=sequence, branch=1, sequence=sequence)
+                row.add(ex["prompt_ids"], 0, segment=sequence, branch=1)
+                row.add(completion, len(ex["prompt_ids"]), segment=sequence, branch=1, sequence=sequence)
                 rows.append(row)
         segment_bounds = None
         if self.padding_free:
@@ -156,16 +156,15 @@ class PackedDPODataCollator:
         if self.pad_to_multiple_of and not self.padding_free:
             length = -(-length // self.pad_to_multiple_of) * self.pad_to_multiple_of
         pads = {"input_ids": self.pad_token_id, "position_ids": 0, "labels": IGNORE_INDEX, "sequence_index": -1,
-                "group": -1, "branch": -1}
+                "segment_ids": -1, "branch_ids": -1}
         columns = {name: torch.tensor([getattr(row, name) + [pad] * (length - len(row.input_ids)) for row in rows])
                    for name, pad in pads.items()}
-        group, branch = columns.pop("group"), columns.pop("branch")
-        columns["segment_ids"], columns["branch_ids"] = group, branch
+        segment, branch = columns["segment_ids"], columns["branch_ids"]
         if self.share_prompt and self.dense_mask:
             causal = torch.ones(length, length, dtype=torch.bool).tril()
-            same_group = group[:, :, None] == group[:, None, :]
+            same_segment = segment[:, :, None] == segment[:, None, :]
             visible_branch = (branch[:, None, :] == 0) | (branch[:, :, None] == branch[:, None, :])
-            columns["attention_mask"] = (causal & same_group & visible_branch)[:, None]
+            columns["attention_mask"] = (causal & same_segment & visible_branch)[:, None]
         return columns
 
 

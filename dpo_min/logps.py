@@ -24,7 +24,7 @@ class SequenceLogps:
     `.chunk(2)` of any [2B] value gives its chosen and rejected halves.
 
     logps:           [2B] sum over completion tokens of log p(token).
-    token_counts:    [2B] completion tokens per sequence (float).
+    lengths:         [2B] completion tokens per sequence (float): dpo_loss's chosen_lengths, rejected_lengths.
     logits_sums:     [2B] sum over completion tokens of the mean logit over the vocabulary (no grad), for metrics.
     token_logps:     [K]  log p of every completion token, in batch order.
     token_sequence:  [K]  which sequence each of those tokens belongs to.
@@ -36,7 +36,7 @@ class SequenceLogps:
     """
 
     logps: torch.Tensor
-    token_counts: torch.Tensor
+    lengths: torch.Tensor
     logits_sums: torch.Tensor
     token_logps: torch.Tensor
     token_sequence: torch.Tensor
@@ -54,7 +54,7 @@ class SequenceLogps:
         beyond the length of the shorter completion of its pair count `ld_alpha` times. None: `logps` itself."""
         if ld_alpha is None:
             return self.logps
-        shared_lengths = torch.minimum(*self.token_counts.chunk(2)).repeat(2)
+        shared_lengths = torch.minimum(*self.lengths.chunk(2)).repeat(2)
         beyond_shared = self.token_positions >= shared_lengths[self.token_sequence]
         return self._per_sequence(torch.where(beyond_shared, ld_alpha * self.token_logps, self.token_logps))
 
@@ -64,13 +64,13 @@ class SequenceLogps:
         if self.token_log_sum_sq_probs is None:
             raise ValueError("WPO weights need sequence_logps(..., with_sum_sq_probs=True)")
         aligned = self._per_sequence((self.token_logps - self.token_log_sum_sq_probs).detach())
-        chosen, rejected = torch.exp(aligned / self.token_counts).chunk(2)
+        chosen, rejected = torch.exp(aligned / self.lengths).chunk(2)
         return chosen * rejected
 
     def metric_halves(self) -> dict[str, torch.Tensor]:
-        """The per-sequence sums the metrics read, split into [B] halves: chosen_tokens, rejected_tokens, and so for
+        """The per-sequence sums the metrics read, split into [B] halves: chosen_lengths, rejected_lengths, and so for
         logits, entropy and top1."""
-        sums = {"logits": self.logits_sums, "tokens": self.token_counts, "entropy": self.entropy_sums,
+        sums = {"logits": self.logits_sums, "lengths": self.lengths, "entropy": self.entropy_sums,
                 "top1": self.top1_counts}
         return {f"{half}_{name}": value for name, values in sums.items()
                 for half, value in zip(("chosen", "rejected"), values.chunk(2))}
@@ -150,14 +150,14 @@ def sequence_logps(model: torch.nn.Module, batch: dict[str, torch.Tensor],
     def per_sequence(values: torch.Tensor) -> torch.Tensor:
         return values.new_zeros(num_sequences).index_add(0, token_sequence, values)
 
-    token_counts = per_sequence(torch.ones_like(token_logps))
+    lengths = per_sequence(torch.ones_like(token_logps))
     return SequenceLogps(
         logps=per_sequence(token_logps),
-        token_counts=token_counts,
+        lengths=lengths,
         logits_sums=per_sequence(mean_logits),
         token_logps=token_logps,
         token_sequence=token_sequence,
-        token_positions=_positions_in_sequence(token_sequence, token_counts.long()),
+        token_positions=_positions_in_sequence(token_sequence, lengths.long()),
         token_log_sum_sq_probs=log_sum_sq_probs,
         entropy_sums=per_sequence(entropy),
         top1_counts=per_sequence(is_top1),

@@ -17,8 +17,7 @@ from tqdm.auto import tqdm
 from transformers import EvalPrediction, PreTrainedModel, Trainer, TrainerCallback, set_seed
 from transformers.trainer_utils import rotate_checkpoints
 
-from . import ref_cache
-from . import trainer_setup as phases
+from . import ref_cache, trainer_setup
 from .collator import NON_MODEL_KEYS
 from .compat import TRLAttributes, trl_hub_tags
 from .config import DPOMinConfig
@@ -77,19 +76,21 @@ class DPOMinTrainer(TRLAttributes, Trainer):  # TRLAttributes: TRL's public attr
         peft_config: Any = None,  # a peft.PeftConfig
     ):
         # TRL 1.16's signature, positional order included. `model` and `ref_model` may be hub ids or paths.
-        args = phases.validated_args(model, ref_model, args, train_dataset, eval_dataset, compute_metrics,
-                               quantization_config)
+        args = trainer_setup.validated_args(model, ref_model, args, train_dataset, eval_dataset, compute_metrics,
+                                            quantization_config)
         # The adapter's random init (and any weight a checkpoint lacks) must depend on the seed alone, as in TRL.
         set_seed(args.seed)
-        model, ref_model, processing_class = phases.load(model, ref_model, args, processing_class, quantization_config)
-        self.router_aux_loss_coef = phases.check_model(model, args)
+        model, ref_model, processing_class = trainer_setup.load(model, ref_model, args, processing_class,
+                                                                quantization_config)
+        self.router_aux_loss_coef = trainer_setup.check_model(model, args)
         # A loss that reads no reference gets none: no copy of the model or adapter, no reference forward.
         model, self.reference = choose_reference(model, ref_model, args, peft_config,
                                                  args.loss_settings.reads_reference)
         logger.info("reference: %s", self.reference.description)
-        phases.prepare_models([model, *self.reference.modules()], args)
+        trainer_setup.prepare_models([model, *self.reference.modules()], args)
         tokenizer = getattr(processing_class, "tokenizer", processing_class)
-        super().__init__(model=model, args=args, data_collator=data_collator or phases.collator(model, tokenizer, args),
+        collator = data_collator or trainer_setup.collator(model, tokenizer, args)
+        super().__init__(model=model, args=args, data_collator=collator,
                          train_dataset=_tokenized(train_dataset, tokenizer, args),
                          eval_dataset=_tokenized(eval_dataset, tokenizer, args), processing_class=processing_class,
                          compute_metrics=compute_metrics, callbacks=callbacks, optimizers=optimizers)
@@ -143,7 +144,7 @@ class DPOMinTrainer(TRLAttributes, Trainer):  # TRLAttributes: TRL's public attr
     def _with_reference_logps(self, dataset: Dataset, description: str) -> Dataset:
         """Add `ref_chosen_logps` / `ref_rejected_logps` columns: one reference pass over the data, up front."""
         if isinstance(dataset, IterableDataset):
-            raise ValueError(phases.ITERABLE_REFUSAL)
+            raise ValueError(trainer_setup.ITERABLE_REFUSAL)
         if dataset is None or "ref_chosen_logps" in dataset.column_names:
             return dataset
         if self.reference.fixed_before_training() and self.state.global_step > 0:
@@ -229,7 +230,7 @@ class DPOMinTrainer(TRLAttributes, Trainer):  # TRLAttributes: TRL's public attr
         chosen_logps, rejected_logps = policy.ld_dpo_logps(settings.ld_alpha).chunk(2)
         ref_chosen_logps, ref_rejected_logps = self._reference_sequence_logps(inputs).chunk(2) \
             if settings.reads_reference else (None, None)
-        chosen_lengths, rejected_lengths = policy.token_counts.chunk(2)
+        chosen_lengths, rejected_lengths = policy.lengths.chunk(2)
         pair_weights = policy.wpo_weights() if settings.use_weighting else None
         losses, chosen_rewards, rejected_rewards = dpo_loss(
             chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, settings, chosen_lengths=chosen_lengths,
@@ -264,11 +265,11 @@ class DPOMinTrainer(TRLAttributes, Trainer):  # TRLAttributes: TRL's public attr
         # Only per-pair [B] tensors go through gather_for_metrics: it trims the last batch to the dataset's length.
         pairs = self.accelerator.gather_for_metrics(per_pair)
         metrics = self._metrics[mode]
-        tokens = pairs["chosen_tokens"].sum() + pairs["rejected_tokens"].sum()
+        tokens = pairs["chosen_lengths"].sum() + pairs["rejected_lengths"].sum()
         # TRL's definitions: entropy over every completion token; token accuracy (argmax = label) over the chosen
         # ones; num_tokens the running count of training tokens computed, padding excluded.
         metrics["entropy"].append(((pairs["chosen_entropy"].sum() + pairs["rejected_entropy"].sum()) / tokens).item())
-        metrics["mean_token_accuracy"].append((pairs["chosen_top1"].sum() / pairs["chosen_tokens"].sum()).item())
+        metrics["mean_token_accuracy"].append((pairs["chosen_top1"].sum() / pairs["chosen_lengths"].sum()).item())
         if mode == "train":
             self._total_train_tokens += int(self.accelerator.gather(computed_tokens(inputs)).sum())
         metrics["num_tokens"] = [self._total_train_tokens]
@@ -284,11 +285,11 @@ class DPOMinTrainer(TRLAttributes, Trainer):  # TRLAttributes: TRL's public attr
         for half in ("chosen", "rejected"):
             metrics[f"logps/{half}"].append(pairs[f"{half}_logps"].mean().item())
         for half in ("chosen", "rejected"):  # mean logit over completion tokens, token-weighted across the batch (TRL)
-            metrics[f"logits/{half}"].append((pairs[f"{half}_logits"].sum() / pairs[f"{half}_tokens"].sum()).item())
+            metrics[f"logits/{half}"].append((pairs[f"{half}_logits"].sum() / pairs[f"{half}_lengths"].sum()).item())
         for half in ("chosen", "rejected") if reference[0] is not None else ():
             # Drift from the reference: mean policy - reference log-ratio per completion token, token-weighted. A
             # model that collapses can still rank pairs "right"; this shows how far it went to do so.
-            metrics[f"drift/{half}"].append((pairs[f"{half}_drift"].sum() / pairs[f"{half}_tokens"].sum()).item())
+            metrics[f"drift/{half}"].append((pairs[f"{half}_drift"].sum() / pairs[f"{half}_lengths"].sum()).item())
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         """The loss; with `compute_metrics`, also what TRL 1.16 passes it: the logits of a plain forward of the

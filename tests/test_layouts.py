@@ -29,7 +29,7 @@ from transformers import (
 from dpo_min import DPOMinConfig, DPOMinTrainer, tokenize_dataset
 from dpo_min.collator import PackedDPODataCollator, make_collator
 from dpo_min.logps import sequence_logps
-from dpo_min.scale.attention import PACKED_FAMILIES, SEGMENTED_SDPA, use_segmented_attention
+from dpo_min.scale.attention import PACKED_FAMILIES, SEGMENTED_SDPA, use_packed_attention
 
 # (padding_free, share_prompt); (False, False) is the padded reference layout.
 LAYOUTS = {"padded": (False, False), "padding_free": (True, False), "shared_packed": (True, True),
@@ -93,7 +93,7 @@ def test_every_layout_gives_the_log_probs_of_one_sequence_at_a_time(family, atte
     # position_ids when masking, so packed sequences would attend to each other.
     model = tiny_model(family, attn_implementation="eager" if attention == "eager" else "sdpa").eval()
     if attention == SEGMENTED_SDPA:
-        use_segmented_attention(model)
+        use_packed_attention(model)
     assert model.config._attn_implementation == attention
     pairs = random_pairs(4)
     with torch.no_grad():
@@ -250,7 +250,7 @@ def test_sdpa_attends_segment_by_segment_in_a_packed_row(monkeypatch):
 
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
     model = tiny_llama(vocab_size=64)
-    use_segmented_attention(model)
+    use_packed_attention(model)
     pairs = random_pairs(3)
     batch = make_collator(0, padding_free=True, share_prompt=True)(pairs)
     sequence_logps(model, batch)
@@ -265,7 +265,7 @@ def test_gradient_checkpointing_recomputes_segmented_attention(layout):
     grads = []
     for checkpointing in (False, True):
         model = tiny_llama(vocab_size=64).train()
-        use_segmented_attention(model)
+        use_packed_attention(model)
         if checkpointing:
             model.gradient_checkpointing_enable()
         sequence_logps(model, batch).logps.sum().backward()

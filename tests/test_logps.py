@@ -36,7 +36,7 @@ def test_sequence_logps_equal_one_sequence_at_a_time_with_gradients():
     naive = naive_logps(model, EXAMPLES)
     naive.sum().backward()
     torch.testing.assert_close(lean.logps.double(), naive, atol=1e-4, rtol=1e-5)
-    assert lean.token_counts.tolist() == [3, 2, 2, 4]
+    assert lean.lengths.tolist() == [3, 2, 2, 4]
     for lean_grad, param in zip(lean_grads, model.parameters()):
         torch.testing.assert_close(lean_grad, param.grad, atol=1e-5, rtol=1e-4)
 
@@ -131,7 +131,7 @@ def test_ld_alpha_weights_the_tokens_beyond_the_shorter_completion():
     with torch.no_grad():
         lean = sequence_logps(tiny_llama(vocab_size=64), batch)
     # Completion lengths: chosen 3, 2; rejected 2, 4 -> shared 2 and 2.
-    per_token = lean.token_logps.split(lean.token_counts.long().tolist())
+    per_token = lean.token_logps.split(lean.lengths.long().tolist())
     chosen0, chosen1, rejected0, rejected1 = per_token
     expected = torch.stack([chosen0[:2].sum() + 0.25 * chosen0[2:].sum(), chosen1.sum(), rejected0.sum(),
                             rejected1[:2].sum() + 0.25 * rejected1[2:].sum()])

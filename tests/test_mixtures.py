@@ -228,15 +228,10 @@ def test_legacy_mixer_takes_the_first_train_rows_and_holds_out_every_test_split(
 
 
 @pytest.mark.parametrize(("entry", "message"), [
-    ({"dataset": "a.jsonl", "fraction": 0.5}, r"datasets\[0\]: dpo_min's old mixture keys.*write \{path: a.jsonl\}"
-                                              r".*split: 'train\[:50%\]'"),
-    ({"dataset": "a.jsonl", "config": "x", "weight": 2, "columns": {"prompt": "q"}},
-     r"write \{path: a.jsonl, name: x, fraction: 2, rename_columns: \{q: prompt\}\}"),
-    ({"path": "a.jsonl", "weight": 1}, r"old mixture keys.*fraction: 1"),
     ({"path": "a.jsonl", "columns": "prompt"}, r"columns is the list of columns to keep"),
     ({"path": "a.jsonl", "frac": 1}, r"unknown: \['frac'\]"),
 ])
-def test_an_old_or_unknown_entry_key_is_refused_saying_what_to_write(entry, message):
+def test_an_unknown_entry_key_is_refused_saying_what_to_write(entry, message):
     with pytest.raises(ValueError, match=message):
         trl_mixture([entry])
 
@@ -350,8 +345,6 @@ def test_trls_mixture_recipe_trains_the_pairs_trls_get_dataset_gives(hub_copies,
     ("dataset_mixer: {P: 1.0}\ndataset_splits: [train]\n", ["--test_split_size", "2"],
      "dataset_mixer holds out its test splits"),
     ("", ["--dataset", "P", "--test_split_size", "2"], "test_split_size belongs to a mixture"),
-    ("datasets: [{dataset: P, fraction: 0.5}]\n", [], "datasets[0]: dpo_min's old mixture keys; datasets: is TRL's "
-                                                      "format now, write {path: P}; 'fraction: 0.5' of its rows"),
     ("dataset_mixture: {datasets: [{id: P, weight: 2}]}\n", [], "weight is the fraction of its rows taken, in [0, 1]"),
 ])
 def test_the_command_refuses_an_ambiguous_mixture_in_one_line(recipe, flags, message, tmp_path, tiny_model_dir,

@@ -176,11 +176,22 @@ def publish_and_die(output_dir, step, signal_number):
         if reached == step:
             os.kill(os.getpid(), signal_number)
 
-    run_dir._after_step = kill
     run = RunFolder(output_dir)
     run.lock()
     run.begin({})
     (run.staging / "weights.txt").write_text("new")
+    # The kill comes right after one of publish's steps: the two renames and the old run's removal.
+    renames = {(run.output_dir, run.backup): "backup", (run.staging, run.output_dir): "rename"}
+    replace, remove_run = os.replace, run_dir._remove_run
+
+    def replace_then_kill(source, target):
+        replace(source, target)
+        kill(renames.get((Path(source), Path(target))))
+
+    def remove_then_kill(folder):
+        remove_run(folder)
+        kill("cleanup" if Path(folder) == run.backup else None)
+    os.replace, run_dir._remove_run = replace_then_kill, remove_then_kill  # a forked child: its own modules
     try:
         run.publish()
     finally:

@@ -76,7 +76,7 @@ def feature_kind(feature: Any) -> str:
 
 
 # ---- the adapters ---------------------------------------------------------------------------------------------
-def _missing(row: Mapping[str, Any], index: int, *names: str) -> None:
+def _refuse_missing(row: Mapping[str, Any], index: int, *names: str) -> None:
     for name in names:
         if row.get(name) is None:
             raise ValueError(f"row {index}: field '{name}' is missing")
@@ -102,14 +102,14 @@ def _explicit(row: Mapping[str, Any], index: int, options: LayoutOptions, prompt
     # A null prompt (or an empty CSV cell) in data with a prompt column is an error, never an implicit prompt.
     if row.get(prompt_field) is None:
         raise ValueError(f"row {index}: field '{prompt_field}' is missing (the data has a '{prompt_field}' column)")
-    _missing(row, index, "chosen", "rejected")
+    _refuse_missing(row, index, "chosen", "rejected")
     return {"prompt": row[prompt_field], "chosen": row["chosen"], "rejected": row["rejected"]}
 
 
 def _alpaca(row: Mapping[str, Any], index: int, options: LayoutOptions) -> dict:
     """LLaMA-Factory's alpaca preference rows: the prompt is instruction and input joined by a newline (each left out
     when empty), after the turns of `history` ([[instruction, response], ...]) where the data has that column."""
-    _missing(row, index, "instruction", "chosen", "rejected")
+    _refuse_missing(row, index, "instruction", "chosen", "rejected")
     for name in ("instruction", "input"):
         if not isinstance(row.get(name) or "", str):
             raise ValueError(f"row {index}: field '{name}' must be a string, got {type(row[name]).__name__}")
@@ -144,7 +144,7 @@ def _shared_prefix(chosen: Any, rejected: Any, index: int) -> dict[str, Any]:
 
 
 def _implicit(row: Mapping[str, Any], index: int, options: LayoutOptions) -> dict:
-    _missing(row, index, "chosen", "rejected")
+    _refuse_missing(row, index, "chosen", "rejected")
     if options.no_prompt and isinstance(row["chosen"], str):
         return {"prompt": "", "chosen": row["chosen"], "rejected": row["rejected"]}
     pair = _shared_prefix(row["chosen"], row["rejected"], index)
@@ -171,7 +171,7 @@ def _sharegpt(row: Mapping[str, Any], index: int, options: LayoutOptions) -> dic
             raise ValueError(f"row {index}: field '{field}' must be {{'from': human|gpt|system, 'value': str}}")
         return {"role": _SHAREGPT_ROLES[turn["from"]], "content": turn.get("value")}
 
-    _missing(row, index, "chosen", "rejected")
+    _refuse_missing(row, index, "chosen", "rejected")
     if not isinstance(row["conversations"], list):
         raise ValueError(f"row {index}: field 'conversations' must be a list of turns")
     return {"prompt": [message(turn, "conversations") for turn in row["conversations"]],
@@ -186,7 +186,7 @@ def _hh_messages(transcript: str) -> list[dict[str, str]]:
 
 
 def _hh(row: Mapping[str, Any], index: int, options: LayoutOptions) -> dict:
-    _missing(row, index, "chosen", "rejected")
+    _refuse_missing(row, index, "chosen", "rejected")
     for name in ("chosen", "rejected"):
         if not isinstance(row[name], str) or not row[name].startswith("\n\nHuman:"):
             raise ValueError(f"row {index}: field '{name}' must be a transcript string starting '\\n\\nHuman:'")
@@ -201,7 +201,7 @@ def _hh(row: Mapping[str, Any], index: int, options: LayoutOptions) -> dict:
 
 def _pku_saferlhf(row: Mapping[str, Any], index: int, options: LayoutOptions) -> dict:
     label = options.preference_label
-    _missing(row, index, "prompt", "response_0", "response_1", label)
+    _refuse_missing(row, index, "prompt", "response_0", "response_1", label)
     if row[label] not in (0, 1):
         raise ValueError(f"row {index}: field '{label}' must be 0 or 1, got {row[label]!r}")
     better = int(row[label])
@@ -209,7 +209,7 @@ def _pku_saferlhf(row: Mapping[str, Any], index: int, options: LayoutOptions) ->
 
 
 def _shp(row: Mapping[str, Any], index: int, options: LayoutOptions) -> dict:
-    _missing(row, index, "history", "human_ref_A", "human_ref_B", "labels")
+    _refuse_missing(row, index, "history", "human_ref_A", "human_ref_B", "labels")
     if row["labels"] not in (0, 1):
         raise ValueError(f"row {index}: field 'labels' must be 0 or 1 (1: human_ref_A preferred), "
                          f"got {row['labels']!r}")
@@ -219,7 +219,7 @@ def _shp(row: Mapping[str, Any], index: int, options: LayoutOptions) -> dict:
 
 
 def _helpsteer3(row: Mapping[str, Any], index: int, options: LayoutOptions) -> dict | None:
-    _missing(row, index, "context", "response1", "response2", "overall_preference")
+    _refuse_missing(row, index, "context", "response1", "response2", "overall_preference")
     preference = row["overall_preference"]
     if not isinstance(preference, int) or not -3 <= preference <= 3:
         raise ValueError(f"row {index}: field 'overall_preference' must be an integer in -3..3, got {preference!r}")

@@ -55,10 +55,11 @@ REFERENCE_COLUMNS = ("ref_chosen_logps", "ref_rejected_logps")
 SOURCE_ROW, SOURCE_DATASET = "source_row", "source_dataset"  # where a pair came from, for error messages
 AnyDataset = Dataset | IterableDataset
 DEFAULT_OPTIONS = LayoutOptions()
-DROPPED = "dropped_because"  # a pair's index in DROP_REASONS, between tokenizing and dropping
+DROPPED = "dropped_because"  # a pair's reason in DROP_REASONS ('' for a kept pair), between tokenizing and dropping
 SKIPPED = "skipped by the layout (ties)"
-DROP_REASONS = ("", "with no completion token left after truncation",
-                "with chosen identical to rejected after truncation")
+NO_COMPLETION = "with no completion token left after truncation"
+SAME_COMPLETIONS = "with chosen identical to rejected after truncation"
+DROP_REASONS = (NO_COMPLETION, SAME_COMPLETIONS)
 # What the streams of this process have read and dropped, by reason: a stream is converted and tokenized as it is
 # read, so its drops are counted as they happen (the command logs them); map-style data logs its drops once.
 STREAM_COUNTS: Counter[str] = Counter()
@@ -590,7 +591,7 @@ def truncate_pair(example: dict[str, list[int]], max_length: int | None, max_pro
 
 def _tokenize_batch(batch: dict[str, list], indices: list[int], tokenizer: Any, truncation: dict[str, Any],
                     chat_template_kwargs: dict[str, Any] | None) -> dict[str, list]:
-    """Validated pairs -> truncated token ids, and why a pair is unusable (`DROP_REASONS`; 0: it is not)."""
+    """Validated pairs -> truncated token ids, and why a pair is unusable (`DROP_REASONS`; '': it is usable)."""
     pairs = list(_rows(batch))
     labels = [_row_label(batch, position, index) for position, index in enumerate(indices)]
     # Rows with their own tools or template arguments are tokenized alone; the rest together.
@@ -610,15 +611,16 @@ def _tokenize_batch(batch: dict[str, list], indices: list[int], tokenizer: Any, 
         for name, ids in cut.items():
             out[name].append(ids)
         out[SOURCE_ROW].append(label)
-        out[DROPPED].append(_drop_reason(cut))
+        out[DROPPED].append(_drop_reason(cut) or "")  # a string column: '' rather than None, so shards concatenate
     return out
 
 
-def _drop_reason(example: Mapping[str, list[int]]) -> int:
+def _drop_reason(example: Mapping[str, list[int]]) -> str | None:
+    """Why a truncated pair cannot be trained on (one of DROP_REASONS), or None."""
     if not example["chosen_ids"] or not example["rejected_ids"]:
-        return 1
+        return NO_COMPLETION
     # Both answers cut inside their shared opening: the same sequence twice, a loss of ln 2 and no gradient.
-    return 2 if example["chosen_ids"] == example["rejected_ids"] else 0
+    return SAME_COMPLETIONS if example["chosen_ids"] == example["rejected_ids"] else None
 
 
 def _tokenize_one(pair: Mapping[str, Any], label: int | str, tokenizer: Any,
@@ -664,39 +666,40 @@ def tokenize_dataset(dataset: AnyDataset | Iterable[Mapping[str, Any]], tokenize
 
 def describe_stream_counts(counts: Mapping[str, int]) -> str:
     """'read 40 rows, dropped 3: 2 skipped by the layout (ties), 1 with no completion token left after truncation'."""
-    dropped = {reason: counts.get(reason, 0) for reason in (SKIPPED, *DROP_REASONS[1:]) if counts.get(reason, 0)}
+    dropped = {reason: counts.get(reason, 0) for reason in (SKIPPED, *DROP_REASONS) if counts.get(reason, 0)}
     listed = ", ".join(f"{number} {reason}" for reason, number in dropped.items())
     shared = counts.get(ALSO_HELD_OUT, 0)
     return (f"read {counts.get('read', 0)} rows, dropped {sum(dropped.values())}" + (f": {listed}" if listed else "")
             + (f"; {shared} {ALSO_HELD_OUT} (the same prompt, chosen and rejected)" if shared else ""))
 
 
-def _count_usable(reasons: list[int]) -> list[bool]:
-    STREAM_COUNTS.update(DROP_REASONS[reason] for reason in reasons if reason)
-    return [reason == 0 for reason in reasons]
+def _count_usable(reasons: list[str]) -> list[bool]:
+    STREAM_COUNTS.update(reason for reason in reasons if reason)
+    return [not reason for reason in reasons]
 
 
 def _drop_unusable(tokenized: Dataset, truncation: Mapping[str, Any]) -> Dataset:
     table = tokenized.with_format("arrow")[:] if tokenized._indices is not None else tokenized.data.table
-    reasons = np.asarray(table.column(DROPPED))
-    if not reasons.any():
+    reasons = np.asarray(table.column(DROPPED).to_pylist(), dtype=object)
+    kept = reasons == ""
+    if kept.all():
         return tokenized
     settings = f"max_length={truncation['max_length']}, max_prompt_length={truncation['max_prompt_length']}"
     rows = {}
-    for reason in (1, 2):
+    for reason in DROP_REASONS:
         dropped = np.flatnonzero(reasons == reason)
         if len(dropped):
             rows[reason] = [str(row) for row in tokenized.select(dropped[:10])[SOURCE_ROW]]
             logger.warning("dropped %d of %d pairs %s (%s); first source rows: %s", len(dropped), len(reasons),
-                           DROP_REASONS[reason], settings, ", ".join(rows[reason]))
-    if reasons.all():
-        if set(rows) == {1}:
+                           reason, settings, ", ".join(rows[reason]))
+    if not kept.any():
+        if set(rows) == {NO_COMPLETION}:
             raise ValueError(f"no pair left: every row's prompt fills max_length={truncation['max_length']} "
                              f"(rows {', '.join(rows[1])})")
-        counts = ", ".join(f"{(reasons == reason).sum()} {DROP_REASONS[reason]}" for reason in rows)
+        counts = ", ".join(f"{(reasons == reason).sum()} {reason}" for reason in rows)
         raise ValueError(f"no pair left after truncation ({settings}): {counts} (rows "
-                         f"{', '.join(rows.get(1, []) + rows.get(2, []))})")
-    return tokenized.select(np.flatnonzero(reasons == 0))
+                         f"{', '.join(rows.get(NO_COMPLETION, []) + rows.get(SAME_COMPLETIONS, []))})")
+    return tokenized.select(np.flatnonzero(kept))
 
 
 def is_tokenized(dataset: Any) -> bool:

@@ -76,7 +76,6 @@ def trl_mixture(entries: Any, *, test_split_size: Any = None, streaming: bool = 
     """TRL's `datasets:` block, as `trl.scripts.utils.get_dataset` reads it (its unseeded test split seeded here)."""
     sources, fractions = [], []
     for position, entry in enumerate(_entry_list(entries, "datasets")):
-        _refuse_old_entry(position, entry)
         _check_keys(entry, TRL_KEYS, f"datasets[{position}]", "path")
         sources.append(Source(entry["path"], entry.get("split", "train"), entry.get("name"), entry.get("columns"),
                               entry.get("rename_columns"), {key: entry[key] for key in ("data_dir", "data_files")
@@ -275,27 +274,6 @@ def _check_keys(entry: Mapping[str, Any], known: tuple[str, ...], where: str, re
                          f"{{source column: new name}}")
     if entry.get("rename_columns") is not None and not isinstance(entry["rename_columns"], Mapping):
         raise ValueError(f"{where}: rename_columns is a mapping {{source column: new name}}")
-
-
-def _refuse_old_entry(position: int, entry: Mapping[str, Any]) -> None:
-    """dpo_min's entries before TRL's format: `dataset`, `config`, `columns` as a mapping, `fraction` of rows and
-    `weight` as share. Each key that TRL names otherwise, or reads otherwise, is refused with what to write now."""
-    if "dataset" not in entry and "weight" not in entry and "config" not in entry and not isinstance(
-            entry.get("columns"), Mapping):
-        return
-    now: dict[str, Any] = {"path": entry.get("dataset", entry.get("path"))}
-    for old, new in (("config", "name"), ("split", "split"), ("weight", "fraction")):
-        if old in entry:
-            now[new] = entry[old]
-    if isinstance(entry.get("columns"), Mapping):  # ours -> theirs before; rename_columns is theirs -> ours
-        now["rename_columns"] = {theirs: ours for ours, theirs in entry["columns"].items()}
-    hint = ""
-    if "fraction" in entry and "dataset" in entry:
-        hint = (f"; 'fraction: {entry['fraction']}' of its rows is no longer: fraction is TRL's share of the mixture, "
-                f"so take the rows with split: '{now.get('split', 'train')}[:{entry['fraction']:.0%}]' or use "
-                "dataset_mixture with weight")
-    raise ValueError(f"datasets[{position}]: dpo_min's old mixture keys; datasets: is TRL's format now, write "
-                     f"{yaml.safe_dump(now, default_flow_style=True, sort_keys=False).strip()}{hint}")
 
 
 def load_mixture(entries: list[Mapping[str, Any]], seed: int = 42, num_proc: int | None = None,

@@ -165,12 +165,6 @@ def use_packed_attention(model: torch.nn.Module) -> None:
         getattr(model, "module", model).set_attn_implementation(switch_to)
 
 
-def use_segmented_attention(model: torch.nn.Module) -> None:
-    """Switch a model that uses sdpa attention to the segmented sdpa; leave any other model as it is."""
-    if _attention(model) == "sdpa":
-        model.set_attn_implementation(SEGMENTED_SDPA)
-
-
 def packed_forward_kwargs(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> dict:
     """Forward kwargs that keep a packed batch's segments apart under the model's attention ({} for a padded
     batch); raises for an attention that cannot."""

@@ -56,10 +56,6 @@ class OutputDirError(Exception):
     exit_code = 2
 
 
-def _after_step(step: str) -> None:
-    """Called after each step of `publish` ("backup", "rename", "cleanup"); tests replace it to kill the process."""
-
-
 class RunFolder:
     """`output_dir` and its siblings. Only the main process of a run locks, prepares, publishes and discards."""
 
@@ -223,12 +219,9 @@ class RunFolder:
                                      f"the run is kept in {self.staging}")
             if self.output_dir.exists():
                 os.replace(self.output_dir, self.backup)
-                _after_step("backup")
             os.replace(self.staging, self.output_dir)
-            _after_step("rename")
             if self.backup.exists():
                 _remove_run(self.backup)
-                _after_step("cleanup")
 
     def discard(self) -> None:
         """After a failure: drop the staging folder, unless it holds checkpoints to resume from or a finished run."""
