@@ -227,6 +227,12 @@ def test_dropped_pair_warning_names_the_row_in_the_file_not_its_position_after_s
     assert "dropped 1 of 6 pairs" in caplog.text and "first source rows: 4" in caplog.text
 
 
+def test_no_pair_left_because_every_prompt_fills_max_length_is_one_error_naming_the_rows(tokenizer):
+    rows = [{"prompt": "word " * 50, "chosen": "a", "rejected": "b"}] * 2
+    with pytest.raises(ValueError, match=r"every row's prompt fills max_length=16 \(rows 0, 1\)"):
+        tokenize_dataset(rows, tokenizer, max_length=16)
+
+
 def test_tokenization_is_cached_by_fingerprint_and_parallel_gives_the_same_ids(tmp_path, tokenizer):
     path = tmp_path / "pairs.jsonl"
     rows = [dict(STANDARD, prompt=f"Question {i}?") for i in range(40)]

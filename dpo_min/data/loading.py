@@ -60,6 +60,10 @@ SKIPPED = "skipped by the layout (ties)"
 NO_COMPLETION = "with no completion token left after truncation"
 SAME_COMPLETIONS = "with chosen identical to rejected after truncation"
 DROP_REASONS = (NO_COMPLETION, SAME_COMPLETIONS)
+# The datasets cache keys a map by its function's own code and arguments, not by the helpers it calls: a change
+# to what tokenizing writes (the drop reasons became names, not 0/1/2) must change this, or a cached map of
+# the old form is read back.
+TOKENIZED_VERSION = 2
 # What the streams of this process have read and dropped, by reason: a stream is converted and tokenized as it is
 # read, so its drops are counted as they happen (the command logs them); map-style data logs its drops once.
 STREAM_COUNTS: Counter[str] = Counter()
@@ -590,8 +594,10 @@ def truncate_pair(example: dict[str, list[int]], max_length: int | None, max_pro
 
 
 def _tokenize_batch(batch: dict[str, list], indices: list[int], tokenizer: Any, truncation: dict[str, Any],
-                    chat_template_kwargs: dict[str, Any] | None) -> dict[str, list]:
-    """Validated pairs -> truncated token ids, and why a pair is unusable (`DROP_REASONS`; '': it is usable)."""
+                    chat_template_kwargs: dict[str, Any] | None, output_version: int) -> dict[str, list]:
+    """Validated pairs -> truncated token ids, and why a pair is unusable (`DROP_REASONS`; '': it is usable).
+
+    `output_version` is not read: it is TOKENIZED_VERSION, passed so that the datasets cache key changes with it."""
     pairs = list(_rows(batch))
     labels = [_row_label(batch, position, index) for position, index in enumerate(indices)]
     # Rows with their own tools or template arguments are tokenized alone; the rest together.
@@ -654,7 +660,7 @@ def tokenize_dataset(dataset: AnyDataset | Iterable[Mapping[str, Any]], tokenize
         "batched": True, "with_indices": True,
         "remove_columns": [name for name in names if name not in REFERENCE_COLUMNS],
         "fn_kwargs": {"tokenizer": tokenizer, "truncation": truncation, "chat_template_kwargs": (
-            dict(chat_template_kwargs) if chat_template_kwargs else None)}}
+            dict(chat_template_kwargs) if chat_template_kwargs else None), "output_version": TOKENIZED_VERSION}}
     if not streaming:
         map_kwargs.update(num_proc=num_proc, desc="Tokenizing pairs")
     tokenized = dataset.map(_tokenize_batch, **map_kwargs)
@@ -695,7 +701,7 @@ def _drop_unusable(tokenized: Dataset, truncation: Mapping[str, Any]) -> Dataset
     if not kept.any():
         if set(rows) == {NO_COMPLETION}:
             raise ValueError(f"no pair left: every row's prompt fills max_length={truncation['max_length']} "
-                             f"(rows {', '.join(rows[1])})")
+                             f"(rows {', '.join(rows[NO_COMPLETION])})")
         counts = ", ".join(f"{(reasons == reason).sum()} {reason}" for reason in rows)
         raise ValueError(f"no pair left after truncation ({settings}): {counts} (rows "
                          f"{', '.join(rows.get(NO_COMPLETION, []) + rows.get(SAME_COMPLETIONS, []))})")
