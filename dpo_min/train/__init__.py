@@ -51,6 +51,7 @@ from .args import (  # noqa: F401  (COMMAND_DEFAULTS, DEMO_DEFAULTS: re-exported
     DataArguments,
     ModelArguments,
     UsageError,
+    _parse_json,
     parse_args,
 )
 from .card import check_hub_access, hub_repo_id, model_card, push_to_hub
@@ -379,13 +380,8 @@ def _local_data(data_args: DataArguments) -> list[tuple[str, str]]:
 
 
 def _mapping_or_list(value: Any, name: str) -> Any:
-    """A recipe's value as it is; a flag's, JSON."""
-    if not isinstance(value, str):
-        return value
-    try:
-        return json.loads(value)
-    except json.JSONDecodeError as error:
-        raise UsageError(f"--{name} must be JSON (or write it in the YAML recipe): {error}") from None
+    """A recipe's value as it is; JSON text (a library caller's DataArguments) read as the flag's is."""
+    return _parse_json(value, f"--{name}") if isinstance(value, str) else value
 
 
 # ---- the run ----------------------------------------------------------------------------------------------------
