@@ -194,6 +194,16 @@ class DPOMinConfig(TRLOnlyFields, TrainingArguments):
                              "run would train zero steps (to evaluate only, call evaluate() without train())")
 
     @property
+    def packed(self) -> bool:
+        """Whether a batch is packed into rows (padding_free, share_prompt, or both) rather than padded."""
+        return self.padding_free or self.share_prompt
+
+    @property
+    def global_batch_size(self) -> int:
+        """Pairs per optimizer step, over every process."""
+        return self.per_device_train_batch_size * self.gradient_accumulation_steps * self.world_size
+
+    @property
     def loss_settings(self) -> LossSettings:
         """What `dpo_loss` reads of this config (validated in __post_init__)."""
         return LossSettings.from_config(self)

@@ -17,7 +17,7 @@ from transformers import HfArgumentParser
 from dpo_min import models
 from dpo_min.compat import TRL_NAMES
 from dpo_min.config import DPOMinConfig
-from dpo_min.train import load_pairs, main
+from dpo_min.train import load_pairs, main, resolve
 from dpo_min.train.args import DEMO_DEFAULTS, SMOLLM2_TEMPLATE_WITHOUT_SYSTEM, UsageError, parse_args
 
 TRL_KEYS = {f.name for cls in (trl.ScriptArguments, trl.ModelConfig, trl.DPOConfig) for f in fields(cls)}
@@ -57,8 +57,8 @@ def test_the_demo_template_is_smollm2s_own_less_its_default_system_message(token
 
 def test_a_run_with_a_dataset_is_not_capped(tmp_path):
     data_file = write_hh_rows(tmp_path / "pairs.jsonl", 40)
-    _, data_args, args = parse_args(["--dataset", str(data_file), "--num_train_epochs", "1"])
-    train, held_out = load_pairs(data_args, args)
+    train, held_out = load_pairs(resolve(["--dataset", str(data_file), "--num_train_epochs", "1",
+                                          "--output_dir", str(tmp_path / "out")]))
     assert len(train) + len(held_out) == 40 and len(held_out) == 2  # 5% held out, nothing dropped
 
 
@@ -238,8 +238,7 @@ def test_do_eval_false_holds_nothing_out_as_the_handbook(tmp_path):
     path = tmp_path / "recipe.yaml"
     path.write_text(yaml.safe_dump({"dataset_name": str(data_file), "do_eval": False, "eval_strategy": "no",
                                     "num_train_epochs": 1}))
-    _, data_args, args = parse_args(["--config", str(path)])
-    train, held_out = load_pairs(data_args, args)
+    train, held_out = load_pairs(resolve(["--config", str(path), "--output_dir", str(tmp_path / "out")]))
     assert (len(train), held_out) == (20, None)  # the handbook trains on every row when it evaluates nothing
 
 
@@ -377,8 +376,8 @@ def test_a_dataset_flag_overrides_the_recipes_mixture_and_both_in_one_place_trai
     assert (data_args.dataset, data_args.datasets) == (None, mixture)  # the flag's JSON, parsed as it is read
     assert capsys.readouterr().err == ""
     path.write_text(yaml.safe_dump({"dataset_name": "x.jsonl", "datasets": mixture}))  # TRL's rule: the mixture
-    _, data_args, _ = parse_args([str(path)])
-    assert (data_args.dataset, data_args.datasets) == (None, mixture)
+    plan = resolve([str(path), "--output_dir", str(tmp_path / "out")])
+    assert (plan.data.dataset, plan.data.datasets, plan.mixture) == (None, mixture, "datasets")
     assert "the mixture is trained, dataset ignored" in capsys.readouterr().err
 
 
@@ -510,8 +509,7 @@ def test_do_eval_false_trains_every_pair_of_a_mixture_and_refuses_a_test_split_s
     path = tmp_path / "recipe.yaml"
     path.write_text(yaml.safe_dump({"dataset_mixture": {"datasets": [{"id": str(data_file)}], "test_split_size": 3},
                                     "do_eval": False, "max_steps": 1, "per_device_train_batch_size": 12}))
-    _, data_args, args = parse_args(["--config", str(path)])
-    train, held_out = load_pairs(data_args, args)
+    train, held_out = load_pairs(resolve(["--config", str(path), "--output_dir", str(tmp_path / "out")]))
     assert (len(train), held_out) == (12, None)  # the mixture's own test_split_size is its default: nothing held out
     with pytest.raises(UsageError, match=r"^do_eval: false evaluates nothing, but --test_split_size asks for"):
         parse_args(["--config", str(path), "--test_split_size", "2"])

@@ -384,12 +384,12 @@ def unique_pairs(count, tag="Q"):
 def load_pairs_of(tmp_path, **data):
     """train.load_pairs on DataArguments(**data): the command's data step alone, without a model."""
     from dpo_min import DPOMinConfig, train
-    from dpo_min.train.args import DataArguments
+    from dpo_min.train.args import DataArguments, ModelArguments
 
     streaming = data.get("streaming", False)
     args = DPOMinConfig(output_dir=str(tmp_path / "out"), max_steps=1000, per_device_train_batch_size=1,
                         precompute_ref_log_probs=not streaming, report_to=[])
-    return train.load_pairs(DataArguments(**data), args)
+    return train.load_pairs(train.decide(ModelArguments(), DataArguments(**data), args))
 
 
 def contents(pairs):

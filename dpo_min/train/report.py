@@ -47,7 +47,7 @@ class HeldOutPrinter(TrainerCallback):
 
 def describe_plan(args: Any, train_pairs: int) -> str:
     """'training: 8 steps (0.01 epochs of 2196 pairs), global batch 4 (...), learning rate 0.0005 ...' before a run."""
-    global_batch = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size
+    global_batch = args.global_batch_size
     batches = math.ceil(train_pairs / (args.per_device_train_batch_size * args.world_size))
     steps_per_epoch = max(batches // args.gradient_accumulation_steps, 1)  # as Trainer counts them
     if args.max_steps > 0:

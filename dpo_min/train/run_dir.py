@@ -72,6 +72,7 @@ class RunFolder:
                 raise OutputDirError(f"{sibling} is a symbolic link; remove it (dpo_min writes there)")
         self._lock_file = None
         self._made_parents: list[Path] = []
+        self._begun = False  # the staging folder is this run's (to discard after a failure)
 
     def _check_place(self) -> None:
         """Refuse a folder that is a file, the working folder, or above it (replacing it would delete the caller)."""
@@ -102,6 +103,24 @@ class RunFolder:
     def shown(self) -> str:
         """The folder as named, and where it really is when a link leads elsewhere."""
         return str(self.named) if self.named == self.output_dir else f"{self.named} (-> {self.output_dir})"
+
+    @contextmanager
+    def claimed(self, is_main: bool, resume_from_checkpoint: str | None) -> Iterator["RunFolder"]:
+        """The folder for one run. The main process locks and checks it (`prepare`) on entry and releases it on exit;
+        a failure after `begin` discards the staging folder (its checkpoints kept). The other processes of a run
+        neither lock nor look: the main one may have made the folder."""
+        if is_main:
+            self.lock()
+        try:
+            if is_main:
+                self.prepare(resume_from_checkpoint)
+            yield self
+        except BaseException:
+            if self._begun:
+                self.discard()
+            raise
+        finally:
+            self.release()
 
     # ---- the lock -----------------------------------------------------------------------------------------------
     def lock(self) -> None:
@@ -199,6 +218,7 @@ class RunFolder:
         """Create the staging folder (or reuse the interrupted run's) and record its `resume_settings` (a resumed run
         keeps the interrupted run's record)."""
         self.staging.mkdir(exist_ok=True)
+        self._begun = True
         manifest = _read_manifest(self.staging)
         manifest.setdefault("data_settings", settings)
         _write_json(self.staging / MANIFEST, {**manifest, "complete": False})

