@@ -128,3 +128,14 @@ def test_the_command_counts_a_stream_its_two_dataloader_workers_read(tmp_path, t
     # before tokenizing, so the unusable pairs counted are those of rows 6-17.
     assert (f"stream, in the run: read 14 rows, dropped 8: 4 {SKIPPED}, 2 {NO_COMPLETION}, 2 {SAME_COMPLETIONS}\n"
             in out), out
+
+
+def test_a_streamed_mixture_counts_its_datasets_as_one_stream(tmp_path):
+    from dpo_min.data.mixtures import trl_mixture
+
+    paths = [write_rows(tmp_path / "a.jsonl", range(6)), write_rows(tmp_path / "b.jsonl", range(6, 18))]
+    train = trl_mixture([{"path": str(path)} for path in paths], streaming=True).train
+    counts = stream_counts(train)
+    before = counts.snapshot()
+    assert len(list(train)) == 18 - 6  # six ties
+    assert read_counts(counts, before) == {"read": 18, SKIPPED: 6, NO_COMPLETION: 0, SAME_COMPLETIONS: 0}

@@ -75,7 +75,9 @@ class StreamCounts:
 
     Each stream has its own: `load_preference_dataset(..., streaming=True)` makes one (or takes `counts=`), and
     `tokenize_dataset` and `count_shared_in_stream` add to the one the stream carries (`stream_counts`). The counts
-    are in shared memory, so DataLoader workers (`dataloader_num_workers`) that read the stream add to them too.
+    are in shared memory, so DataLoader workers (`dataloader_num_workers`) that read the stream add to them too
+    (with the default start method, as Trainer starts them; like any multiprocessing object, the counts pickle only
+    into a process being started).
     """
     NAMES = ("read", SKIPPED, *DROP_REASONS, ALSO_HELD_OUT)
 
@@ -92,8 +94,11 @@ class StreamCounts:
         with self._values.get_lock():
             return Counter(dict(zip(self.NAMES, self._values[:])))
 
-    def __deepcopy__(self, memo: dict) -> "StreamCounts":
+    def __copy__(self) -> "StreamCounts":
         return self  # datasets copies a stream's steps as it reads them: every copy counts into these counts
+
+    def __deepcopy__(self, memo: dict) -> "StreamCounts":
+        return self
 
     def __repr__(self) -> str:
         return f"StreamCounts({dict(self.snapshot())})"
@@ -117,7 +122,7 @@ def _carrying(stream: IterableDataset, counts: StreamCounts) -> IterableDataset:
 def load_preference_dataset(path_or_name: str, split: str = "train", *, config: str | None = None,
                             columns: Mapping[str, str] | None = None, streaming: bool = False,
                             num_proc: int | None = None, preference_label: str = "better_response_id",
-                            no_prompt: bool = False, as_messages: bool = False, counts: "StreamCounts | None" = None,
+                            no_prompt: bool = False, as_messages: bool = False, counts: StreamCounts | None = None,
                             **load_kwargs: Any) -> AnyDataset:
     """Load preference pairs from a JSON/JSONL/Parquet/CSV file (optionally .gz) or a `datasets` name.
 
