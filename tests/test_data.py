@@ -298,7 +298,7 @@ def test_a_streamed_dataset_gives_the_same_token_ids_on_the_fly(tmp_path, tokeni
 
 
 def test_a_stream_counts_what_it_drops_as_it_is_read(tmp_path, tokenizer):
-    from dpo_min.data.loading import STREAM_COUNTS, describe_stream_counts
+    from dpo_min.data.loading import describe_stream_counts, stream_counts
 
     haiku, long = [{"role": "user", "content": "Write a haiku."}], [{"role": "user", "content": "word " * 60}]
     opening = "the same opening words, " * 8
@@ -308,9 +308,9 @@ def test_a_stream_counts_what_it_drops_as_it_is_read(tmp_path, tokenizer):
             {"context": haiku, "response1": opening + "yes", "response2": opening + "no", "overall_preference": 1}]
     path = write_jsonl(tmp_path / "helpsteer3.jsonl", rows)
     stream = tokenize_dataset(load_preference_dataset(str(path), streaming=True), tokenizer, max_length=48)
-    before = STREAM_COUNTS.copy()  # building the stream read its first rows to learn their columns
+    before = stream_counts(stream).snapshot()  # building the stream read its first rows to learn their columns
     assert len(list(stream)) == 1
-    counts = STREAM_COUNTS.copy()
+    counts = stream_counts(stream).snapshot()
     counts.subtract(before)
     assert describe_stream_counts(counts) == (
         "read 4 rows, dropped 3: 1 skipped by the layout (ties), 1 with no completion token left after truncation, "
@@ -443,16 +443,16 @@ def test_the_legacy_mixer_on_a_file_holds_out_nothing_and_says_so(tmp_path, capl
 
 
 def test_a_stream_holds_out_its_first_pairs_and_counts_train_pairs_also_held_out(tmp_path):
-    from dpo_min.data.loading import ALSO_HELD_OUT, STREAM_COUNTS
+    from dpo_min.data.loading import ALSO_HELD_OUT, stream_counts
 
     for rows, expected in ((unique_pairs(12), 0), (unique_pairs(12) + unique_pairs(3) + unique_pairs(2), 5)):
         path = write_jsonl(tmp_path / "stream.jsonl", rows)
         train, held_out = load_pairs_of(tmp_path, dataset=str(path), streaming=True, max_eval_samples=4)
-        before = STREAM_COUNTS[ALSO_HELD_OUT]
+        before = stream_counts(train).snapshot()[ALSO_HELD_OUT]
         trained = contents(train)
         assert len(held_out) == 4 and len(trained) == len(rows) - 4
         # Counted by the stream as it is read; the independent count compares the contents.
-        assert STREAM_COUNTS[ALSO_HELD_OUT] - before == expected == sum(
+        assert stream_counts(train).snapshot()[ALSO_HELD_OUT] - before == expected == sum(
             pair in set(contents(held_out)) for pair in trained)
 
 

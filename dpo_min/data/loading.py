@@ -10,6 +10,7 @@ in a mixture) and the field.
 import gzip
 import json
 import logging
+import multiprocessing
 import os
 import sys
 from collections import Counter
@@ -64,28 +65,78 @@ DROP_REASONS = (NO_COMPLETION, SAME_COMPLETIONS)
 # to what tokenizing writes (the drop reasons became names, not 0/1/2) must change this, or a cached map of
 # the old form is read back.
 TOKENIZED_VERSION = 2
-# What the streams of this process have read and dropped, by reason: a stream is converted and tokenized as it is
-# read, so its drops are counted as they happen (the command logs them); map-style data logs its drops once.
-STREAM_COUNTS: Counter[str] = Counter()
+ALSO_HELD_OUT = "train pairs also held out"  # a StreamCounts name
+_COUNTS = "_dpo_min_stream_counts"  # the attribute a stream of this module carries its StreamCounts in
+
+
+class StreamCounts:
+    """What one stream has read and dropped, by reason (`NAMES`): a stream is converted and tokenized as it is read,
+    so its drops are counted as they happen (the command logs them); map-style data logs its drops once.
+
+    Each stream has its own: `load_preference_dataset(..., streaming=True)` makes one (or takes `counts=`), and
+    `tokenize_dataset` and `count_shared_in_stream` add to the one the stream carries (`stream_counts`). The counts
+    are in shared memory, so DataLoader workers (`dataloader_num_workers`) that read the stream add to them too
+    (with the default start method, as Trainer starts them; like any multiprocessing object, the counts pickle only
+    into a process being started).
+    """
+    NAMES = ("read", SKIPPED, *DROP_REASONS, ALSO_HELD_OUT)
+
+    def __init__(self) -> None:
+        self._values = multiprocessing.Array("q", len(self.NAMES))  # with a lock: two workers may add at once
+
+    def add(self, counts: Mapping[str, int]) -> None:
+        with self._values.get_lock():
+            for name, number in counts.items():
+                self._values[self.NAMES.index(name)] += number
+
+    def snapshot(self) -> Counter[str]:
+        """The counts now, by name (a copy: subtract an earlier snapshot for what was read in between)."""
+        with self._values.get_lock():
+            return Counter(dict(zip(self.NAMES, self._values[:])))
+
+    def __copy__(self) -> "StreamCounts":
+        return self  # datasets copies a stream's steps as it reads them: every copy counts into these counts
+
+    def __deepcopy__(self, memo: dict) -> "StreamCounts":
+        return self
+
+    def __repr__(self) -> str:
+        return f"StreamCounts({dict(self.snapshot())})"
+
+
+def stream_counts(stream: Any) -> StreamCounts | None:
+    """The counts a stream of this module carries (a DataLoader's stream too, or a shard of it); None for others."""
+    for _ in range(3):  # a DataLoader -> accelerate's IterableDatasetShard -> the stream
+        if hasattr(stream, _COUNTS):
+            return getattr(stream, _COUNTS)
+        stream = getattr(stream, "dataset", None)
+    return None
+
+
+def _carrying(stream: IterableDataset, counts: StreamCounts) -> IterableDataset:
+    setattr(stream, _COUNTS, counts)
+    return stream
 
 
 # ---- loading ----------------------------------------------------------------------------------------------------
 def load_preference_dataset(path_or_name: str, split: str = "train", *, config: str | None = None,
                             columns: Mapping[str, str] | None = None, streaming: bool = False,
                             num_proc: int | None = None, preference_label: str = "better_response_id",
-                            no_prompt: bool = False, as_messages: bool = False, **load_kwargs: Any) -> AnyDataset:
+                            no_prompt: bool = False, as_messages: bool = False, counts: StreamCounts | None = None,
+                            **load_kwargs: Any) -> AnyDataset:
     """Load preference pairs from a JSON/JSONL/Parquet/CSV file (optionally .gz) or a `datasets` name.
 
     Returns a `Dataset` (an `IterableDataset` with `streaming`) with columns `prompt`, `chosen`, `rejected`
     (strings, or message lists), `source_row` (the row's index in the source split), and `tools` /
     `chat_template_kwargs` where the source has them. The layout is detected from the columns (see
-    `layouts.LAYOUTS`); `columns` maps our names (prompt, chosen, rejected, system) to the source's.
+    `layouts.LAYOUTS`); `columns` maps our names (prompt, chosen, rejected, system) to the source's. A stream
+    counts what it reads and skips in `counts` (a new `StreamCounts` if not given; `stream_counts(stream)` is it).
     """
     options = LayoutOptions(preference_label=preference_label, no_prompt=no_prompt, as_messages=as_messages)
     raw = _load_raw(path_or_name, split, config, streaming, load_kwargs)
     try:
         return to_preference_dataset(raw, columns=columns, options=options, num_proc=num_proc,
-                                     source=os.path.basename(path_or_name))
+                                     source=os.path.basename(path_or_name), counts=counts)
     except ValueError as error:
         raise ValueError(f"{path_or_name}: {error}") from error
 
@@ -360,9 +411,6 @@ def _mixed_kinds(index: int | str, field: str, kind: str, first_kind: str) -> st
 
 
 # ---- held-out pairs that are also train pairs ------------------------------------------------------------------
-ALSO_HELD_OUT = "train pairs also held out"  # a STREAM_COUNTS key
-
-
 def _pair_keys(pairs: AnyDataset) -> Iterable[str]:
     """Each pair's content (prompt, chosen, rejected) as one text, batch by batch."""
     for batch in pairs.select_columns(list(PAIR_COLUMNS)).iter(batch_size=1000):
@@ -387,15 +435,18 @@ def warn_shared_pairs(train: Dataset, held_out: Dataset | None, source: str = "d
     return shared
 
 
-def count_shared_in_stream(train: IterableDataset, held_out: Dataset) -> IterableDataset:
-    """The train stream, counting (in STREAM_COUNTS) the pairs it gives that are also held out, as it is read."""
+def count_shared_in_stream(train: IterableDataset, held_out: Dataset,
+                           counts: StreamCounts | None = None) -> IterableDataset:
+    """The train stream, counting the pairs it gives that are also held out as it is read, in `counts` (by default
+    the train stream's own, `stream_counts(train)`), which the stream it returns carries."""
     held = set(_pair_keys(held_out))
+    counts = counts or stream_counts(train) or StreamCounts()
 
     def count(batch: dict[str, list]) -> dict[str, list]:
         keys = (json.dumps(pair, sort_keys=True) for pair in zip(*(batch[name] for name in PAIR_COLUMNS)))
-        STREAM_COUNTS[ALSO_HELD_OUT] += sum(key in held for key in keys)
+        counts.add({ALSO_HELD_OUT: sum(key in held for key in keys)})
         return batch
-    return train.map(count, batched=True, features=train.features)
+    return _carrying(train.map(count, batched=True, features=train.features), counts)
 
 
 # ---- layouts -> pairs: every row is validated here, once -----------------------------------------------------
@@ -455,7 +506,7 @@ def _rows(batch: Mapping[str, list]) -> Iterable[dict[str, Any]]:
 
 def _convert_batch(batch: dict[str, list], indices: list[int], layout_name: str, options: LayoutOptions,
                    columns: Mapping[str, str] | None, conversational: bool | None, keep: tuple[str, ...] = (),
-                   count: bool = False) -> dict[str, list]:
+                   counts: StreamCounts | None = None) -> dict[str, list]:
     layout = layout_by_name(layout_name)
     carried = [name for name in (*CARRIED_COLUMNS, *keep) if name in batch]
     out: dict[str, list] = {name: [] for name in (*PAIR_COLUMNS, SOURCE_ROW, *carried)}
@@ -470,16 +521,17 @@ def _convert_batch(batch: dict[str, list], indices: list[int], layout_name: str,
         out[SOURCE_ROW].append(row.get(SOURCE_ROW, index))
         for name in carried:
             out[name].append(row[name])
-    if count:  # a stream: its drops are counted as they happen (see STREAM_COUNTS)
-        STREAM_COUNTS.update({"read": len(indices), SKIPPED: len(indices) - len(out[SOURCE_ROW])})
+    if counts is not None:  # a stream: its drops are counted as they happen (see StreamCounts)
+        counts.add({"read": len(indices), SKIPPED: len(indices) - len(out[SOURCE_ROW])})
     return out
 
 
 def to_preference_dataset(dataset: AnyDataset, columns: Mapping[str, str] | None = None,
                           options: LayoutOptions = DEFAULT_OPTIONS, num_proc: int | None = None,
-                          source: str = "", keep: tuple[str, ...] = ()) -> AnyDataset:
+                          source: str = "", keep: tuple[str, ...] = (),
+                          counts: StreamCounts | None = None) -> AnyDataset:
     """A loaded dataset in any known layout -> validated prompt/chosen/rejected/source_row columns (a cached `map`),
-    and the columns named in `keep`."""
+    and the columns named in `keep`. Rows read and skipped are added to `counts` (a stream's: see StreamCounts)."""
     first_row = _first_row(dataset)
     if columns:
         check_mapping(columns, list(first_row))
@@ -493,12 +545,15 @@ def to_preference_dataset(dataset: AnyDataset, columns: Mapping[str, str] | None
                  "conversational": conversational, "keep": tuple(keep)}
     map_kwargs: dict[str, Any] = {"batched": True, "with_indices": True, "remove_columns": _column_names(dataset),
                                   "fn_kwargs": fn_kwargs}
-    if isinstance(dataset, Dataset):
-        map_kwargs.update(num_proc=num_proc, desc=f"Reading {layout.name} pairs")
-    else:
-        fn_kwargs["count"] = True
+    if isinstance(dataset, IterableDataset):  # counted as it is read, in the workers that read it too
+        counts = fn_kwargs["counts"] = counts if counts is not None else StreamCounts()
+        return _carrying(dataset.map(_convert_batch, **map_kwargs), counts)
+    # Map-style: the datasets cache keys the map by fn_kwargs, which hold no counts; they are counted once, here.
+    map_kwargs.update(num_proc=num_proc, desc=f"Reading {layout.name} pairs")
     converted = dataset.map(_convert_batch, **map_kwargs)
-    if isinstance(dataset, Dataset) and len(converted) < len(dataset):
+    if counts is not None:
+        counts.add({"read": len(dataset), SKIPPED: len(dataset) - len(converted)})
+    if len(converted) < len(dataset):
         logger.warning("%s: dropped %d of %d rows that the %s layout skips (ties)", source or "data",
                        len(dataset) - len(converted), len(dataset), layout.name)
     return converted
@@ -640,19 +695,21 @@ def _tokenize_one(pair: Mapping[str, Any], label: int | str, tokenizer: Any,
 def tokenize_dataset(dataset: AnyDataset | Iterable[Mapping[str, Any]], tokenizer: Any,
                      max_length: int | None = None, max_prompt_length: int | None = None,
                      truncation_mode: str = "keep_end", num_proc: int | None = None,
-                     chat_template_kwargs: Mapping[str, Any] | None = None) -> AnyDataset:
+                     chat_template_kwargs: Mapping[str, Any] | None = None,
+                     counts: StreamCounts | None = None) -> AnyDataset:
     """Tokenize and truncate every pair (a batched, cached `datasets.map`, `num_proc` processes); pairs left without
     a completion token, or with chosen identical to rejected, are dropped with a warning naming their source rows.
 
     Rows that `load_preference_dataset` has not read yet (a list, or a dataset in any layout) are first brought to
     validated pairs by it; its own pairs are not validated again. Extra columns that hold precomputed reference
-    log-probs are carried along. An `IterableDataset` is tokenized on the fly.
+    log-probs are carried along. An `IterableDataset` is tokenized on the fly, and counts its unusable pairs as
+    it is read in `counts` (by default its own, `stream_counts(dataset)`), which the stream it returns carries.
     """
     if not isinstance(dataset, (Dataset, IterableDataset)):
         dataset = Dataset.from_list(_to_pairs(dataset, None, DEFAULT_OPTIONS))
     names = _column_names(dataset)
     if not {*PAIR_COLUMNS, SOURCE_ROW} <= set(names):  # not yet read by to_preference_dataset, which marks its rows
-        dataset = to_preference_dataset(dataset, num_proc=num_proc, keep=REFERENCE_COLUMNS)
+        dataset = to_preference_dataset(dataset, num_proc=num_proc, keep=REFERENCE_COLUMNS, counts=counts)
         names = _column_names(dataset)
     streaming = isinstance(dataset, IterableDataset)
     truncation = {"max_length": max_length, "max_prompt_length": max_prompt_length, "truncation_mode": truncation_mode}
@@ -665,9 +722,10 @@ def tokenize_dataset(dataset: AnyDataset | Iterable[Mapping[str, Any]], tokenize
         map_kwargs.update(num_proc=num_proc, desc="Tokenizing pairs")
     tokenized = dataset.map(_tokenize_batch, **map_kwargs)
     if streaming:
-        return tokenized.filter(_count_usable, input_columns=[DROPPED], batched=True)\
-            .remove_columns([SOURCE_ROW, DROPPED])
-    return _drop_unusable(tokenized, truncation).remove_columns([SOURCE_ROW, DROPPED])
+        counts = counts or stream_counts(dataset) or StreamCounts()
+        return _carrying(tokenized.filter(_count_usable, input_columns=[DROPPED], batched=True,
+                                          fn_kwargs={"counts": counts}).remove_columns([SOURCE_ROW, DROPPED]), counts)
+    return _drop_unusable(tokenized, truncation, counts).remove_columns([SOURCE_ROW, DROPPED])
 
 
 def describe_stream_counts(counts: Mapping[str, int]) -> str:
@@ -679,15 +737,17 @@ def describe_stream_counts(counts: Mapping[str, int]) -> str:
             + (f"; {shared} {ALSO_HELD_OUT} (the same prompt, chosen and rejected)" if shared else ""))
 
 
-def _count_usable(reasons: list[str]) -> list[bool]:
-    STREAM_COUNTS.update(reason for reason in reasons if reason)
+def _count_usable(reasons: list[str], counts: StreamCounts) -> list[bool]:
+    counts.add(Counter(reason for reason in reasons if reason))
     return [not reason for reason in reasons]
 
 
-def _drop_unusable(tokenized: Dataset, truncation: Mapping[str, Any]) -> Dataset:
+def _drop_unusable(tokenized: Dataset, truncation: Mapping[str, Any], counts: StreamCounts | None = None) -> Dataset:
     table = tokenized.with_format("arrow")[:] if tokenized._indices is not None else tokenized.data.table
     reasons = np.asarray(table.column(DROPPED).to_pylist(), dtype=object)
     kept = reasons == ""
+    if counts is not None:
+        counts.add(Counter(reason for reason in reasons if reason))
     if kept.all():
         return tokenized
     settings = f"max_length={truncation['max_length']}, max_prompt_length={truncation['max_prompt_length']}"

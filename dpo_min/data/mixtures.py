@@ -31,6 +31,8 @@ from .loading import (
     SOURCE_DATASET,
     SOURCE_ROW,
     AnyDataset,
+    StreamCounts,
+    _carrying,
     _load_raw,
     data_file_type,
     to_preference_dataset,
@@ -196,7 +198,9 @@ def _finish(sources: list[Source], raws: list[AnyDataset], reasons: list[str], t
     given = [(raw, source) for raw, source in zip(raws, sources) if not isinstance(raw, Dataset) or len(raw)]
     if not given:
         raise ValueError(f"the mixture takes no rows: {'; '.join(lines)}")
-    parts = [_pairs(raw, source, num_proc, options) for raw, source in given]
+    # A streamed mixture's datasets are read as one stream, counted in one StreamCounts.
+    counts = StreamCounts() if any(isinstance(raw, IterableDataset) for raw, _ in given) else None
+    parts = [_pairs(raw, source, num_proc, options, counts) for raw, source in given]
     kinds = {source.label: feature_kind(part.features["prompt"]) for (_, source), part in zip(given, parts)
              if part.features is not None}
     if len(set(kinds.values())) > 1:
@@ -207,6 +211,8 @@ def _finish(sources: list[Source], raws: list[AnyDataset], reasons: list[str], t
         raise ValueError(f"the datasets of the mixture do not have the same columns: {error}") from None
     if shuffle_seed is not None:
         combined = combined.shuffle(seed=shuffle_seed)
+    if counts is not None:
+        combined = _carrying(combined, counts)
     size = _test_size(test_split_size)
     if size is None:
         return Mixture(combined, None, lines)
@@ -246,9 +252,10 @@ def _load_source(source: Source, streaming: bool) -> AnyDataset:
         raise ValueError(f"{source.label}: {str(error).splitlines()[0]}") from None
 
 
-def _pairs(raw: AnyDataset, source: Source, num_proc: int | None, options: LayoutOptions) -> AnyDataset:
+def _pairs(raw: AnyDataset, source: Source, num_proc: int | None, options: LayoutOptions,
+           counts: StreamCounts | None = None) -> AnyDataset:
     try:
-        pairs = to_preference_dataset(raw, options=options, num_proc=num_proc, source=source.label)
+        pairs = to_preference_dataset(raw, options=options, num_proc=num_proc, source=source.label, counts=counts)
     except ValueError as error:
         raise ValueError(f"{source.label}: {error}") from None
     # The dataset's name alone (not its split): what the card lists, and what a later error names the row by.

@@ -34,10 +34,11 @@ from ..data.layouts import LayoutOptions
 from ..data.loading import (
     SKIPPED,
     SOURCE_DATASET,
-    STREAM_COUNTS,
+    StreamCounts,
     count_shared_in_stream,
     describe_stream_counts,
     load_preference_dataset,
+    stream_counts,
     warn_shared_pairs,
 )
 from ..data.mixtures import Mixture, handbook_mixture, legacy_mixer, trl_mixture
@@ -246,23 +247,24 @@ def _stream_pairs(train: Any, source: str, data_args: DataArguments, args: DPOMi
         raise UsageError("--streaming computes the reference on the fly: pass --precompute_ref_log_probs false")
     count = data_args.max_eval_samples
     if data_args.eval_split:  # the whole split, as without --streaming, or its first --max_eval_samples pairs
-        split = _load(source, data_args.eval_split, data_args, args)
-        held_out = _held_out_of_stream(split if count is None else split.take(count), source,
+        split = _load(source, data_args.eval_split, data_args, args)  # a stream of its own, with its own counts
+        held_out = _held_out_of_stream(split if count is None else split.take(count), stream_counts(split), source,
                                        f"split {data_args.eval_split!r}", whole=count is None)
         return count_shared_in_stream(train, held_out), held_out
     if data_args.eval_fraction == 0 or not count:
         return train, None
     # A stream cannot be split by fraction: the first max_eval_samples pairs are held out, training skips them.
-    held_out = _held_out_of_stream(train.take(count), source, "the stream's first pairs", whole=False)
-    return count_shared_in_stream(train.skip(count), held_out), held_out
+    counts = stream_counts(train)  # skip and take make streams that do not carry them
+    held_out = _held_out_of_stream(train.take(count), counts, source, "the stream's first pairs", whole=False)
+    return count_shared_in_stream(train.skip(count), held_out, counts), held_out
 
 
-def _held_out_of_stream(stream: Any, source: str, what: str, whole: bool) -> Dataset:
-    before = STREAM_COUNTS.copy()
+def _held_out_of_stream(stream: Any, counts: StreamCounts | None, source: str, what: str, whole: bool) -> Dataset:
+    before = counts.snapshot() if counts is not None else Counter()
     pairs = list(stream)
     if not pairs:
         raise InputError(f"{source}: {what} holds no pair to evaluate on")
-    skipped = STREAM_COUNTS[SKIPPED] - before[SKIPPED]
+    skipped = counts.snapshot()[SKIPPED] - before[SKIPPED] if counts is not None else 0
     # Read whole, the split's count of skipped rows is exact; a capped read converts rows beyond the cap too.
     print(f"held out {len(pairs)} pairs: {what}{', the whole split' if whole else ''}"
           f"{f' ({skipped} rows {SKIPPED})' if whole and skipped else ''}")
@@ -271,10 +273,13 @@ def _held_out_of_stream(stream: Any, source: str, what: str, whole: bool) -> Dat
 
 class StreamCountsLogger(TrainerCallback):
     """What the training stream read and dropped (rows its layout skips, pairs cut unusable by truncation), said at
-    the end of each pass over the data and of the run. Map-style data says it once, as it is prepared."""
+    the end of each pass over the data and of the run. Map-style data says it once, as it is prepared. The counts
+    are the ones the stream the trainer reads carries (`stream_counts`), added to by its DataLoader workers too."""
 
-    def on_train_begin(self, args, state, control, **kwargs):
-        self.start = STREAM_COUNTS.copy()  # reading the held-out pairs and the first row happened before
+    def on_train_begin(self, args, state, control, train_dataloader=None, **kwargs):
+        self.counts = stream_counts(train_dataloader)
+        # reading the held-out pairs and the first row happened before
+        self.start = self.counts.snapshot() if self.counts is not None else Counter()
 
     def on_epoch_end(self, args, state, control, **kwargs):
         self._say(state, f"at the end of a pass over the data (step {state.global_step})")
@@ -283,8 +288,8 @@ class StreamCountsLogger(TrainerCallback):
         self._say(state, "in the run")
 
     def _say(self, state, when: str) -> None:
-        if state.is_world_process_zero:
-            counts = STREAM_COUNTS.copy()
+        if state.is_world_process_zero and self.counts is not None:
+            counts = self.counts.snapshot()
             counts.subtract(self.start)
             print(f"stream, {when}: {describe_stream_counts(counts)}")
 

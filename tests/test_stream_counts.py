@@ -1,0 +1,141 @@
+"""A stream's counts (issue 26): each stream has its own, and DataLoader workers that read it add to them."""
+
+import json
+from collections import Counter
+
+from datasets import Dataset
+from torch.utils.data import DataLoader
+
+from dpo_min.data.loading import (
+    ALSO_HELD_OUT,
+    NO_COMPLETION,
+    SAME_COMPLETIONS,
+    SKIPPED,
+    StreamCounts,
+    count_shared_in_stream,
+    load_preference_dataset,
+    stream_counts,
+    tokenize_dataset,
+)
+
+HAIKU = [{"role": "user", "content": "Write a haiku."}]
+LONG = [{"role": "user", "content": "word " * 60}]  # fills max_length=48: no completion token is left
+OPENING = "the same opening words, " * 8  # chosen and rejected cut inside it: the same ids twice
+
+
+def helpsteer3_row(i):
+    """Row i of a HelpSteer3 file whose kind follows i % 6: 0 and 3 a tie, 1 a prompt that fills max_length, 2 two
+    answers cut to the same ids, 4 and 5 a usable pair (unique by its answer)."""
+    kind = i % 6
+    if kind in (0, 3):
+        return {"context": HAIKU, "response1": f"a{i}", "response2": f"b{i}", "overall_preference": 0}
+    if kind == 1:
+        return {"context": LONG, "response1": f"a{i}", "response2": f"b{i}", "overall_preference": 1}
+    if kind == 2:
+        return {"context": HAIKU, "response1": OPENING + "yes", "response2": OPENING + f"no{i}",
+                "overall_preference": 1}
+    return {"context": HAIKU, "response1": f"Leaves fall {i}", "response2": "no", "overall_preference": -2}
+
+
+def expected_counts(rows):
+    """The counts of `rows`, found from how they were made, not by the data code."""
+    kinds = [i % 6 for i in rows]
+    return {"read": len(kinds), SKIPPED: sum(kind in (0, 3) for kind in kinds),
+            NO_COMPLETION: kinds.count(1), SAME_COMPLETIONS: kinds.count(2),
+            "given": sum(kind in (4, 5) for kind in kinds)}
+
+
+def write_rows(path, rows):
+    path.write_text("".join(json.dumps(helpsteer3_row(i)) + "\n" for i in rows))
+    return path
+
+
+def read_counts(counts, before):
+    after = counts.snapshot()
+    after.subtract(before)
+    return {name: after[name] for name in ("read", SKIPPED, NO_COMPLETION, SAME_COMPLETIONS)}
+
+
+def test_a_stream_read_by_two_dataloader_workers_counts_every_row_exactly(tmp_path, tokenizer):
+    folder = tmp_path / "helpsteer3"
+    folder.mkdir()
+    write_rows(folder / "a.jsonl", range(100))  # two files: two shards, one for each worker
+    write_rows(folder / "b.jsonl", range(100, 200))
+    stream = tokenize_dataset(load_preference_dataset(str(folder), streaming=True), tokenizer, max_length=48)
+    counts = stream_counts(stream)
+    before = counts.snapshot()  # building the stream read its first rows to learn their columns
+    given = [row for batch in DataLoader(stream, batch_size=8, num_workers=2, collate_fn=list) for row in batch]
+    expected = expected_counts(range(200))
+    assert expected == {"read": 200, SKIPPED: 67, NO_COMPLETION: 34, SAME_COMPLETIONS: 33, "given": 66}
+    assert read_counts(counts, before) == {name: expected[name] for name in StreamCounts.NAMES[:4]}
+    assert len(given) == expected["given"]
+    # The same files counted apart: map-style, read whole in this process.
+    whole = StreamCounts()
+    pairs = tokenize_dataset(load_preference_dataset(str(folder), counts=whole), tokenizer, max_length=48,
+                             counts=whole)
+    assert len(pairs) == len(given) and read_counts(whole, Counter()) == read_counts(counts, before)
+    assert sorted(row["chosen_ids"] for row in given) == sorted(pairs["chosen_ids"])
+
+
+def test_two_streams_in_one_process_are_counted_apart(tmp_path, tokenizer):
+    first = tokenize_dataset(load_preference_dataset(str(write_rows(tmp_path / "first.jsonl", range(30))),
+                                                     streaming=True), tokenizer, max_length=48)
+    second = tokenize_dataset(load_preference_dataset(str(write_rows(tmp_path / "second.jsonl", range(4, 6))),
+                                                      streaming=True), tokenizer, max_length=48)
+    assert stream_counts(first) is not stream_counts(second)
+    befores = stream_counts(first).snapshot(), stream_counts(second).snapshot()
+    assert len(list(zip(first, second))) == 2  # read side by side, until second ends
+    list(first)
+    # Each read converts a batch of up to 1000 rows: first was read whole twice, second once.
+    once = expected_counts(range(30))
+    assert read_counts(stream_counts(first), befores[0]) == {name: 2 * once[name] for name in
+                                                              ("read", SKIPPED, NO_COMPLETION, SAME_COMPLETIONS)}
+    assert read_counts(stream_counts(second), befores[1]) == {"read": 2, SKIPPED: 0, NO_COMPLETION: 0,
+                                                               SAME_COMPLETIONS: 0}
+
+
+def test_counts_passed_in_are_the_ones_counted_and_a_shared_pair_count_goes_to_the_train_stream(tmp_path):
+    counts, other = StreamCounts(), StreamCounts()
+    path = write_rows(tmp_path / "pairs.jsonl", range(12))
+    train = load_preference_dataset(str(path), streaming=True, counts=counts)
+    held_out = load_preference_dataset(str(path), streaming=True, counts=other)
+    assert stream_counts(train) is counts and stream_counts(held_out) is other
+    held = Dataset.from_list([{name: pair[name] for name in ("prompt", "chosen", "rejected")}
+                              for pair in held_out.take(2)])
+    shared = count_shared_in_stream(train, held)
+    assert stream_counts(shared) is counts
+    before = counts.snapshot()
+    assert len(list(shared)) == 12 - 4  # four ties
+    assert read_counts(counts, before)["read"] == 12 and counts.snapshot()[ALSO_HELD_OUT] - before[ALSO_HELD_OUT] == 2
+    assert other.snapshot()[ALSO_HELD_OUT] == 0
+
+
+def test_the_command_counts_a_stream_its_two_dataloader_workers_read(tmp_path, tiny_model_dir, capsys):
+    from dpo_min.train import main
+
+    # Rows 0-1 are held out (both usable: kinds 4 and 5); then 12 rows of kinds 0-5 twice.
+    path = tmp_path / "helpsteer3.jsonl"
+    path.write_text("".join(json.dumps(helpsteer3_row(i)) + "\n" for i in (4, 5, *range(6, 18))))
+    code = main(["--model", str(tiny_model_dir), "--dataset", str(path), "--streaming", "--output_dir",
+                 str(tmp_path / "run"), "--max_steps", "2", "--per_device_train_batch_size", "2",
+                 "--max_eval_samples", "2", "--max_length", "48", "--dataloader_num_workers", "2",
+                 "--precompute_ref_log_probs", "false", "--num_samples", "1", "--max_new_tokens", "2",
+                 "--logging_steps", "1", "--disable_tqdm", "true"])
+    assert code == 0
+    out = capsys.readouterr().out
+    assert "held out 2 pairs: the stream's first pairs" in out
+    # In the run the stream is read from its start again: all 14 rows are converted; the 2 held out are skipped
+    # before tokenizing, so the unusable pairs counted are those of rows 6-17.
+    assert (f"stream, in the run: read 14 rows, dropped 8: 4 {SKIPPED}, 2 {NO_COMPLETION}, 2 {SAME_COMPLETIONS}\n"
+            in out), out
+
+
+def test_a_streamed_mixture_counts_its_datasets_as_one_stream(tmp_path):
+    from dpo_min.data.mixtures import trl_mixture
+
+    paths = [write_rows(tmp_path / "a.jsonl", range(6)), write_rows(tmp_path / "b.jsonl", range(6, 18))]
+    train = trl_mixture([{"path": str(path)} for path in paths], streaming=True).train
+    counts = stream_counts(train)
+    before = counts.snapshot()
+    assert len(list(train)) == 18 - 6  # six ties
+    assert read_counts(counts, before) == {"read": 18, SKIPPED: 6, NO_COMPLETION: 0, SAME_COMPLETIONS: 0}
