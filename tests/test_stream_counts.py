@@ -139,3 +139,26 @@ def test_a_streamed_mixture_counts_its_datasets_as_one_stream(tmp_path):
     before = counts.snapshot()
     assert len(list(train)) == 18 - 6  # six ties
     assert read_counts(counts, before) == {"read": 18, SKIPPED: 6, NO_COMPLETION: 0, SAME_COMPLETIONS: 0}
+
+
+def test_held_out_first_pairs_of_a_stream_of_several_files_read_by_several_workers_are_refused(tmp_path, capsys):
+    from dpo_min.train import main
+
+    folder = tmp_path / "data"
+    folder.mkdir()
+    for part in (0, 1):
+        (folder / f"part-{part}.jsonl").write_text("".join(
+            json.dumps({"prompt": f"F{part}-{i}", "chosen": "yes", "rejected": "no"}) + "\n" for i in range(6)))
+    # What the refusal prevents: datasets splits skip(2) between the two workers, one pair of each file.
+    stream = load_preference_dataset(str(folder), streaming=True)
+    assert stream.num_shards == 2
+    trained = [row["prompt"] for row in DataLoader(stream.skip(2), batch_size=None, num_workers=2)]
+    held_out = [row["prompt"] for row in stream.take(2)]
+    assert held_out == ["F0-0", "F0-1"] and "F0-1" in trained and "F1-0" not in trained
+    argv = ["--model", "unused", "--dataset", str(folder), "--streaming", "--max_steps", "1", "--output_dir",
+            str(tmp_path / "run"), "--max_eval_samples", "2", "--precompute_ref_log_probs", "false"]
+    assert main([*argv, "--dataloader_num_workers", "2"]) == 2
+    assert capsys.readouterr().err.strip().endswith(
+        "--dataloader_num_workers 2 on a stream of 2 files cannot skip the held-out first pairs exactly: give "
+        "--eval_split, or at most 1 worker")
+    assert not (tmp_path / "run").exists()

@@ -180,7 +180,7 @@ def load_pairs(plan: Plan) -> tuple[Dataset, Dataset | None]:
     else:
         source, train, held_out = _load_dataset(plan)
     if data_args.streaming:
-        return _stream_pairs(train, source, data_args, plan.args)
+        return _stream_pairs(train, source, plan)
     if held_out is None and plan.eval_fraction > 0:
         train, held_out = _split(train, plan.eval_fraction, plan.seed)
     if held_out is not None and data_args.max_eval_samples is not None:
@@ -240,7 +240,8 @@ def _show_data_log(is_main: bool) -> None:
     logger.setLevel(logging.INFO if is_main else logging.WARNING)
 
 
-def _stream_pairs(train: Any, source: str, data_args: DataArguments, args: DPOMinConfig) -> tuple[Any, Any]:
+def _stream_pairs(train: Any, source: str, plan: Plan) -> tuple[Any, Any]:
+    data_args, args = plan.data, plan.args
     if args.max_steps <= 0:
         raise UsageError("--streaming needs --max_steps (a stream has no length to count epochs by)")
     if args.precompute_ref_log_probs:
@@ -251,8 +252,13 @@ def _stream_pairs(train: Any, source: str, data_args: DataArguments, args: DPOMi
         held_out = _held_out_of_stream(split if count is None else split.take(count), stream_counts(split), source,
                                        f"split {data_args.eval_split!r}", whole=count is None)
         return count_shared_in_stream(train, held_out), held_out
-    if data_args.eval_fraction == 0 or not count:
+    if plan.eval_fraction == 0 or not count:
         return train, None
+    if args.dataloader_num_workers > 1 and train.num_shards > 1:
+        # datasets splits skip(n) among the workers, each skipping its share of its own files: held-out pairs of the
+        # first file would train, and pairs of the others would be skipped unseen.
+        raise UsageError(f"--dataloader_num_workers {args.dataloader_num_workers} on a stream of {train.num_shards} "
+                         "files cannot skip the held-out first pairs exactly: give --eval_split, or at most 1 worker")
     # A stream cannot be split by fraction: the first max_eval_samples pairs are held out, training skips them.
     counts = stream_counts(train)  # skip and take make streams that do not carry them
     held_out = _held_out_of_stream(train.take(count), counts, source, "the stream's first pairs", whole=False)
