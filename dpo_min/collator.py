@@ -22,10 +22,11 @@ from typing import Any
 
 import torch
 
+from .data.loading import REFERENCE_COLUMNS
+
 IGNORE_INDEX = -100
 # Keys of a batch that are not model inputs.
-NON_MODEL_KEYS = ("labels", "sequence_index", "segment_bounds", "segment_ids", "branch_ids", "ref_chosen_logps",
-                  "ref_rejected_logps")
+NON_MODEL_KEYS = ("labels", "sequence_index", "segment_bounds", "segment_ids", "branch_ids", *REFERENCE_COLUMNS)
 
 
 @dataclass
@@ -62,7 +63,7 @@ class DPODataCollator:
 
 def add_reference_logps(batch: dict[str, torch.Tensor], examples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
     """Carry precomputed reference log-probs, when the examples have them, as [B] float tensors."""
-    for name in ("ref_chosen_logps", "ref_rejected_logps"):
+    for name in REFERENCE_COLUMNS:
         if name in examples[0]:
             batch[name] = torch.tensor([ex[name] for ex in examples], dtype=torch.float32)
     return batch
