@@ -200,3 +200,20 @@ def test_a_resume_compares_parsed_mixtures_and_names_the_entries_that_differ(tmp
     as_text = {**recorded, "datasets": json.dumps(mixture)}
     (tmp_path / "run" / MANIFEST).write_text(json.dumps({"data_settings": as_text}))
     check_same_run(checkpoint, recorded)
+
+
+def test_a_test_split_size_given_as_text_or_as_a_number_is_the_same_run(tmp_path):
+    from dpo_min.train.args import parse_args
+    from dpo_min.train.run_dir import MANIFEST, OutputDirError, check_same_run, resume_settings
+
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("datasets:\n  - path: a.jsonl\ntest_split_size: 3\n")
+    recorded = resume_settings(*parse_args(["--config", str(recipe)])[1:])
+    assert recorded["test_split_size"] == 3
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / MANIFEST).write_text(json.dumps({"data_settings": recorded}))
+    checkpoint = str(tmp_path / "run" / "checkpoint-1")
+    flags = ["--datasets", json.dumps([{"path": "a.jsonl"}]), "--test_split_size"]
+    check_same_run(checkpoint, resume_settings(*parse_args([*flags, "3"])[1:]))  # the flag's text "3"
+    with pytest.raises(OutputDirError, match=r"test_split_size 3 -> 0.25"):
+        check_same_run(checkpoint, resume_settings(*parse_args([*flags, "0.25"])[1:]))

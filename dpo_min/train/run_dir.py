@@ -327,12 +327,16 @@ def resume_keys() -> tuple[str, ...]:
 
 def resume_settings(*option_sets: Any) -> dict[str, Any]:
     """The `resume_keys` of a run, each taken from the first of `option_sets` (data, training options) that has it;
-    a dataset file by its absolute path, so that a resume from another working folder names the same file."""
+    a dataset file by its absolute path, so that a resume from another working folder names the same file, and
+    test_split_size as the number it spells."""
     settings = {}
     for name in resume_keys():
         value = next((getattr(options, name) for options in option_sets if hasattr(options, name)), None)
         if name == "dataset" and isinstance(value, str) and os.path.exists(value):
             value = os.path.abspath(value)
+        if name == "test_split_size" and isinstance(value, str):  # text on the command line, a number in a recipe
+            with suppress(ValueError):
+                value = float(value) if any(sign in value for sign in ".eE") else int(value)
         settings[name] = json.loads(json.dumps(value, default=str))  # as the manifest gives it back
     return settings
 
