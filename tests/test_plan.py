@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from dpo_min.train.args import DEMO_DEFAULTS, UsageError
-from dpo_min.train.plan import EMBEDDED_MODEL_NAME, EVAL_FRACTION, decide, resolve
+from dpo_min.train.args import DEMO_DEFAULTS, EVAL_FRACTION, UsageError
+from dpo_min.train.plan import EMBEDDED_MODEL_NAME, decide, resolve
 from dpo_min.train.run_dir import MANIFEST, OutputDirError, RunFolder
 
 

@@ -35,6 +35,11 @@ class UsageError(Exception):
     exit_code = 2
 
 
+# The share held out of one dataset when --eval_fraction is not given (the demo's own is in DEMO_DEFAULTS); a mixture
+# holds out only its own rows (test_split_size, test splits). plan.decide applies it.
+EVAL_FRACTION = 0.05
+
+
 @dataclass
 class ModelArguments:
     _argument_group_name = "model"
@@ -90,7 +95,8 @@ class DataArguments:
         "help": "Split to evaluate on (TRL: dataset_test_split). Without it, --eval_fraction of the data is held "
                 "out."})
     eval_fraction: float | None = field(default=None, metadata={
-        "help": "Fraction of the data held out, seeded by --data_seed or --seed (0: no evaluation). Default: 0.05 of "
+        "help": "Fraction of the data held out, seeded by --data_seed or --seed (0: no evaluation). Default: "
+                f"{EVAL_FRACTION} of "
                 "one dataset; none of a mixture, whose held-out rows are its own (test_split_size, test splits)."})
     max_eval_samples: int | None = field(default=None, metadata={"help": "Most held-out pairs evaluated."})
     num_samples: int = field(default=3, metadata={

