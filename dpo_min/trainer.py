@@ -24,7 +24,7 @@ from .config import DPOMinConfig
 from .data.loading import REFERENCE_COLUMNS, is_tokenized, tokenize_dataset
 from .logps import SequenceLogps, computed_tokens, sequence_logps
 from .losses import dpo_loss
-from .reference import ModelReference, Reference, SyncReferenceCallback, choose_reference
+from .reference import ModelReference, NoReference, SyncReferenceCallback, choose_reference
 from .scale import sharding, zero
 from .scale.offload import OffloadActivations
 
@@ -123,7 +123,7 @@ class DPOMinTrainer(TRLAttributes, Trainer):  # TRLAttributes: TRL's public attr
 
     @ref_model.setter
     def ref_model(self, model: torch.nn.Module | None) -> None:
-        self.reference = Reference() if model is None else ModelReference(model)
+        self.reference = NoReference() if model is None else ModelReference(model)
 
     @property
     def ref_adapter_name(self) -> str | None:
