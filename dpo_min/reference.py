@@ -135,35 +135,40 @@ class NoReference(Reference):
 
 
 class ModelReference(Reference):
-    """A separate frozen model: `ref_model`, or a copy of the model for full fine-tuning."""
+    """A separate frozen model: `ref_model`, or a copy of the model for full fine-tuning. `model` is that model, and
+    after `prepare` the model prepared for the run (a DeepSpeed engine, or what the accelerator makes of it);
+    `_unwrapped` is the model inside, whose weights the cache key hashes and TR-DPO mixes."""
 
     def __init__(self, model: torch.nn.Module, description: str = "ref_model, a separate frozen model"):
-        self.module = self.model = model
+        self.model: torch.nn.Module = model
         self.description = description
+
+    def _unwrapped(self) -> torch.nn.Module:
+        return extract_model_from_parallel(self.model, keep_torch_compile=False)
 
     @contextlib.contextmanager
     def computing(self, policy: torch.nn.Module) -> Iterator[torch.nn.Module]:
         yield self.model
 
     def weights(self, policy: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
-        return sharding.gathered(self.module.state_dict(keep_vars=True).items())
+        return sharding.gathered(self._unwrapped().state_dict(keep_vars=True).items())
 
     def check_sync(self, policy: torch.nn.Module) -> None:
         if is_peft(policy):
             raise ValueError("sync_ref_model with a PeftModel syncs a reference adapter: omit ref_model")
-        _same_shapes(dict(policy.named_parameters()), dict(self.module.named_parameters()))
+        _same_shapes(dict(policy.named_parameters()), dict(self._unwrapped().named_parameters()))
 
     def sync(self, policy: torch.nn.Module, alpha: float) -> None:
-        policy = extract_model_from_parallel(policy)
-        sharding.reshard(policy, self.module)
-        _mix_into(dict(self.module.named_parameters()), dict(policy.named_parameters()), alpha)
+        policy, reference = extract_model_from_parallel(policy), self._unwrapped()
+        sharding.reshard(policy, reference)
+        _mix_into(dict(reference.named_parameters()), dict(policy.named_parameters()), alpha)
 
     def modules(self) -> list[torch.nn.Module]:
-        return [self.module]
+        return [self.model]
 
     def prepare(self, accelerator: Any, deepspeed: bool) -> None:
-        self.model = zero.inference_engine(self.module, accelerator) if deepspeed \
-            else accelerator.prepare_model(self.module, evaluation_mode=True)
+        self.model = zero.inference_engine(self.model, accelerator) if deepspeed \
+            else accelerator.prepare_model(self.model, evaluation_mode=True)
 
 
 class PolicyReference(Reference):
