@@ -1,18 +1,22 @@
 """The reference: which model computes pi_ref, decided once at construction, and everything the trainer asks of it.
 
 `choose_reference` picks one of, in this order:
-- none: the loss reads no reference (simpo, cpo, `reference_free`), so there is no copy and no reference forward;
-- `ref_model`: a separate frozen model, given by the caller;
-- for a PEFT model: the adapter named `ref_adapter_name`; the model with its adapter disabled (for a `peft_config`,
-  or, as TRL, an adapter on `target_parameters` under peft < 0.20, which cannot hold a second one); otherwise a
-  frozen copy of the adapter the model arrives with (TR-DPO with a `peft_config` also gets such a copy, to move);
-- full fine-tuning with `precompute_ref_log_probs`: the model itself, before its first step;
-- otherwise a frozen copy of the model.
-The trainer then asks the chosen `Reference` for the model that computes a batch's reference log-probs (`computing`,
-in the spirit of torchtune's `with torch.no_grad(), disable_adapter(model)`), the weights and settings the precompute
-cache key hashes, TR-DPO's sync, and a one-line description; it never asks which kind it holds.
+- none (`NoReference`): the loss reads no reference (simpo, cpo, `reference_free`), so there is no copy and no
+  reference forward;
+- `ref_model` (`ModelReference`): a separate frozen model, given by the caller;
+- for a PEFT model: the adapter named `ref_adapter_name` (`AdapterReference`); the model with its adapter disabled
+  (`AdapterOff`: for a `peft_config`, or, as TRL, an adapter on `target_parameters` under peft < 0.20, which cannot
+  hold a second one); otherwise a frozen copy of the adapter the model arrives with (`AdapterReference`; TR-DPO with
+  a `peft_config` also gets such a copy, to move);
+- full fine-tuning with `precompute_ref_log_probs`: the model itself, before its first step (`PolicyReference`);
+- otherwise a frozen copy of the model (`ModelReference`).
+The trainer then asks the chosen reference, through the `Reference` interface every kind implements, for the model
+that computes a batch's reference log-probs (`computing`, in the spirit of torchtune's `with torch.no_grad(),
+disable_adapter(model)`), the weights and settings the precompute cache key hashes, TR-DPO's sync, and a one-line
+description; it never asks which kind it holds.
 """
 
+import abc
 import contextlib
 import copy
 import logging
@@ -66,22 +70,20 @@ def _add_adapter_copy(model: "PeftModel", name: str) -> str:
     return name
 
 
-class Reference:
-    """No reference: the loss reads none. The base of every kind; each overrides what it has."""
+class Reference(abc.ABC):
+    """The interface of a reference: what the trainer asks of it, whichever kind it is. Not used as is: each kind
+    below subclasses it and overrides what it has; the defaults are those of a reference with no model or adapter
+    of its own (its weights are the policy's, no sync, nothing to prepare)."""
 
-    description = "none (the loss reads no reference)"  # one line, for the log and the model card
+    description: str  # one line, for the log and the model card
     model: torch.nn.Module | None = None  # a separate reference model (prepared for the run), if any
     adapter: str | None = None  # the name of a reference adapter of the policy, if any
+    cache_name = "model"  # what the precompute cache key calls this kind
 
-    def __init__(self, description: str | None = None):
-        if description is not None:
-            self.description = description
-
+    @abc.abstractmethod
     @contextlib.contextmanager
     def computing(self, policy: torch.nn.Module) -> Iterator[torch.nn.Module]:
         """The module whose forward gives the reference log-probs, for the duration of the block."""
-        raise ValueError("this loss reads no reference log-probs")
-        yield policy  # a generator, like the others
 
     def weights(self, policy: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
         """The tensors the reference log-probs depend on (for the precompute cache key)."""
@@ -96,12 +98,12 @@ class Reference:
         return {"reference": self.cache_name, "ld_alpha": args.ld_alpha, "max_length": args.max_length,
                 "max_prompt_length": args.max_prompt_length, "truncation_mode": args.truncation_mode}
 
-    cache_name = "model"
-
     def check_sync(self, policy: torch.nn.Module) -> None:
+        """Raise unless TR-DPO can sync this reference towards the policy."""
         raise ValueError("sync_ref_model needs a reference (model or adapter) with the policy's parameters")
 
     def sync(self, policy: torch.nn.Module, alpha: float) -> None:
+        """TR-DPO: reference <- alpha * policy + (1 - alpha) * reference."""
         raise ValueError("no reference weights to sync: the reference log-probs were precomputed")
 
     def modules(self) -> list[torch.nn.Module]:
@@ -110,42 +112,63 @@ class Reference:
 
     def prepare(self, accelerator: Any, deepspeed: bool) -> None:
         """Place the reference for the run, once the accelerator exists."""
+        return None  # nothing of its own to place
 
     def fixed_before_training(self) -> bool:
         """True when the reference is the policy itself, so its log-probs exist only before the first step."""
         return False
 
 
+class NoReference(Reference):
+    """No reference: the loss reads none (simpo, cpo, `reference_free`), or `ref_model` was set to None."""
+
+    description = "none (the loss reads no reference)"
+
+    def __init__(self, description: str | None = None):
+        if description is not None:
+            self.description = description
+
+    @contextlib.contextmanager
+    def computing(self, policy: torch.nn.Module) -> Iterator[torch.nn.Module]:
+        raise ValueError("this loss reads no reference log-probs")
+        yield policy  # a generator, like the others
+
+
 class ModelReference(Reference):
-    """A separate frozen model: `ref_model`, or a copy of the model for full fine-tuning."""
+    """A separate frozen model: `ref_model`, or a copy of the model for full fine-tuning. `model` is that model, and
+    after `prepare` the model prepared for the run (a DeepSpeed engine, or what the accelerator makes of it);
+    `_unwrapped` is the model inside, whose weights the cache key hashes and TR-DPO mixes."""
 
     def __init__(self, model: torch.nn.Module, description: str = "ref_model, a separate frozen model"):
-        self.module = self.model = model
+        self.model: torch.nn.Module = model
         self.description = description
+
+    def _unwrapped(self) -> torch.nn.Module:
+        return extract_model_from_parallel(self.model, keep_torch_compile=False)
 
     @contextlib.contextmanager
     def computing(self, policy: torch.nn.Module) -> Iterator[torch.nn.Module]:
         yield self.model
 
     def weights(self, policy: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
-        return sharding.gathered(self.module.state_dict(keep_vars=True).items())
+        return sharding.gathered(self._unwrapped().state_dict(keep_vars=True).items())
 
     def check_sync(self, policy: torch.nn.Module) -> None:
         if is_peft(policy):
             raise ValueError("sync_ref_model with a PeftModel syncs a reference adapter: omit ref_model")
-        _same_shapes(dict(policy.named_parameters()), dict(self.module.named_parameters()))
+        _same_shapes(dict(policy.named_parameters()), dict(self._unwrapped().named_parameters()))
 
     def sync(self, policy: torch.nn.Module, alpha: float) -> None:
-        policy = extract_model_from_parallel(policy)
-        sharding.reshard(policy, self.module)
-        _mix_into(dict(self.module.named_parameters()), dict(policy.named_parameters()), alpha)
+        policy, reference = extract_model_from_parallel(policy), self._unwrapped()
+        sharding.reshard(policy, reference)
+        _mix_into(dict(reference.named_parameters()), dict(policy.named_parameters()), alpha)
 
     def modules(self) -> list[torch.nn.Module]:
-        return [self.module]
+        return [self.model]
 
     def prepare(self, accelerator: Any, deepspeed: bool) -> None:
-        self.model = zero.inference_engine(self.module, accelerator) if deepspeed \
-            else accelerator.prepare_model(self.module, evaluation_mode=True)
+        self.model = zero.inference_engine(self.model, accelerator) if deepspeed \
+            else accelerator.prepare_model(self.model, evaluation_mode=True)
 
 
 class PolicyReference(Reference):
@@ -262,7 +285,7 @@ def choose_reference(model: Any, ref_model: Any, args: Any, peft_config: Any,
     model, wrapped = _set_up_adapters(model, args, ref_model, peft_config)
     if not reads_reference:  # a ref_model given to such a loss is not kept
         why = "reference_free" if args.reference_free else f"loss_type {', '.join(args.loss_type)}"
-        reference = Reference(f"none ({why}: the loss reads no reference)")
+        reference = NoReference(f"none ({why}: the loss reads no reference)")
     elif ref_model is not None:
         reference = ModelReference(ref_model.eval().requires_grad_(False), _given_reference(ref_model, model))
     elif is_peft(model):

@@ -24,7 +24,7 @@ from .config import DPOMinConfig
 from .data.loading import REFERENCE_COLUMNS, is_tokenized, tokenize_dataset
 from .logps import SequenceLogps, computed_tokens, sequence_logps
 from .losses import dpo_loss
-from .reference import ModelReference, Reference, SyncReferenceCallback, choose_reference
+from .reference import ModelReference, NoReference, SyncReferenceCallback, choose_reference
 from .scale import sharding, zero
 from .scale.offload import OffloadActivations
 
@@ -80,8 +80,9 @@ class DPOMinTrainer(TRLAttributes, Trainer):  # TRLAttributes: TRL's public attr
                                             quantization_config)
         # The adapter's random init (and any weight a checkpoint lacks) must depend on the seed alone, as in TRL.
         set_seed(args.seed)
-        model, ref_model, processing_class = trainer_setup.load(model, ref_model, args, processing_class,
-                                                                quantization_config)
+        model, ref_model, processing_class = trainer_setup.load_models_and_tokenizer(
+            model, ref_model, args, processing_class, quantization_config)
+        trainer_setup.agree_on_pad_token(model, processing_class)
         self.router_aux_loss_coef = trainer_setup.check_model(model, args)
         # A loss that reads no reference gets none: no copy of the model or adapter, no reference forward.
         model, self.reference = choose_reference(model, ref_model, args, peft_config,
@@ -123,7 +124,7 @@ class DPOMinTrainer(TRLAttributes, Trainer):  # TRLAttributes: TRL's public attr
 
     @ref_model.setter
     def ref_model(self, model: torch.nn.Module | None) -> None:
-        self.reference = Reference() if model is None else ModelReference(model)
+        self.reference = NoReference() if model is None else ModelReference(model)
 
     @property
     def ref_adapter_name(self) -> str | None:

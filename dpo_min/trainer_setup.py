@@ -1,7 +1,8 @@
 """The phases of `DPOMinTrainer`'s constructor before `Trainer.__init__`: validate the arguments (no model needed;
-the config checked itself when built), load the models and the tokenizer as TRL does, check what needs the model
-before any data is tokenized, and prepare the models (packed attention, no dropout, FSDP2 sharding). The reference
-is chosen between the last two (`reference.choose_reference`); the trainer tokenizes the data itself.
+the config checked itself when built), load the models and the tokenizer as TRL does, make the tokenizer and the
+model agree on the pad token, check what needs the model before any data is tokenized, and prepare the models
+(packed attention, no dropout, FSDP2 sharding). The reference is chosen between the last two
+(`reference.choose_reference`); the trainer tokenizes the data itself.
 """
 
 import logging
@@ -95,9 +96,10 @@ def validated_args(model: Any, ref_model: Any, args: DPOMinConfig | None, train_
     return args
 
 
-def load(model: Any, ref_model: Any, args: DPOMinConfig, processing_class: Any,
-          quantization_config: Any) -> tuple[Any, Any, Any]:
-    """Models given as ids or paths loaded as TRL loads them, and the tokenizer, agreeing on the pad token."""
+def load_models_and_tokenizer(model: Any, ref_model: Any, args: DPOMinConfig, processing_class: Any,
+                              quantization_config: Any) -> tuple[Any, Any, Any]:
+    """Models given as ids or paths loaded as TRL loads them, and the tokenizer (from the model's id or path unless
+    given); loaded models and the tokenizer as they are otherwise (`agree_on_pad_token` comes next)."""
     if isinstance(model, str):
         model = load_causal_lm(model, **_from_pretrained_kwargs(args, quantization_config))
     elif args.model_init_kwargs is not None:
@@ -112,15 +114,19 @@ def load(model: Any, ref_model: Any, args: DPOMinConfig, processing_class: Any,
                              "one from")
         revision = (args.model_init_kwargs or {}).get("revision")
         processing_class = load_tokenizer(source, revision=revision, trust_remote_code=args.trust_remote_code)
+    return model, ref_model, processing_class
+
+
+def agree_on_pad_token(model: Any, processing_class: Any) -> None:
+    """Give the tokenizer a pad token (EOS) if it has none, and set the model's config and generation config to its
+    id, as TRL does (the config is saved with the model)."""
     tokenizer = getattr(processing_class, "tokenizer", processing_class)
     if tokenizer.pad_token is None:
         # Padding never reaches the loss (labels are -100 there), so any token id serves; EOS is the usual one.
         tokenizer.pad_token = tokenizer.eos_token
-    # As TRL: the model's config agrees with the tokenizer on the pad token (it is saved with the model).
     model.config.get_text_config().pad_token_id = tokenizer.pad_token_id
     if getattr(model, "generation_config", None) is not None:
         model.generation_config.pad_token_id = tokenizer.pad_token_id
-    return model, ref_model, processing_class
 
 
 def check_model(model: Any, args: DPOMinConfig) -> float:
