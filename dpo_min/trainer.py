@@ -146,7 +146,7 @@ class DPOMinTrainer(TRLAttributes, Trainer):  # TRLAttributes: TRL's public attr
         """Add `ref_chosen_logps` / `ref_rejected_logps` columns: one reference pass over the data, up front."""
         if isinstance(dataset, IterableDataset):
             raise ValueError(trainer_setup.ITERABLE_REFUSAL)
-        if dataset is None or "ref_chosen_logps" in dataset.column_names:
+        if dataset is None or REFERENCE_COLUMNS[0] in dataset.column_names:
             return dataset
         if self.reference.fixed_before_training() and self.state.global_step > 0:
             raise ValueError(f"Cannot compute reference log-probs for a dataset passed to `evaluate()` after training "
@@ -160,8 +160,9 @@ class DPOMinTrainer(TRLAttributes, Trainer):  # TRLAttributes: TRL's public attr
             cached = self._reference_pass(dataset)
             if self.accelerator.is_main_process:
                 ref_cache.save(key, *cached)
-        dataset = dataset.add_column("ref_chosen_logps", cached[0].tolist())
-        return dataset.add_column("ref_rejected_logps", cached[1].tolist())
+        for name, logps in zip(REFERENCE_COLUMNS, cached):
+            dataset = dataset.add_column(name, logps.tolist())
+        return dataset
 
     def _reference_pass(self, dataset: Dataset) -> tuple[torch.Tensor, torch.Tensor]:
         batch_size = self.args.precompute_ref_batch_size or self.args.per_device_eval_batch_size

@@ -55,7 +55,7 @@ def _from_pretrained_kwargs(args: DPOMinConfig, quantization_config: Any, **defa
 
 
 def _check_layout(model_config: Any, args: DPOMinConfig) -> None:
-    if not (args.padding_free or args.share_prompt):
+    if not args.packed:
         return
     check_packed_model(model_config)  # raises for a family or an attention not tested packed
     layer_types = getattr(model_config, "layer_types", None) or ["sliding_attention"]
@@ -83,7 +83,7 @@ def validated_args(model: Any, ref_model: Any, args: DPOMinConfig | None, train_
     evals = eval_dataset.values() if isinstance(eval_dataset, dict) else [eval_dataset]
     if args.precompute_ref_log_probs and any(isinstance(d, IterableDataset) for d in (train_dataset, *evals)):
         raise ValueError(ITERABLE_REFUSAL)
-    if compute_metrics is not None and (args.padding_free or args.share_prompt):
+    if compute_metrics is not None and args.packed:
         raise ValueError("compute_metrics receives [2B, T] logits (as TRL), which the padding_free and "
                          "share_prompt layouts do not compute: turn them off to use compute_metrics")
     if quantization_config is not None and not isinstance(model, str):
@@ -142,7 +142,7 @@ def check_model(model: Any, args: DPOMinConfig) -> float:
 def prepare_models(modules: list[torch.nn.Module], args: DPOMinConfig) -> None:
     """Policy and reference alike: packed attention for the packed layouts, no dropout, FSDP2 sharding."""
     for module in modules:
-        if args.padding_free or args.share_prompt:
+        if args.packed:
             use_packed_attention(module)
         if args.disable_dropout:
             for submodule in module.modules():
@@ -153,7 +153,7 @@ def prepare_models(modules: list[torch.nn.Module], args: DPOMinConfig) -> None:
 
 
 def collator(model: Any, tokenizer: Any, args: DPOMinConfig) -> Callable:
-    dense_mask = not (args.padding_free or args.share_prompt) or packed_attention(
+    dense_mask = not args.packed or packed_attention(
         model.config._attn_implementation).dense_mask
     return make_collator(tokenizer.pad_token_id, args.padding_free, args.share_prompt, dense_mask,
                          args.pad_to_multiple_of)
