@@ -53,7 +53,8 @@ class ModelArguments:
     attn_implementation: str | None = field(default=None, metadata={
         "help": "Attention kernel (sdpa, eager, ...); default: transformers' choice."})
     use_peft: bool = field(default=True, metadata={
-        "help": "Train a LoRA adapter (the reference is the model with the adapter off). On by default when no "
+        "help": "Train a LoRA adapter (the reference is the model with the adapter off; with --sync_ref_model, a "
+                "copy of the adapter). On by default when no "
                 "model is given (on the line or in a recipe): the demo's model, on its data or yours; with a model, "
                 "off unless asked for, as in TRL. --no_use_peft: full fine-tuning against a frozen copy of the "
                 "model."})
