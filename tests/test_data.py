@@ -318,18 +318,19 @@ def test_a_stream_counts_what_it_drops_as_it_is_read(tmp_path, tokenizer):
 
 
 def test_streaming_evaluates_the_whole_eval_split_or_max_eval_samples(tmp_path, monkeypatch, capsys):
-    from dpo_min import DPOMinConfig, train
+    from dpo_min import DPOMinConfig
+    from dpo_min.train import decide, pairs
     from dpo_min.train.args import DataArguments, ModelArguments
 
     test_split = write_jsonl(tmp_path / "test.jsonl", [dict(STANDARD, prompt=f"Q{i}") for i in range(150)])
-    monkeypatch.setattr(train, "_load", lambda *_: load_preference_dataset(str(test_split), streaming=True))
+    monkeypatch.setattr(pairs, "_load", lambda *_: load_preference_dataset(str(test_split), streaming=True))
     args = DPOMinConfig(output_dir=str(tmp_path / "out"), max_steps=1, precompute_ref_log_probs=False)
     # A real train stream: _stream_pairs counts its pairs that are also held out (issue 25).
     train_split = write_jsonl(tmp_path / "train.jsonl", [dict(STANDARD, prompt=f"T{i}") for i in range(4)])
     for cap, expected in ((None, 150), (20, 20)):
         data_args = DataArguments(dataset="org/pairs", streaming=True, eval_split="test", max_eval_samples=cap)
         stream = load_preference_dataset(str(train_split), streaming=True)
-        _, held_out = train._stream_pairs(stream, "org/pairs", train.decide(ModelArguments(), data_args, args))
+        _, held_out = pairs._stream_pairs(stream, "org/pairs", decide(ModelArguments(), data_args, args))
         assert len(held_out) == expected and held_out["prompt"] == [f"Q{i}" for i in range(expected)]
     assert "held out 150 pairs: split 'test', the whole split" in capsys.readouterr().out
 

@@ -35,6 +35,12 @@ class UsageError(Exception):
     exit_code = 2
 
 
+class InputError(Exception):
+    """A model or data set that cannot be used, or a disk that cannot hold the run: one line on stderr, exit code 1."""
+
+    exit_code = 1
+
+
 # The share held out of one dataset when --eval_fraction is not given (the demo's own is in DEMO_DEFAULTS); a mixture
 # holds out only its own rows (test_split_size, test splits). plan.decide applies it.
 EVAL_FRACTION = 0.05

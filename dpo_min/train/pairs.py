@@ -1,0 +1,259 @@
+"""The command's data phase: the pairs a run trains and evaluates on, from one dataset, a mixture or a stream, as
+the plan says; and the local files and folders it reads, which the output folder must stay apart from."""
+
+import logging
+import math
+import os
+import sys
+from collections import Counter
+from contextlib import suppress
+from pathlib import Path
+from typing import Any
+
+from datasets import Dataset
+from transformers import TrainerCallback
+
+from ..config import DPOMinConfig
+from ..data.layouts import LayoutOptions
+from ..data.loading import (
+    SKIPPED,
+    SOURCE_DATASET,
+    StreamCounts,
+    count_shared_in_stream,
+    describe_stream_counts,
+    load_preference_dataset,
+    stream_counts,
+    warn_shared_pairs,
+)
+from ..data.mixtures import Mixture, handbook_mixture, legacy_mixer, trl_mixture
+from .args import MIXTURE_KEYS, MIXTURE_OPTIONS, PROG, DataArguments, InputError, UsageError, _parse_json
+from .plan import Plan
+
+EMBEDDED_DATA = Path(__file__).resolve().parents[2] / "data" / "hh-rlhf-harmless-single-turn.jsonl.gz"
+EMBEDDED_DATASET_NAME = "Anthropic/hh-rlhf"  # its harmless-base test split, the file in data/
+DATA_SUFFIXES = (".json", ".jsonl", ".parquet", ".csv")
+
+logger = logging.getLogger("dpo_min.data")  # shown on stdout by _show_data_log
+
+
+
+def load_pairs(plan: Plan) -> tuple[Dataset, Dataset | None]:
+    """(train pairs, held-out pairs or None), validated."""
+    data_args = plan.data
+    _show_data_log(plan.is_main)
+    mixture = _load_mixture(plan)
+    if mixture is not None:
+        train, held_out, source = mixture.train, mixture.held_out, "the mixture"
+        if held_out is not None and data_args.eval_fraction is not None:
+            # parse_args refuses eval_fraction beside a test_split_size, naming both as written; this is the rest
+            raise UsageError("the mixture holds out its own rows (its test splits): eval_fraction would hold out "
+                             "others; give one of them")
+    else:
+        source, train, held_out = _load_dataset(plan)
+    if data_args.streaming:
+        return _stream_pairs(train, source, plan)
+    if held_out is None and plan.eval_fraction > 0:
+        train, held_out = _split(train, plan.eval_fraction, plan.seed)
+    if held_out is not None and data_args.max_eval_samples is not None:
+        held_out = held_out.select(range(min(data_args.max_eval_samples, len(held_out))))
+    if plan.reach is not None and len(train) > plan.reach:
+        # Only the pairs the run will reach are tokenized (and, with precompute_ref_log_probs, scored).
+        train = train.shuffle(seed=plan.seed).select(range(plan.reach))
+    warn_shared_pairs(train, held_out, source)  # the pairs as trained and evaluated, whichever form split them
+    return train, held_out
+
+
+def _load_dataset(plan: Plan) -> tuple[str, Any, Any]:
+    """(where the pairs come from, the train split, the --eval_split or None) of one dataset."""
+    data_args = plan.data
+    source = data_args.dataset or str(EMBEDDED_DATA)
+    stem = source[:-3] if source.endswith(".gz") else source
+    if not os.path.exists(source) and data_args.dataset is None:
+        raise InputError(f"the embedded pairs ({source}) come with a source checkout of dpo_min; pass --dataset")
+    if not os.path.exists(source) and stem.endswith(DATA_SUFFIXES):
+        raise UsageError(f"no such dataset file: {source}")
+    if data_args.eval_split and os.path.isfile(source):
+        raise UsageError("--eval_split picks a split of a datasets name; a file has one split, use --eval_fraction")
+    train = _load(source, data_args.split, data_args, plan.args)
+    held_out = _load(source, data_args.eval_split, data_args, plan.args) if data_args.eval_split and not \
+        data_args.streaming else None
+    return source, train, held_out
+
+
+def _split(pairs: Dataset, eval_fraction: float, seed: int) -> tuple[Dataset, Dataset]:
+    if round(len(pairs) * eval_fraction) < 1 or len(pairs) < 2:
+        raise UsageError(f"--eval_fraction {eval_fraction} of {len(pairs)} pairs holds out no pair")
+    if len(pairs) - math.ceil(len(pairs) * eval_fraction) < 1:
+        raise UsageError(f"--eval_fraction {eval_fraction} of {len(pairs)} pairs leaves no pair to train on")
+    parts = pairs.train_test_split(test_size=eval_fraction, seed=seed)
+    return parts["train"], parts["test"]
+
+
+def trained_sources(train_pairs: Any, data_args: DataArguments) -> dict[str, Any]:
+    """The datasets the train pairs came from, each with its number of pairs: a mixture's from the pairs' own
+    source column, whatever the mixture's entries look like; else the one dataset."""
+    if SOURCE_DATASET in (getattr(train_pairs, "column_names", None) or []):
+        return dict(sorted(Counter(train_pairs[SOURCE_DATASET]).items()))
+    pairs = len(train_pairs) if hasattr(train_pairs, "__len__") else "streamed"
+    return {data_args.dataset or EMBEDDED_DATASET_NAME: pairs}
+
+
+def _show_data_log(is_main: bool) -> None:
+    """The data module's one line naming each dataset's layout, and its warnings, on stdout."""
+    if not logger.handlers:
+        handler = logging.StreamHandler(sys.stdout)
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        handler.set_name(PROG)
+        logger.addHandler(handler)
+    for handler in logger.handlers:
+        if handler.get_name() == PROG:  # ours: each run prints to the stdout it has now, not an earlier run's
+            handler.stream = sys.stdout  # (setStream would flush the old one, which may be closed)
+    logger.setLevel(logging.INFO if is_main else logging.WARNING)
+
+
+def _stream_pairs(train: Any, source: str, plan: Plan) -> tuple[Any, Any]:
+    data_args, args = plan.data, plan.args
+    if args.max_steps <= 0:
+        raise UsageError("--streaming needs --max_steps (a stream has no length to count epochs by)")
+    if args.precompute_ref_log_probs:
+        raise UsageError("--streaming computes the reference on the fly: pass --precompute_ref_log_probs false")
+    count = data_args.max_eval_samples
+    if data_args.eval_split:  # the whole split, as without --streaming, or its first --max_eval_samples pairs
+        split = _load(source, data_args.eval_split, data_args, args)  # a stream of its own, with its own counts
+        held_out = _held_out_of_stream(split if count is None else split.take(count), stream_counts(split), source,
+                                       f"split {data_args.eval_split!r}", whole=count is None)
+        return count_shared_in_stream(train, held_out), held_out
+    if plan.eval_fraction == 0 or not count:
+        return train, None
+    if args.dataloader_num_workers > 1 and train.num_shards > 1:
+        # datasets splits skip(n) among the workers, each skipping its share of its own files: held-out pairs of the
+        # first file would train, and pairs of the others would be skipped unseen.
+        raise UsageError(f"--dataloader_num_workers {args.dataloader_num_workers} on a stream of {train.num_shards} "
+                         "files cannot skip the held-out first pairs exactly: give --eval_split, or at most 1 worker")
+    # A stream cannot be split by fraction: the first max_eval_samples pairs are held out, training skips them.
+    counts = stream_counts(train)  # skip and take make streams that do not carry them
+    held_out = _held_out_of_stream(train.take(count), counts, source, "the stream's first pairs", whole=False)
+    return count_shared_in_stream(train.skip(count), held_out, counts), held_out
+
+
+def _held_out_of_stream(stream: Any, counts: StreamCounts | None, source: str, what: str, whole: bool) -> Dataset:
+    before = counts.snapshot() if counts is not None else Counter()
+    pairs = list(stream)
+    if not pairs:
+        raise InputError(f"{source}: {what} holds no pair to evaluate on")
+    skipped = counts.snapshot()[SKIPPED] - before[SKIPPED] if counts is not None else 0
+    # Read whole, the split's count of skipped rows is exact; a capped read converts rows beyond the cap too.
+    print(f"held out {len(pairs)} pairs: {what}{', the whole split' if whole else ''}"
+          f"{f' ({skipped} rows {SKIPPED})' if whole and skipped else ''}")
+    return Dataset.from_list(pairs)
+
+
+class StreamCountsLogger(TrainerCallback):
+    """What the training stream read and dropped (rows its layout skips, pairs cut unusable by truncation), said at
+    the end of each pass over the data and of the run. Map-style data says it once, as it is prepared. The counts
+    are the ones the stream the trainer reads carries (`stream_counts`), added to by its DataLoader workers too."""
+
+    def on_train_begin(self, args, state, control, train_dataloader=None, **kwargs):
+        self.counts = stream_counts(train_dataloader)
+        # reading the held-out pairs and the first row happened before
+        self.start = self.counts.snapshot() if self.counts is not None else Counter()
+
+    def on_epoch_end(self, args, state, control, **kwargs):
+        self._say(state, f"at the end of a pass over the data (step {state.global_step})")
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self._say(state, "in the run")
+
+    def _say(self, state, when: str) -> None:
+        if state.is_world_process_zero and self.counts is not None:
+            counts = self.counts.snapshot()
+            counts.subtract(self.start)
+            print(f"stream, {when}: {describe_stream_counts(counts)}")
+
+
+def _columns(data_args: DataArguments) -> dict[str, str] | None:
+    columns = {name: getattr(data_args, f"{name}_column") for name in ("prompt", "chosen", "rejected", "system")}
+    return {name: column for name, column in columns.items() if column} or None
+
+
+def _layout_options(data_args: DataArguments) -> dict[str, Any]:
+    return {"preference_label": data_args.preference_label, "no_prompt": data_args.no_prompt,
+            "as_messages": data_args.as_messages}
+
+
+def _load(source: str, split: str, data_args: DataArguments, args: DPOMinConfig) -> Any:
+    try:
+        return load_preference_dataset(source, split=split, config=data_args.dataset_config,
+                                       columns=_columns(data_args), streaming=data_args.streaming,
+                                       num_proc=args.dataset_num_proc, **_layout_options(data_args))
+    except ValueError as error:  # a bad row or an unreadable file: the message names it
+        raise InputError(f"{source}: {error}" if source not in str(error) else str(error)) from None
+    except Exception as error:  # datasets' own errors for a name it cannot find or fetch
+        raise InputError(f"cannot load dataset {source!r} (split {split!r}): {str(error).splitlines()[0]}") from None
+
+
+def _load_mixture(plan: Plan) -> Mixture | None:
+    """The recipe's mixture, in whichever of the three published forms it is written; None without one."""
+    data_args, form, seed, num_proc = plan.data, plan.mixture, plan.seed, plan.args.dataset_num_proc
+    if form is None:
+        for name in MIXTURE_OPTIONS:
+            if getattr(data_args, name) is not None:
+                raise UsageError(f"{name} belongs to a mixture (datasets, dataset_mixture or dataset_mixer); "
+                                 "there is none")
+        return None
+    if data_args.eval_split:
+        raise UsageError("--eval_split picks a split of one dataset; a mixture holds out --eval_fraction of its "
+                         "pairs, or its own test_split_size (dataset_mixer: its test splits)")
+    value = _mapping_or_list(getattr(data_args, form), form)
+    options = LayoutOptions(**_layout_options(data_args))
+    if data_args.streaming and form != "datasets":
+        raise UsageError(f"--streaming: {form} is read whole (TRL's datasets: mixture streams)")
+    try:
+        if form == "datasets":
+            mixture = trl_mixture(value, test_split_size=data_args.test_split_size, streaming=data_args.streaming,
+                                  seed=seed, num_proc=num_proc, options=options)
+        elif form == "dataset_mixture":
+            mixture = handbook_mixture(value, test_split_size=data_args.test_split_size, num_proc=num_proc,
+                                       options=options)
+        else:
+            if data_args.test_split_size is not None:
+                raise UsageError("test_split_size: dataset_mixer holds out its test splits (dataset_splits)")
+            mixture = legacy_mixer(value, data_args.dataset_splits, data_args.dataset_configs, num_proc=num_proc,
+                                   options=options)
+    except ValueError as error:
+        raise InputError(str(error).splitlines()[0]) from None
+    except Exception as error:  # datasets' own errors for a name it cannot find or fetch
+        raise InputError(f"cannot load the mixture: {str(error).splitlines()[0]}") from None
+    for line in mixture.lines:
+        logger.info("mixture: %s", line)
+    return mixture
+
+
+def local_data(data_args: DataArguments) -> list[tuple[str, str]]:
+    """The local files and folders the run reads, each with the option that names it: --dataset, and each mixture
+    entry's path (TRL), id (handbook), name (legacy mixer) and data_files. A name that is no path here is a hub
+    dataset's; a mixture that does not parse is said where the mixture is read."""
+    named = [("--dataset", data_args.dataset)]
+    for key in MIXTURE_KEYS:
+        value = getattr(data_args, key)
+        if value is None:
+            continue
+        with suppress(UsageError):
+            value = _mapping_or_list(value, key)
+        if key == "dataset_mixer" and isinstance(value, dict):
+            named += [(key, name) for name in value]
+        entries = value.get("datasets") if key == "dataset_mixture" and isinstance(value, dict) else value
+        for position, entry in enumerate(entries if isinstance(entries, list) else []):
+            if not isinstance(entry, dict):
+                continue
+            where = f"{key}[{position}]" if key == "datasets" else f"{key}.datasets[{position}]"
+            named += [(f"{where}.{field}", entry.get(field)) for field in ("path", "id")]
+            files = entry.get("data_files")
+            for group in files.values() if isinstance(files, dict) else [files]:
+                named += [(f"{where}.data_files", name) for name in (group if isinstance(group, list) else [group])]
+    return [(option, name) for option, name in named if isinstance(name, str) and os.path.exists(name)]
+
+
+def _mapping_or_list(value: Any, name: str) -> Any:
+    """A recipe's value as it is; JSON text (a library caller's DataArguments) read as the flag's is."""
+    return _parse_json(value, f"--{name}") if isinstance(value, str) else value
