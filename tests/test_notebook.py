@@ -1,6 +1,11 @@
-"""notebooks/quickstart.ipynb runs top to bottom (on a tiny model, so it is quick), and the held-out figures it
-prints are those of the trained model, recomputed pair by pair outside the trainer."""
+"""notebooks/quickstart.ipynb: it uses the public API only, its written-out settings and split are the demo's (so a
+change to DEMO_DEFAULTS that the notebook does not follow fails here), it runs top to bottom (on a tiny model, so it
+is quick), and the held-out figures it prints are those of the trained model, recomputed pair by pair outside the
+trainer."""
 
+import ast
+import dataclasses
+import importlib.util
 import json
 import os
 import re
@@ -10,15 +15,25 @@ import pytest
 from conftest import ROOT
 from nbclient import NotebookClient
 from nbformat.v4 import new_code_cell
+from peft import LoraConfig
+
+import dpo_min
+from dpo_min import DPOMinConfig
+from dpo_min.train import load_pairs
+from dpo_min.train.args import DEMO_DEFAULTS, SMOLLM2_TEMPLATE_WITHOUT_SYSTEM, parse_args
 
 NOTEBOOK = ROOT / "notebooks" / "quickstart.ipynb"
-# What the notebook prints, as the command does (dpo_min.train.report.describe_ties / describe_held_out).
-TIES = re.compile(r"held-out before training: all (\d+) pairs are ties by definition .*: reward accuracy 0/(\d+), "
-                  r"mean margin 0, loss ln 2 = 0\.6931")
+# What the notebook prints: the stated ties before training, the held-out block after.
+TIES = re.compile(r"held-out before training: all (\d+) pairs are ties .*: reward accuracy 0/(\d+), mean margin 0, "
+                  r"loss ln 2 = 0\.6931")
 AFTER = re.compile(r"reward accuracy (\d+)/(\d+) = [\d.]+, 95% interval .*\n  mean margin ([+-][\d.]+), 95% interval "
                    r"\[([+-][\d.]+), ([+-][\d.]+)\].*\n  loss ([\d.]+)")
 # Cut short on the tiny model: 4 steps of the demo's batch, 16 held-out pairs (one batch).
-CUT = "--max_steps 4 --max_eval_samples 16"
+CUT = {"DPO_MIN_NOTEBOOK_STEPS": "4", "DPO_MIN_NOTEBOOK_EVAL": "16"}
+HOOKS = ("DPO_MIN_NOTEBOOK_MODEL", *CUT)
+# The settings cell's names for the demo's options that are not DPOMinConfig's.
+OTHER_DEMO_OPTIONS = {"chat_template": "CHAT_TEMPLATE", "eval_fraction": "HELD_OUT_FRACTION",
+                      "max_eval_samples": "HELD_OUT_PAIRS"}
 # Appended to the executed notebook: each held-out pair scored alone, policy (adapter on) against reference
 # (adapter off), with a log-softmax of its own, in float64.
 RECOMPUTE = '''
@@ -39,7 +54,7 @@ with _torch.no_grad():
             _policy = _logp(_ids, _n)
             with trainer.model.disable_adapter():
                 _reference = _logp(_ids, _n)
-            _rewards.append(args.beta * (_policy - _reference))
+            _rewards.append(trainer.args.beta * (_policy - _reference))
         _margins.append(_rewards[0] - _rewards[1])
 _margins = _torch.stack(_margins)
 print("RECOMPUTED " + _json.dumps({"pairs": len(_margins), "accuracy": (_margins > 0).double().mean().item(),
@@ -48,20 +63,142 @@ print("RECOMPUTED " + _json.dumps({"pairs": len(_margins), "accuracy": (_margins
 '''
 
 
+def _notebook():
+    return nbformat.read(NOTEBOOK, as_version=4)
+
+
+def _cell(tag: str) -> str:
+    (source,) = [cell.source for cell in _notebook().cells if tag in cell.get("metadata", {}).get("tags", [])]
+    return source
+
+
+def _value(node: ast.expr):
+    """A literal, or the demo's value behind an environment hook: int(os.environ.get("NAME", value))."""
+    if isinstance(node, ast.Call) and ast.unparse(node.func) == "int":
+        (hook,) = node.args
+        assert ast.unparse(hook.func) == "os.environ.get" and hook.args[0].value.startswith("DPO_MIN_NOTEBOOK_")
+        return ast.literal_eval(hook.args[1])
+    return ast.literal_eval(node)
+
+
+def _settings() -> tuple[dict, dict, dict]:
+    """The settings cell: (its names assigned, the LoraConfig keywords, the DPOMinConfig keywords), as values."""
+    names, calls = {}, {}
+    for statement in ast.parse(_cell("settings")).body:
+        assert isinstance(statement, ast.Assign)
+        targets = statement.targets[0].elts if isinstance(statement.targets[0], ast.Tuple) else statement.targets
+        values = statement.value.elts if isinstance(statement.value, ast.Tuple) else [statement.value]
+        for target, value in zip(targets, values):
+            if isinstance(value, ast.Call) and ast.unparse(value.func) in ("LoraConfig", "DPOMinConfig"):
+                assert not value.args
+                calls[ast.unparse(value.func)] = {keyword.arg: keyword.value for keyword in value.keywords}
+            else:
+                names[target.id] = _value(value)
+    config = {name: _value(node) for name, node in calls["DPOMinConfig"].items() if name != "output_dir"}
+    return names, {name: _value(node) for name, node in calls["LoraConfig"].items()}, config
+
+
+def test_the_committed_notebook_is_the_one_the_script_builds():
+    spec = importlib.util.spec_from_file_location("build_quickstart", ROOT / "notebooks" / "build_quickstart.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    assert [cell.source for cell in _notebook().cells] == [cell.source for cell in script.CELLS]
+
+
+def _text(notebook) -> str:
+    return "".join(output.get("text", "") for cell in notebook.cells if cell.cell_type == "code"
+                   for output in cell.outputs)
+
+
+def test_the_committed_notebook_carries_the_outputs_of_the_demos_run():
+    notebook = _notebook()
+    text = _text(notebook)
+    assert "658 pairs: 256 to train on, 192 held out" in text
+    assert TIES.search(text).groups() == ("192", "192")
+    assert AFTER.search(text).group(2) == "192"
+    assert text.count("log p(chosen) - log p(rejected): reference ") == 3
+    assert any("image/png" in output.get("data", {}) for cell in notebook.cells if cell.cell_type == "code"
+               for output in cell.outputs)
+    assert not any(output.output_type == "error" for cell in notebook.cells if cell.cell_type == "code"
+                   for output in cell.outputs)
+
+
+def test_no_cell_reaches_below_the_package():
+    """The notebook is the library as a user calls it: `from dpo_min import ...` of its exported names only, never
+    the command layer (dpo_min.train) or a module below the package."""
+    imported = []
+    for cell in _notebook().cells:
+        if cell.cell_type != "code":
+            continue
+        for node in ast.walk(ast.parse(cell.source)):
+            if isinstance(node, ast.Import):
+                imported += [(alias.name, None) for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                imported += [(node.module, alias.name) for alias in node.names]
+    assert ("dpo_min", "DPOMinTrainer") in imported  # the walk found the imports
+    for module, name in imported:
+        assert not module.startswith("dpo_min."), module
+        assert module != "dpo_min" or name in dpo_min.__all__, name
+    assert not any("dpo_min.train" in cell.source for cell in _notebook().cells if cell.cell_type == "code")
+
+
+def test_the_settings_are_the_demos():
+    names, lora, config = _settings()
+    # Every option the demo sets, each where the notebook writes it; nothing else but its output and progress bar.
+    config_fields = {field.name for field in dataclasses.fields(DPOMinConfig)}
+    assert {key: value for key, value in DEMO_DEFAULTS.items() if key in config_fields} == {
+        key: value for key, value in config.items() if key != "disable_tqdm"}
+    assert set(DEMO_DEFAULTS) - config_fields == set(OTHER_DEMO_OPTIONS)
+    assert {key: names[name] for key, name in OTHER_DEMO_OPTIONS.items()} == {
+        key: DEMO_DEFAULTS[key] for key in OTHER_DEMO_OPTIONS}
+    assert names["CHAT_TEMPLATE"] == SMOLLM2_TEMPLATE_WITHOUT_SYSTEM
+    # The rest of the config as the command parses the demo: the defaults, untouched.
+    model_args, data_args, args = parse_args([])
+    written = DPOMinConfig(output_dir=args.output_dir, **config).to_dict()
+    parsed = args.to_dict()
+    assert {key for key in written if written[key] != parsed[key]} <= {"disable_tqdm", "ddp_find_unused_parameters"}
+    # The adapter that the command's load_model builds from the demo's ModelArguments.
+    targets = model_args.lora_target_modules
+    assert model_args.use_peft and LoraConfig(**lora) == LoraConfig(
+        r=model_args.lora_r, lora_alpha=model_args.lora_alpha, lora_dropout=model_args.lora_dropout,
+        target_modules="all-linear" if targets == ["all-linear"] else targets,
+        modules_to_save=model_args.lora_modules_to_save, task_type=model_args.lora_task_type,
+        use_rslora=model_args.use_rslora, use_dora=model_args.use_dora)
+    assert (names["SAMPLES"], names["NEW_TOKENS"]) == (data_args.num_samples, data_args.max_new_tokens)
+
+
+def test_the_split_is_the_commands(monkeypatch):
+    """The settings and pairs cells, run here, give the pairs that the command's load_pairs gives the demo."""
+    for name in HOOKS:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.chdir(NOTEBOOK.parent)
+    imports = ast.parse(_cell("imports"))
+    imports.body = [node for node in imports.body if isinstance(node, (ast.Import, ast.ImportFrom))]
+    namespace = {}
+    exec(compile(imports, "imports", "exec"), namespace)
+    exec(_cell("settings"), namespace)
+    exec(_cell("pairs"), namespace)
+    _, data_args, args = parse_args([])
+    train, held_out = load_pairs(data_args, args)
+    assert (len(namespace["train_pairs"]), len(namespace["held_out"])) == (len(train), len(held_out)) == (256, 192)
+    assert namespace["train_pairs"].to_list() == train.to_list()
+    assert namespace["held_out"].to_list() == held_out.to_list()
+
+
 def test_quickstart_notebook_runs_and_prints_the_right_figures(tiny_model_dir, monkeypatch):
     monkeypatch.setenv("DPO_MIN_NOTEBOOK_MODEL", str(tiny_model_dir))
-    monkeypatch.setenv("DPO_MIN_NOTEBOOK_ARGS", CUT)
+    for name, value in CUT.items():
+        monkeypatch.setenv(name, value)
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    notebook = nbformat.read(NOTEBOOK, as_version=4)
-    committed = [cell.get("outputs") for cell in notebook.cells if cell.cell_type == "code"]
-    assert all(committed), "the committed notebook must carry the outputs of a real run"
+    notebook = _notebook()
     notebook.cells.append(new_code_cell(RECOMPUTE))
     NotebookClient(notebook, timeout=300, kernel_name="python3",
                    resources={"metadata": {"path": str(NOTEBOOK.parent)}}).execute()
     outputs = [output for cell in notebook.cells if cell.cell_type == "code" for output in cell.outputs]
     assert not any(output.output_type == "error" for output in outputs)
     assert any("image/png" in output.get("data", {}) for output in outputs)
-    text = "".join(output.get("text", "") for output in outputs)
+    text = _text(notebook)
+    assert "16 to train on, 16 held out" in text
     # Before training the policy is the reference: stated, not measured (ties, loss ln 2).
     assert TIES.search(text).groups() == ("16", "16"), text
     wins, pairs, margin, low, high, loss = AFTER.search(text).groups()
@@ -72,4 +209,4 @@ def test_quickstart_notebook_runs_and_prints_the_right_figures(tiny_model_dir, m
     assert float(margin) == pytest.approx(recomputed["margin"], abs=5e-5 + 1e-5)
     assert float(low) < float(margin) < float(high)
     assert float(loss) == pytest.approx(recomputed["loss"], abs=5e-5 + 1e-5)
-    assert "log p(chosen) - log p(rejected): reference " in text
+    assert text.count("log p(chosen) - log p(rejected): reference ") == 3
