@@ -19,7 +19,7 @@ from peft import LoraConfig
 
 import dpo_min
 from dpo_min import DPOMinConfig
-from dpo_min.train import load_pairs
+from dpo_min.train import load_pairs, resolve
 from dpo_min.train.args import DEMO_DEFAULTS, SMOLLM2_TEMPLATE_WITHOUT_SYSTEM, parse_args
 
 NOTEBOOK = ROOT / "notebooks" / "quickstart.ipynb"
@@ -167,7 +167,7 @@ def test_the_settings_are_the_demos():
     assert (names["SAMPLES"], names["NEW_TOKENS"]) == (data_args.num_samples, data_args.max_new_tokens)
 
 
-def test_the_split_is_the_commands(monkeypatch):
+def test_the_split_is_the_commands(monkeypatch, tmp_path):
     """The settings and pairs cells, run here, give the pairs that the command's load_pairs gives the demo."""
     for name in HOOKS:
         monkeypatch.delenv(name, raising=False)
@@ -178,8 +178,7 @@ def test_the_split_is_the_commands(monkeypatch):
     exec(compile(imports, "imports", "exec"), namespace)
     exec(_cell("settings"), namespace)
     exec(_cell("pairs"), namespace)
-    _, data_args, args = parse_args([])
-    train, held_out = load_pairs(data_args, args)
+    train, held_out = load_pairs(resolve(["--output_dir", str(tmp_path / "demo")]))
     assert (len(namespace["train_pairs"]), len(namespace["held_out"])) == (len(train), len(held_out)) == (256, 192)
     assert namespace["train_pairs"].to_list() == train.to_list()
     assert namespace["held_out"].to_list() == held_out.to_list()
