@@ -225,7 +225,10 @@ def test_trainer_runs_the_same_with_every_layout(tmp_path, tokenizer, hh_tokeniz
         assert len(logs) == len(padded) == 2
         for mine, reference in zip(logs, padded):
             for key in METRICS:
-                assert mine[key] == pytest.approx(reference[key], rel=1e-5, abs=1e-6), (name, key)
+                # A reward is beta times a small difference of two sums of ~100 log-probs: float32 noise of the sums
+                # (another layout, other kernels) is 1e-4 nats, 1e-5 in a reward; measured 1.5e-6 on an AVX-512 Xeon.
+                floor = 1e-5 if key.startswith("rewards/") else 1e-6
+                assert mine[key] == pytest.approx(reference[key], rel=1e-5, abs=floor), (name, key)
 
 
 def test_packed_layouts_refuse_attention_they_were_not_tested_with(tmp_path, tokenizer, hh_tokenized):

@@ -26,7 +26,7 @@ from ..data.loading import (
     warn_shared_pairs,
 )
 from ..data.mixtures import Mixture, handbook_mixture, legacy_mixer, trl_mixture
-from .args import MIXTURE_KEYS, MIXTURE_OPTIONS, PROG, DataArguments, InputError, UsageError, _parse_json
+from .args import MIXTURE_KEYS, MIXTURE_OPTIONS, DataArguments, InputError, UsageError, _parse_json
 from .plan import Plan
 
 EMBEDDED_DATA = Path(__file__).resolve().parents[2] / "data" / "hh-rlhf-harmless-single-turn.jsonl.gz"
@@ -98,16 +98,18 @@ def trained_sources(train_pairs: Any, data_args: DataArguments) -> dict[str, Any
     return {data_args.dataset or EMBEDDED_DATASET_NAME: pairs}
 
 
+class _Stdout(logging.Handler):
+    """Writes to the sys.stdout of the moment: a run's, not an earlier run's (which a test or notebook may have
+    closed since)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        print(self.format(record), file=sys.stdout)
+
+
 def _show_data_log(is_main: bool) -> None:
     """The data module's one line naming each dataset's layout, and its warnings, on stdout."""
-    if not logger.handlers:
-        handler = logging.StreamHandler(sys.stdout)
-        handler.setFormatter(logging.Formatter("%(message)s"))
-        handler.set_name(PROG)
-        logger.addHandler(handler)
-    for handler in logger.handlers:
-        if handler.get_name() == PROG:  # ours: each run prints to the stdout it has now, not an earlier run's
-            handler.stream = sys.stdout  # (setStream would flush the old one, which may be closed)
+    if not any(isinstance(handler, _Stdout) for handler in logger.handlers):
+        logger.addHandler(_Stdout())
     logger.setLevel(logging.INFO if is_main else logging.WARNING)
 
 
