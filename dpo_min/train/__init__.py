@@ -238,6 +238,8 @@ def sample_reference(trainer: DPOMinTrainer, plan: Plan, held_out: Dataset | Non
 
 @dataclass
 class Results:
+    """What training gave: Trainer's train metrics, the held-out figures before and after, the trained model."""
+
     train: dict[str, float]
     before: dict[str, float]  # the held-out figures at step 0, measured or (ties) stated; {} without either
     after: dict[str, float]
