@@ -113,6 +113,13 @@ def stream_counts(stream: Any) -> StreamCounts | None:
     return None
 
 
+def _counts_for(stream: IterableDataset, counts: StreamCounts | None) -> StreamCounts:
+    """The counts a step on `stream` adds to: those given, else the stream's own, else new ones."""
+    if counts is not None:
+        return counts
+    return stream_counts(stream) or StreamCounts()
+
+
 def _carrying(stream: IterableDataset, counts: StreamCounts) -> IterableDataset:
     setattr(stream, _COUNTS, counts)
     return stream
@@ -440,7 +447,7 @@ def count_shared_in_stream(train: IterableDataset, held_out: Dataset,
     """The train stream, counting the pairs it gives that are also held out as it is read, in `counts` (by default
     the train stream's own, `stream_counts(train)`), which the stream it returns carries."""
     held = set(_pair_keys(held_out))
-    counts = counts or stream_counts(train) or StreamCounts()
+    counts = _counts_for(train, counts)
 
     def count(batch: dict[str, list]) -> dict[str, list]:
         keys = (json.dumps(pair, sort_keys=True) for pair in zip(*(batch[name] for name in PAIR_COLUMNS)))
@@ -722,7 +729,7 @@ def tokenize_dataset(dataset: AnyDataset | Iterable[Mapping[str, Any]], tokenize
         map_kwargs.update(num_proc=num_proc, desc="Tokenizing pairs")
     tokenized = dataset.map(_tokenize_batch, **map_kwargs)
     if streaming:
-        counts = counts or stream_counts(dataset) or StreamCounts()
+        counts = _counts_for(dataset, counts)
         return _carrying(tokenized.filter(_count_usable, input_columns=[DROPPED], batched=True,
                                           fn_kwargs={"counts": counts}).remove_columns([SOURCE_ROW, DROPPED]), counts)
     return _drop_unusable(tokenized, truncation, counts).remove_columns([SOURCE_ROW, DROPPED])

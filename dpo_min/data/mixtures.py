@@ -213,7 +213,7 @@ def _finish(sources: list[Source], raws: list[AnyDataset], reasons: list[str], t
         combined = combined.shuffle(seed=shuffle_seed)
     if counts is not None:
         combined = _carrying(combined, counts)
-    size = _test_size(test_split_size)
+    size = test_size(test_split_size)
     if size is None:
         return Mixture(combined, None, lines)
     if isinstance(combined, IterableDataset):
@@ -227,7 +227,7 @@ def _finish(sources: list[Source], raws: list[AnyDataset], reasons: list[str], t
     return Mixture(split["train"], split["test"], lines)
 
 
-def _test_size(value: Any) -> int | float | None:
+def test_size(value: Any) -> int | float | None:
     """A count (an integer) or a fraction, as `train_test_split(test_size=...)` takes it; the flag's text parsed."""
     if isinstance(value, str):
         value = yaml.safe_load(value)

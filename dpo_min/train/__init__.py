@@ -39,7 +39,7 @@ from .args import (  # noqa: F401  (COMMAND_DEFAULTS, DEMO_DEFAULTS, DataArgumen
     parse_args,
 )
 from .card import check_hub_access, model_card, push_to_hub
-from .pairs import StreamCountsLogger, load_pairs, local_data, trained_sources
+from .pairs import StreamCountsLogger, load_pairs, local_data, pair_count, trained_sources
 from .plan import Plan, decide, resolve  # noqa: F401  (decide: a library caller's options -> their plan)
 from .report import (
     CompletionLogger,
@@ -165,8 +165,7 @@ def main(argv: list[str] | None = None) -> int:
 def _checkpoint(plan: Plan) -> str | None:
     """Under the lock: the checkpoint to resume from (--resume_from_checkpoint latest -> the newest whole one), once
     the hub and the options are checked (no data is read for a refusal)."""
-    checkpoint = resolve_checkpoint(plan.args.resume_from_checkpoint, plan.folder.staging,
-                                    warn=print if plan.is_main else lambda text: None)
+    checkpoint = resolve_checkpoint(plan.args.resume_from_checkpoint, plan.folder.staging, warn=_say(plan))
     if plan.push and plan.is_main:
         _check_push(plan.repo_id, plan.args.hub_token)
     check_same_run(checkpoint, plan.settings)
@@ -218,7 +217,7 @@ def sample_reference(trainer: DPOMinTrainer, plan: Plan, held_out: Dataset | Non
     say, model = _say(plan), trainer.model
     prompts = held_out["prompt"][:plan.data.num_samples] if held_out is not None else []
     pairs = [trainer.eval_dataset[i] for i in range(len(prompts))]
-    train_pairs = len(trainer.train_dataset) if hasattr(trainer.train_dataset, "__len__") else "streamed"
+    train_pairs = pair_count(trainer.train_dataset)
     say(f"model {plan.model_name} | {train_pairs} train pairs, "
         f"{0 if held_out is None else len(trainer.eval_dataset)} held-out | "
         f"{'LoRA r=' + str(plan.model.lora_r) if plan.model.use_peft else 'full fine-tuning'} | "
@@ -264,7 +263,7 @@ def publish(trainer: DPOMinTrainer, plan: Plan, samples: Samples, results: Resul
     """The main process: metrics, plot and card into the staging folder, then the folder published (and pushed).
     `sources`: what the train pairs came from, for the card (`trained_sources`)."""
     staging, say = plan.folder.staging, _say(plan)
-    train_pairs = len(trainer.train_dataset) if hasattr(trainer.train_dataset, "__len__") else "streamed"
+    train_pairs = pair_count(trainer.train_dataset)
     wall_time = time.perf_counter() - started
     metrics = {"model": str(results.model.name_or_path), "train_pairs": train_pairs,
                "held_out_pairs": 0 if trainer.eval_dataset is None else len(trainer.eval_dataset),

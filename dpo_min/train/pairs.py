@@ -94,8 +94,12 @@ def trained_sources(train_pairs: Any, data_args: DataArguments) -> dict[str, Any
     source column, whatever the mixture's entries look like; else the one dataset."""
     if SOURCE_DATASET in (getattr(train_pairs, "column_names", None) or []):
         return dict(sorted(Counter(train_pairs[SOURCE_DATASET]).items()))
-    pairs = len(train_pairs) if hasattr(train_pairs, "__len__") else "streamed"
-    return {data_args.dataset or EMBEDDED_DATASET_NAME: pairs}
+    return {data_args.dataset or EMBEDDED_DATASET_NAME: pair_count(train_pairs)}
+
+
+def pair_count(pairs: Any) -> int | str:
+    """How many pairs a dataset holds; "streamed" for a stream, which has no length."""
+    return len(pairs) if hasattr(pairs, "__len__") else "streamed"
 
 
 class _Stdout(logging.Handler):

@@ -26,6 +26,7 @@ from itertools import zip_longest
 from pathlib import Path
 from typing import Any
 
+from ..data.mixtures import test_size
 from ..losses import LossSettings
 
 MANIFEST = "dpo_min_run.json"
@@ -334,9 +335,9 @@ def resume_settings(*option_sets: Any) -> dict[str, Any]:
         value = next((getattr(options, name) for options in option_sets if hasattr(options, name)), None)
         if name == "dataset" and isinstance(value, str) and os.path.exists(value):
             value = os.path.abspath(value)
-        if name == "test_split_size" and isinstance(value, str):  # text on the command line, a number in a recipe
-            with suppress(ValueError):
-                value = float(value) if any(sign in value for sign in ".eE") else int(value)
+        if name == "test_split_size":  # text on the command line, a number in a recipe: the number either way
+            with suppress(ValueError):  # one the mixture refuses is refused when it is read
+                value = test_size(value)
         settings[name] = json.loads(json.dumps(value, default=str))  # as the manifest gives it back
     return settings
 
