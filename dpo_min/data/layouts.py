@@ -4,13 +4,16 @@ A dataset's layout is detected once, from its columns and their kinds (text, mes
 Adding a published layout is adding one `Layout` entry to `LAYOUTS`; the first entry whose `recognise` accepts
 the columns wins, so the more specific layouts come first. A row that does not fit the detected layout raises
 `ValueError("row N: field 'F' ...")`; nothing is guessed and no text is dropped. A `system` column is the system
-message of every layout (`to_pair` applies it, after the layout's adapter).
+message of every layout (`to_pair` applies it, after the layout's adapter). The layouts whose preference is a label
+or a score (and the check that no label column goes unread) are in `labelled.py`; their entries are here.
 """
 
-import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
+
+from . import labelled
+from .labelled import check_label_option, check_labels_read, hh_messages, require
 
 # Columns carried from the source row to the pair: TRL hands both to the chat template.
 CARRIED_COLUMNS = ("tools", "chat_template_kwargs")
@@ -18,7 +21,6 @@ MAPPABLE = ("prompt", "chosen", "rejected", "system")
 PREFERENCE_LABELS = ("better_response_id", "safer_response_id")
 _ROLES = ("system", "user", "assistant", "tool")
 _SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
-_HH_TURN = re.compile(r"\n\n(Human|Assistant):")
 MAPPING_HINT = ("name the columns with --prompt_column/--chosen_column/--rejected_column [--system_column] "
                 "(columns={'prompt': ..., 'chosen': ..., 'rejected': ...} in load_preference_dataset)")
 
@@ -26,15 +28,25 @@ MAPPING_HINT = ("name the columns with --prompt_column/--chosen_column/--rejecte
 @dataclass(frozen=True)
 class LayoutOptions:
     """What the data cannot say about itself: which label decides (PKU-SafeRLHF), whether string pairs have no
-    prompt, whether string pairs become one user and one assistant turn."""
+    prompt, whether string pairs become one user and one assistant turn, which rows of a file that holds several
+    splits in a `split` column are read (HelpSteer2's preference file: train, val), and how to read a label column
+    of mapped data (label_column, and its values that mean the chosen or the rejected column is the better one)."""
 
     preference_label: str = "better_response_id"
     no_prompt: bool = False
     as_messages: bool = False
+    row_split: str = "train"
+    label_column: str | None = None
+    label_chosen: str | None = None
+    label_rejected: str | None = None
 
     def __post_init__(self):
         if self.preference_label not in PREFERENCE_LABELS:
             raise ValueError(f"preference_label must be one of {PREFERENCE_LABELS}, got {self.preference_label!r}")
+        given = [self.label_column, self.label_chosen, self.label_rejected]
+        if any(value is not None for value in given) and (None in given or self.label_chosen == self.label_rejected):
+            raise ValueError("label_column, label_chosen and label_rejected go together (two different values), got "
+                             f"{self.label_column!r}, {self.label_chosen!r}, {self.label_rejected!r}")
 
 
 @dataclass(frozen=True)
@@ -44,13 +56,22 @@ class Layout:
     {prompt, chosen, rejected}, or None for a row the layout itself says to skip (a tie).
 
     reads_only: for a layout whose prompt is implicit, the columns it reads. Any other text column might be the
-    prompt it would drop, so data that has one is refused (None: the layout reads its prompt from a column)."""
+    prompt it would drop, so data that has one is refused (None: the layout reads its prompt from a column).
+    labels: the columns named like a preference label (`labelled.unread_labels`) that the layout's rule accounts
+    for; any other is refused. rule: how a label or scores become the pair, where that is a choice (logged);
+    skips: the rows `to_pair` returns None for (dropped and counted)."""
 
     name: str
     example: str  # a dataset published in this layout, for the log line and README
     recognise: Callable[[Mapping[str, str], Mapping[str, Any]], bool]
     to_pair: Callable[[Mapping[str, Any], int, LayoutOptions], dict[str, Any] | None]
     reads_only: tuple[str, ...] | None = None
+    labels: tuple[str, ...] = ()
+    rule: str = ""
+    skips: str = "ties"
+
+    def described(self) -> str:
+        return f"{self.example}; {self.rule}" if self.rule else self.example
 
 
 def value_kind(value: Any) -> str:
@@ -76,12 +97,6 @@ def feature_kind(feature: Any) -> str:
 
 
 # ---- the adapters ---------------------------------------------------------------------------------------------
-def _refuse_missing(row: Mapping[str, Any], index: int, *names: str) -> None:
-    for name in names:
-        if row.get(name) is None:
-            raise ValueError(f"row {index}: field '{name}' is missing")
-
-
 def _with_system(prompt: Any, system: Any, index: int) -> Any:
     """The prompt with the row's system message: the first turn of a message list, or a string's opening paragraph."""
     if system is None or system == "":
@@ -102,14 +117,14 @@ def _explicit(row: Mapping[str, Any], index: int, options: LayoutOptions, prompt
     # A null prompt (or an empty CSV cell) in data with a prompt column is an error, never an implicit prompt.
     if row.get(prompt_field) is None:
         raise ValueError(f"row {index}: field '{prompt_field}' is missing (the data has a '{prompt_field}' column)")
-    _refuse_missing(row, index, "chosen", "rejected")
+    require(row, index, "chosen", "rejected")
     return {"prompt": row[prompt_field], "chosen": row["chosen"], "rejected": row["rejected"]}
 
 
 def _alpaca(row: Mapping[str, Any], index: int, options: LayoutOptions) -> dict:
     """LLaMA-Factory's alpaca preference rows: the prompt is instruction and input joined by a newline (each left out
     when empty), after the turns of `history` ([[instruction, response], ...]) where the data has that column."""
-    _refuse_missing(row, index, "instruction", "chosen", "rejected")
+    require(row, index, "instruction", "chosen", "rejected")
     for name in ("instruction", "input"):
         if not isinstance(row.get(name) or "", str):
             raise ValueError(f"row {index}: field '{name}' must be a string, got {type(row[name]).__name__}")
@@ -144,7 +159,7 @@ def _shared_prefix(chosen: Any, rejected: Any, index: int) -> dict[str, Any]:
 
 
 def _implicit(row: Mapping[str, Any], index: int, options: LayoutOptions) -> dict:
-    _refuse_missing(row, index, "chosen", "rejected")
+    require(row, index, "chosen", "rejected")
     if options.no_prompt and isinstance(row["chosen"], str):
         return {"prompt": "", "chosen": row["chosen"], "rejected": row["rejected"]}
     pair = _shared_prefix(row["chosen"], row["rejected"], index)
@@ -171,63 +186,25 @@ def _sharegpt(row: Mapping[str, Any], index: int, options: LayoutOptions) -> dic
             raise ValueError(f"row {index}: field '{field}' must be {{'from': human|gpt|system, 'value': str}}")
         return {"role": _SHAREGPT_ROLES[turn["from"]], "content": turn.get("value")}
 
-    _refuse_missing(row, index, "chosen", "rejected")
+    require(row, index, "chosen", "rejected")
     if not isinstance(row["conversations"], list):
         raise ValueError(f"row {index}: field 'conversations' must be a list of turns")
     return {"prompt": [message(turn, "conversations") for turn in row["conversations"]],
             "chosen": [message(row["chosen"], "chosen")], "rejected": [message(row["rejected"], "rejected")]}
 
 
-def _hh_messages(transcript: str) -> list[dict[str, str]]:
-    # re.split with one group gives ["", "Human", " text", "Assistant", " text", ...]
-    parts = _HH_TURN.split(transcript)[1:]
-    return [{"role": "user" if speaker == "Human" else "assistant", "content": text.strip()}
-            for speaker, text in zip(parts[::2], parts[1::2])]
-
-
 def _hh(row: Mapping[str, Any], index: int, options: LayoutOptions) -> dict:
-    _refuse_missing(row, index, "chosen", "rejected")
+    require(row, index, "chosen", "rejected")
     for name in ("chosen", "rejected"):
         if not isinstance(row[name], str) or not row[name].startswith("\n\nHuman:"):
             raise ValueError(f"row {index}: field '{name}' must be a transcript string starting '\\n\\nHuman:'")
-    chosen, rejected = _hh_messages(row["chosen"]), _hh_messages(row["rejected"])
+    chosen, rejected = hh_messages(row["chosen"]), hh_messages(row["rejected"])
     for name, messages in (("chosen", chosen), ("rejected", rejected)):
         if not messages or messages[-1]["role"] != "assistant":
             raise ValueError(f"row {index}: field '{name}' does not end with an '\\n\\nAssistant:' turn")
     if chosen[:-1] != rejected[:-1]:
         raise ValueError(f"row {index}: field 'rejected' differs from 'chosen' before the last Assistant turn")
     return {"prompt": chosen[:-1], "chosen": chosen[-1:], "rejected": rejected[-1:]}
-
-
-def _pku_saferlhf(row: Mapping[str, Any], index: int, options: LayoutOptions) -> dict:
-    label = options.preference_label
-    _refuse_missing(row, index, "prompt", "response_0", "response_1", label)
-    if row[label] not in (0, 1):
-        raise ValueError(f"row {index}: field '{label}' must be 0 or 1, got {row[label]!r}")
-    better = int(row[label])
-    return {"prompt": row["prompt"], "chosen": row[f"response_{better}"], "rejected": row[f"response_{1 - better}"]}
-
-
-def _shp(row: Mapping[str, Any], index: int, options: LayoutOptions) -> dict:
-    _refuse_missing(row, index, "history", "human_ref_A", "human_ref_B", "labels")
-    if row["labels"] not in (0, 1):
-        raise ValueError(f"row {index}: field 'labels' must be 0 or 1 (1: human_ref_A preferred), "
-                         f"got {row['labels']!r}")
-    a_preferred = row["labels"] == 1
-    return {"prompt": row["history"], "chosen": row["human_ref_A" if a_preferred else "human_ref_B"],
-            "rejected": row["human_ref_B" if a_preferred else "human_ref_A"]}
-
-
-def _helpsteer3(row: Mapping[str, Any], index: int, options: LayoutOptions) -> dict | None:
-    _refuse_missing(row, index, "context", "response1", "response2", "overall_preference")
-    preference = row["overall_preference"]
-    if not isinstance(preference, int) or not -3 <= preference <= 3:
-        raise ValueError(f"row {index}: field 'overall_preference' must be an integer in -3..3, got {preference!r}")
-    if preference == 0:
-        return None  # a tie says nothing about which is better
-    better, worse = ("response1", "response2") if preference < 0 else ("response2", "response1")
-    return {"prompt": row["context"], "chosen": [{"role": "assistant", "content": row[better]}],
-            "rejected": [{"role": "assistant", "content": row[worse]}]}
 
 
 def _has(*names: str, **kinds: str) -> Callable[[Mapping[str, str], Mapping[str, Any]], bool]:
@@ -249,10 +226,37 @@ def _is_hh(columns: Mapping[str, str], first_row: Mapping[str, Any]) -> bool:
 LAYOUTS: tuple[Layout, ...] = (
     Layout("sharegpt", "LLaMA-Factory dpo_en_demo", _has("conversations", "chosen", "rejected"), _sharegpt),
     Layout("pku_saferlhf", "PKU-Alignment/PKU-SafeRLHF",
-           _has("prompt", "response_0", "response_1", "better_response_id", "safer_response_id"), _pku_saferlhf),
-    Layout("shp", "stanfordnlp/SHP", _has("history", "human_ref_A", "human_ref_B", "labels"), _shp),
+           _has("prompt", "response_0", "response_1", "better_response_id", "safer_response_id"),
+           labelled.pku_saferlhf, labels=PREFERENCE_LABELS),
+    Layout("pku_saferlhf_single", "PKU-Alignment/PKU-SafeRLHF-single-dimension",
+           _has("prompt", "response_0", "response_1", "better_response_id"), labelled.pku_saferlhf_single,
+           labels=("better_response_id",)),
+    Layout("shp", "stanfordnlp/SHP", _has("history", "human_ref_A", "human_ref_B", "labels"), labelled.shp,
+           labels=("labels", "score_A", "score_B", "score_ratio")),  # labels: score_A > score_B
     Layout("helpsteer3", "nvidia/HelpSteer3 (preference)",
-           _has("context", "response1", "response2", "overall_preference"), _helpsteer3),
+           _has("context", "response1", "response2", "overall_preference"), labelled.helpsteer3,
+           labels=("overall_preference", "individual_preference")),  # overall: the annotators' aggregate
+    Layout("helpsteer2", "nvidia/HelpSteer2 preference/preference.jsonl.gz",
+           _has("split", "prompt", "response_1", "response_2", "preference_strength"), labelled.helpsteer2,
+           labels=("preference_strength", "preference_statement", "preference_elaboration",
+                   "three_most_similar_preferences", "all_preferences_unprocessed"),
+           rule="negative strength: response_1 is chosen", skips="ties, and rows of another split than --row_split"),
+    Layout("ultrafeedback_raw", "openbmb/UltraFeedback", _has("instruction", "completions"),
+           labelled.ultrafeedback_raw,
+           rule="H4's binarization: chosen = the highest overall_score, rejected = a seeded random other completion",
+           skips="rows with fewer than two completions"),
+    Layout("chatbot_arena", "lmsys/chatbot_arena_conversations", _has("conversation_a", "conversation_b", "winner"),
+           labelled.chatbot_arena, labels=("winner",),
+           rule="the winner's answer is chosen",
+           skips="ties, and multi-turn rows whose conversations differ before the last answer"),
+    Layout("nectar", "berkeley-nest/Nectar", _has("prompt", "answers"), labelled.nectar,
+           rule="rank 1 against a seeded random lower-ranked answer"),
+    Layout("summarize_from_feedback", "openai/summarize_from_feedback (comparisons)",
+           _has("info", "summaries", "choice"), labelled.summarize_from_feedback, labels=("choice",),
+           rule="TRL's tldr_preference.py: chosen = summaries[choice]"),
+    Layout("webgpt_comparisons", "openai/webgpt_comparisons",
+           _has("question", "answer_0", "answer_1", "score_0", "score_1"), labelled.webgpt_comparisons,
+           labels=("score_0", "score_1"), rule="the higher score is chosen"),
     Layout("orca", "Intel/orca_dpo_pairs", _has("question", "chosen", "rejected", prompt="absent"),
            lambda row, index, options: _explicit(row, index, options, prompt_field="question")),
     Layout("alpaca", "LLaMA-Factory alpaca preference data (instruction, input, chosen, rejected)",
@@ -273,9 +277,12 @@ LAYOUT_NAMES = tuple(layout.name for layout in LAYOUTS)
 def detect_layout(kinds: Mapping[str, str], first_row: Mapping[str, Any] | None = None,
                   options: LayoutOptions | None = None) -> Layout:
     """The layout of a dataset with these column kinds. Raises ValueError naming the columns and the options."""
+    options = options or LayoutOptions()
     for layout in LAYOUTS:
         if layout.recognise(kinds, first_row or {}):
-            _check_nothing_unread(layout, kinds, options or LayoutOptions())
+            _check_nothing_unread(layout, kinds, options)
+            check_label_option(layout.name, layout.labels, kinds, options)
+            check_labels_read(layout.name, kinds, (*layout.labels, options.label_column or ""), bool(layout.labels))
             return layout
     raise ValueError(f"no known preference layout has the columns [{', '.join(kinds)}]: {MAPPING_HINT}")
 
@@ -325,6 +332,8 @@ def to_pair(layout: Layout, row: Mapping[str, Any], index: int, options: LayoutO
     pair = layout.to_pair(row, index, options)
     if pair is None:
         return None
+    if options.label_column is not None:
+        pair = labelled.apply_label(pair, row, index, options)
     if options.as_messages and isinstance(pair["prompt"], str):
         pair = _as_messages(pair)
     pair["prompt"] = _with_system(pair["prompt"], row.get("system"), index)

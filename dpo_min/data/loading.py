@@ -129,7 +129,9 @@ def _carrying(stream: IterableDataset, counts: StreamCounts) -> IterableDataset:
 def load_preference_dataset(path_or_name: str, split: str = "train", *, config: str | None = None,
                             columns: Mapping[str, str] | None = None, streaming: bool = False,
                             num_proc: int | None = None, preference_label: str = "better_response_id",
-                            no_prompt: bool = False, as_messages: bool = False, counts: StreamCounts | None = None,
+                            no_prompt: bool = False, as_messages: bool = False, row_split: str = "train",
+                            label_column: str | None = None, label_chosen: str | None = None,
+                            label_rejected: str | None = None, counts: StreamCounts | None = None,
                             **load_kwargs: Any) -> AnyDataset:
     """Load preference pairs from a JSON/JSONL/Parquet/CSV file (optionally .gz) or a `datasets` name.
 
@@ -139,7 +141,9 @@ def load_preference_dataset(path_or_name: str, split: str = "train", *, config: 
     `layouts.LAYOUTS`); `columns` maps our names (prompt, chosen, rejected, system) to the source's. A stream
     counts what it reads and skips in `counts` (a new `StreamCounts` if not given; `stream_counts(stream)` is it).
     """
-    options = LayoutOptions(preference_label=preference_label, no_prompt=no_prompt, as_messages=as_messages)
+    options = LayoutOptions(preference_label=preference_label, no_prompt=no_prompt, as_messages=as_messages,
+                            row_split=row_split, label_column=label_column, label_chosen=label_chosen,
+                            label_rejected=label_rejected)
     raw = _load_raw(path_or_name, split, config, streaming, load_kwargs)
     try:
         return to_preference_dataset(raw, columns=columns, options=options, num_proc=num_proc,
@@ -497,7 +501,7 @@ def _detect(first_row: Mapping[str, Any], features: Any, options: LayoutOptions,
              else {name: value_kind(value) for name, value in first_row.items()})
     layout = detect_layout(kinds, first_row, options)
     logger.info("%slayout %s (as %s), from columns [%s]", f"{source}: " if source else "", layout.name,
-                layout.example, ", ".join(kinds))
+                layout.described(), ", ".join(kinds))
     return layout
 
 
@@ -561,8 +565,8 @@ def to_preference_dataset(dataset: AnyDataset, columns: Mapping[str, str] | None
     if counts is not None:
         counts.add({"read": len(dataset), SKIPPED: len(dataset) - len(converted)})
     if len(converted) < len(dataset):
-        logger.warning("%s: dropped %d of %d rows that the %s layout skips (ties)", source or "data",
-                       len(dataset) - len(converted), len(dataset), layout.name)
+        logger.warning("%s: dropped %d of %d rows that the %s layout skips (%s)", source or "data",
+                       len(dataset) - len(converted), len(dataset), layout.name, layout.skips)
     return converted
 
 
