@@ -234,6 +234,18 @@ ONE_ROW = {
     "explicit_prompt": {"prompt": "The sky is", "chosen": " blue.", "rejected": " green."},
     "hh_transcripts": {"chosen": "\n\nHuman: Hi?\n\nAssistant: Hello.", "rejected": "\n\nHuman: Hi?\n\nAssistant: No."},
     "implicit_standard": {"chosen": "Q: sky? A: blue", "rejected": "Q: sky? A: green"},
+    "pku_saferlhf_single": {"prompt": "Q", "response_0": "a", "response_1": "b", "better_response_id": 0},
+    "helpsteer2": {"split": "train", "prompt": "Q", "response_1": "a", "response_2": "b", "preference_strength": 1},
+    "ultrafeedback_raw": {"instruction": "Q", "completions": [{"response": "a", "overall_score": 8.0},
+                                                              {"response": "b", "overall_score": 3.0}]},
+    "chatbot_arena": {"conversation_a": [user("Q"), assistant("a")], "conversation_b": [user("Q"), assistant("b")],
+                      "winner": "model_a"},
+    "nectar": {"prompt": "Human: Q\n\nAssistant:", "answers": [{"answer": "a", "rank": 1.0},
+                                                                 {"answer": "b", "rank": 2.0}]},
+    "summarize_from_feedback": {"info": {"post": "P", "title": "T", "subreddit": "s"}, "choice": 0,
+                                "summaries": [{"text": " a"}, {"text": " b"}]},
+    "webgpt_comparisons": {"question": {"full_text": "Q"}, "answer_0": "a", "answer_1": "b", "score_0": 1.0,
+                           "score_1": -1.0},
 }
 
 
@@ -256,3 +268,189 @@ def test_the_log_line_names_the_layout_the_rows_are_in_and_tokenizing_reads_them
         tokenize_dataset(load_preference_dataset(str(path)), tokenizer)
     assert re.findall(r"layout (\w+) \(as", caplog.text) == [name]
     assert checked == [0, 1]  # each row validated once, when it is read; tokenizing trusts what reading produced
+
+
+# ---- pairs given as a label or scores over two or more responses (dpo_min/data/labelled.py) -------------------
+def test_helpsteer2_strength_sign_decides_split_selects_rows_and_ties_are_counted(tmp_path, caplog):
+    # nvidia/HelpSteer2 preference/preference.jsonl.gz, as its card's "Preferences" section lists the fields
+    # (arXiv 2410.01257): -3..-1 prefer response_1, 1..3 response_2, 0 about the same; train and val rows in one file.
+    common = {"preference_statement": "@Response 1 is better.", "preference_elaboration": "It answers.",
+              "three_most_similar_preferences": ["a", "b", "c"], "all_preferences_unprocessed": [-2, -1, -2]}
+    rows = [dict(common, split="train", prompt="Name a fruit.", response_1="Apple.", response_2="Chair.",
+                 preference_strength=-2),
+            dict(common, split="train", prompt="Name a colour.", response_1="Loud.", response_2="Blue.",
+                 preference_strength=3),
+            dict(common, split="train", prompt="Say hi.", response_1="Hi.", response_2="Hello.", preference_strength=0),
+            dict(common, split="val", prompt="Name a dog.", response_1="Rex.", response_2="Tom the cat.",
+                 preference_strength=-1)]
+    with caplog.at_level(logging.WARNING):
+        pairs = load(tmp_path, rows)
+    assert pairs == [{"prompt": "Name a fruit.", "chosen": "Apple.", "rejected": "Chair."},
+                     {"prompt": "Name a colour.", "chosen": "Blue.", "rejected": "Loud."}]
+    assert "dropped 2 of 4 rows that the helpsteer2 layout skips (ties, and rows of another split" in caplog.text
+    assert load(tmp_path, rows, row_split="val") == [{"prompt": "Name a dog.", "chosen": "Rex.",
+                                                      "rejected": "Tom the cat."}]
+
+
+def ultrafeedback_completion(response, overall_score, model):
+    rating = {"Rating": "4", "Rationale": "Fine."}
+    return {"annotations": {"helpfulness": rating, "honesty": rating, "instruction_following": rating,
+                            "truthfulness": rating},
+            "critique": "Good.", "custom_system_prompt": "", "fine-grained_score": 4.0, "model": model,
+            "overall_score": overall_score, "principle": "helpfulness", "response": response}
+
+
+def test_ultrafeedback_raw_is_binarized_as_h4_with_a_seeded_draw(tmp_path, caplog):
+    # openbmb/UltraFeedback (its card's fields); HuggingFaceH4/ultrafeedback_binarized's card: chosen = the highest
+    # overall_score, rejected = one of the remaining three at random.
+    def row(instruction):
+        answers = [("Paris is in Spain.", 2.0, "alpaca-7b"), ("Paris.", 9.5, "gpt-4"), ("France?", 5.0, "llama-2"),
+                   ("Lyon.", 1.0, "falcon-40b")]
+        return {"source": "evol_instruct", "instruction": instruction, "models": [m for _, _, m in answers],
+                "completions": [ultrafeedback_completion(*answer) for answer in answers],
+                "correct_answers": ["None"], "incorrect_answers": ["None"]}
+
+    rows = [row(f"What is the capital of France? ({n})") for n in range(12)]
+    with caplog.at_level(logging.INFO, logger="dpo_min.data"):
+        pairs = load(tmp_path, rows)
+    assert "H4's binarization: chosen = the highest overall_score, rejected = a seeded random other" in caplog.text
+    assert all(pair["chosen"] == [assistant("Paris.")] for pair in pairs)
+    assert all(pair["prompt"] == [user(row["instruction"])] for pair, row in zip(pairs, rows))
+    drawn = [pair["rejected"][0]["content"] for pair in pairs]
+    assert set(drawn) <= {"Paris is in Spain.", "France?", "Lyon."} and len(set(drawn)) > 1  # random, never chosen
+    again = load(tmp_path, rows[::-1])  # the draw is the row's own, whatever the order it is read in
+    assert [pair["rejected"][0]["content"] for pair in again] == drawn[::-1]
+
+
+def test_chatbot_arena_winner_is_chosen_ties_and_diverged_turns_are_dropped_and_counted(tmp_path, caplog):
+    # lmsys/chatbot_arena_conversations (its card's fields): winner model_a / model_b / tie / tie (bothbad).
+    def row(winner, a, b, turn=1):
+        return {"question_id": "q", "model_a": "vicuna-13b", "model_b": "koala-13b", "winner": winner,
+                "judge": "arena_user_1", "conversation_a": a, "conversation_b": b, "turn": turn, "anony": True,
+                "language": "English", "tstamp": 1682351591.13}
+
+    question = [user("Name a planet.")]
+    rows = [row("model_a", question + [assistant("Mars.")], question + [assistant("The Sun.")]),
+            row("model_b", question + [assistant("The Moon.")], question + [assistant("Venus.")]),
+            row("tie", question + [assistant("Mars.")], question + [assistant("Venus.")]),
+            row("tie (bothbad)", question + [assistant("No.")], question + [assistant("Pass.")]),
+            row("model_a", question + [assistant("Mars."), user("Another?"), assistant("Venus.")],  # answers differ
+                question + [assistant("Pluto."), user("Another?"), assistant("Ceres.")], turn=2),
+            row("model_b", question + [assistant("Mars."), user("Another?"), assistant("Ceres.")],
+                question + [assistant("Mars."), user("Another?"), assistant("Jupiter.")], turn=2)]
+    with caplog.at_level(logging.WARNING):
+        pairs = load(tmp_path, rows)
+    assert pairs == [
+        {"prompt": question, "chosen": [assistant("Mars.")], "rejected": [assistant("The Sun.")]},
+        {"prompt": question, "chosen": [assistant("Venus.")], "rejected": [assistant("The Moon.")]},
+        {"prompt": question + [assistant("Mars."), user("Another?")], "chosen": [assistant("Jupiter.")],
+         "rejected": [assistant("Ceres.")]}]
+    assert "dropped 3 of 6 rows that the chatbot_arena layout skips (ties, and multi-turn rows" in caplog.text
+
+
+def test_nectar_rank_one_against_a_lower_ranked_answer(tmp_path):
+    # berkeley-nest/Nectar (its card's fields): an HH-style prompt, seven answers each with a rank (1 is best).
+    answers = [{"answer": "Four.", "model": "gpt-4", "rank": 1.0}, {"answer": "Five.", "model": "llama", "rank": 3.0},
+               {"answer": "2+2 is 4, I think.", "model": "gpt-3.5", "rank": 2.0}]
+    rows = [{"prompt": "Human: What is 2+2?\n\nAssistant:", "answers": answers[::-1], "turns": 1,
+             "num_responses": 3, "source": ["sharegpt"], "good_natured": True},
+            {"prompt": "Human: Hi.\n\nAssistant: Hello.\n\nHuman: What is 2+2?\n\nAssistant:", "answers": answers,
+             "turns": 2, "num_responses": 3, "source": ["anthropic-hh"], "good_natured": True}]
+    first, second = load(tmp_path, rows)
+    assert first["prompt"] == [user("What is 2+2?")]
+    assert second["prompt"] == [user("Hi."), assistant("Hello."), user("What is 2+2?")]
+    for pair in (first, second):
+        assert pair["chosen"] == [assistant("Four.")]
+        assert pair["rejected"] in ([assistant("Five.")], [assistant("2+2 is 4, I think.")])
+
+
+def test_pku_saferlhf_single_dimension_reads_its_one_label(tmp_path):
+    # PKU-Alignment/PKU-SafeRLHF-single-dimension: better_response_id and no safer_response_id.
+    row = {"prompt": "How do I bake bread?", "response_0": "Buy some.", "response_1": "Knead, rise, bake.",
+           "prompt_source": "Alpaca3-70B", "response_0_source": "Alpaca-7B", "response_1_source": "Alpaca-7B",
+           "better_response_id": 1}
+    assert load(tmp_path, [row]) == [{"prompt": "How do I bake bread?", "chosen": "Knead, rise, bake.",
+                                      "rejected": "Buy some."}]
+    with pytest.raises(ValueError, match="has only better_response_id"):
+        load(tmp_path, [row], preference_label="safer_response_id")
+
+
+def test_summarize_from_feedback_follows_trl_tldr_preference(tmp_path):
+    # openai/summarize_from_feedback "comparisons" (its card's fields); TRL's examples/datasets/tldr_preference.py:
+    # the prompt in TRL's TL;DR format (CNN/DM batches: its article format), chosen = summaries[choice], stripped.
+    post = {"id": "t3_1", "post": "I lost my keys twice.", "title": "Keys", "subreddit": "tifu", "site": None,
+            "article": None}
+    article = {"id": "cnn_1", "post": None, "title": None, "subreddit": None, "site": "cnn", "article": "Rain fell."}
+    rows = [{"info": post, "summaries": [{"text": " I lose keys.", "policy": "sup2", "note": None},
+                                         {"text": " Cats.", "policy": "ref", "note": None}],
+             "choice": 0, "worker": "w1", "batch": "batch3", "split": "train", "extra": {"confidence": 8}},
+            {"info": article, "summaries": [{"text": " Sun.", "policy": "sup2", "note": None},
+                                            {"text": " It rained.", "policy": "ref", "note": None}],
+             "choice": 1, "worker": "w2", "batch": "cnndm0", "split": "valid1", "extra": {"confidence": 6}}]
+    assert load(tmp_path, rows) == [
+        {"prompt": [user("SUBREDDIT: r/tifu\n\nTITLE: Keys\n\nPOST: I lost my keys twice.\n\nTL;DR:")],
+         "chosen": [assistant("I lose keys.")], "rejected": [assistant("Cats.")]},
+        {"prompt": [user("Article:\nRain fell.\n\nTL;DR:")], "chosen": [assistant("It rained.")],
+         "rejected": [assistant("Sun.")]}]
+
+
+def test_webgpt_comparisons_higher_score_is_chosen_and_ties_are_counted(tmp_path, caplog):
+    # openai/webgpt_comparisons (its card's fields); ties dropped as open-instruct's scripts/data/preferences/webgpt.py.
+    def row(question, answer_0, score_0, answer_1, score_1):
+        quotes = {"title": ["Sky"], "extract": ["Light scatters."]}
+        return {"question": {"dataset": "eli5", "id": "q1", "full_text": question}, "quotes_0": quotes,
+                "answer_0": answer_0, "tokens_0": {"prompt": [1], "completion": [2]}, "score_0": score_0,
+                "quotes_1": quotes, "answer_1": answer_1, "tokens_1": {"prompt": [1], "completion": [2]},
+                "score_1": score_1}
+
+    rows = [row("Why is the sky blue?", "Scattering.", 1.0, "Paint.", -1.0),
+            row("Why is grass green?", "Magic.", -0.5, "Chlorophyll.", 0.5),
+            row("Why is snow white?", "Light.", 0.0, "Ice.", 0.0)]
+    with caplog.at_level(logging.WARNING):
+        pairs = load(tmp_path, rows)
+    assert pairs == [{"prompt": "Why is the sky blue?", "chosen": "Scattering.", "rejected": "Paint."},
+                     {"prompt": "Why is grass green?", "chosen": "Chlorophyll.", "rejected": "Magic."}]
+    assert "dropped 1 of 3 rows that the webgpt_comparisons layout skips (ties)" in caplog.text
+
+
+# ---- a label is never silently ignored --------------------------------------------------------------------------
+HELPSTEER2_ROW = {"split": "train", "prompt": "Name a colour.", "response_1": "Loud.", "response_2": "Blue.",
+                  "preference_strength": 3}
+ARENA_ROW = {"winner": "model_b", "conversation_a": [user("Q"), assistant("Bad.")],
+             "conversation_b": [user("Q"), assistant("Good.")]}
+
+
+@pytest.mark.parametrize("row, columns, label", [
+    (HELPSTEER2_ROW, {"chosen": "response_1", "rejected": "response_2"}, "preference_strength"),
+    (ARENA_ROW, {"chosen": "conversation_a", "rejected": "conversation_b"}, "winner"),
+    ({"q": "Q", "a": "x", "b": "y", "choice": 1}, {"prompt": "q", "chosen": "a", "rejected": "b"}, "choice"),
+    ({"prompt": "Q", "chosen": "x", "rejected": "y", "human_preference": "y"}, None, "human_preference"),
+], ids=["helpsteer2-mapped", "arena-mapped", "choice-mapped", "unmapped-preference"])
+def test_a_mapping_that_leaves_a_label_unread_is_refused_naming_it(tmp_path, row, columns, label):
+    with pytest.raises(ValueError, match=rf"column '{label}' looks like a preference label.*--label_column {label}"):
+        load(tmp_path, [row], columns=columns)
+
+
+def test_the_label_options_read_a_mapped_label(tmp_path):
+    rows = [{"question": "Name a planet.", "answer_a": "Mars.", "answer_b": "The Sun.", "winner": "A"},
+            {"question": "Name a fruit.", "answer_a": "Chair.", "answer_b": "Apple.", "winner": "B"}]
+    options = {"columns": {"prompt": "question", "chosen": "answer_a", "rejected": "answer_b"},
+               "label_column": "winner", "label_chosen": "A", "label_rejected": "B"}
+    assert load(tmp_path, rows, **options) == [{"prompt": "Name a planet.", "chosen": "Mars.", "rejected": "The Sun."},
+                                               {"prompt": "Name a fruit.", "chosen": "Apple.", "rejected": "Chair."}]
+    with pytest.raises(ValueError, match=r"row 1: field 'winner' is 'tie', neither --label_chosen 'A'"):
+        load(tmp_path, [rows[0], dict(rows[1], winner="tie")], **options)
+
+
+def test_label_options_on_a_layout_with_its_own_label_are_refused(tmp_path):
+    with pytest.raises(ValueError, match="the helpsteer2 layout reads its own label"):
+        load(tmp_path, [HELPSTEER2_ROW], label_column="split", label_chosen="train", label_rejected="val")
+
+
+def test_label_names_that_are_refused_and_those_that_describe_a_pair_in_order():
+    from dpo_min.data.labelled import unread_labels
+
+    named_like_labels = ["winner", "label", "labels", "choice", "rank", "overall_preference", "Preference",
+                         "better_response_id", "score_0", "score_A"]
+    in_order = ["score_chosen", "score_rejected", "chosen_rating", "prompt", "source", "scores", "ranking_model"]
+    assert unread_labels(named_like_labels + in_order, read=()) == named_like_labels

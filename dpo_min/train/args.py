@@ -117,6 +117,14 @@ class DataArguments:
         "help": "Your column that holds a system message (prepended to string prompts)."})
     preference_label: str = field(default="better_response_id", metadata={
         "help": "PKU-SafeRLHF: the label that picks the chosen response.", "choices": list(PREFERENCE_LABELS)})
+    row_split: str = field(default="train", metadata={
+        "help": "HelpSteer2's preference file holds train and val rows: the value of its split column to read."})
+    label_column: str | None = field(default=None, metadata={
+        "help": "Mapped columns: the column that says which of --chosen_column/--rejected_column is better."})
+    label_chosen: str | None = field(default=None, metadata={
+        "help": "The --label_column value meaning --chosen_column is better."})
+    label_rejected: str | None = field(default=None, metadata={
+        "help": "The --label_column value meaning --rejected_column is better (the pair is swapped)."})
     no_prompt: bool = field(default=False, metadata={
         "help": "The data has no prompts: string pairs without a prompt column train with an empty prompt."})
     as_messages: bool = field(default=False, metadata={

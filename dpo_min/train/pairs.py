@@ -183,8 +183,9 @@ def _columns(data_args: DataArguments) -> dict[str, str] | None:
 
 
 def _layout_options(data_args: DataArguments) -> dict[str, Any]:
-    return {"preference_label": data_args.preference_label, "no_prompt": data_args.no_prompt,
-            "as_messages": data_args.as_messages}
+    names = ("preference_label", "no_prompt", "as_messages", "row_split", "label_column", "label_chosen",
+             "label_rejected")
+    return {name: getattr(data_args, name) for name in names}
 
 
 def _load(source: str, split: str, data_args: DataArguments, args: DPOMinConfig) -> Any:
