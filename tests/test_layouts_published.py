@@ -454,3 +454,24 @@ def test_label_names_that_are_refused_and_those_that_describe_a_pair_in_order():
                          "better_response_id", "score_0", "score_A"]
     in_order = ["score_chosen", "score_rejected", "chosen_rating", "prompt", "source", "scores", "ranking_model"]
     assert unread_labels(named_like_labels + in_order, read=()) == named_like_labels
+
+
+def test_the_command_reads_the_label_and_row_split_options(tmp_path):
+    from dpo_min import train
+    from dpo_min.train.args import parse_args
+
+    mapped = tmp_path / "mapped.jsonl"
+    mapped.write_text("".join(json.dumps(row) + "\n" for row in [
+        {"question": "Name a planet.", "answer_a": "Mars.", "answer_b": "The Sun.", "winner": "A"},
+        {"question": "Name a fruit.", "answer_a": "Chair.", "answer_b": "Apple.", "winner": "B"}]))
+    helpsteer2 = tmp_path / "preference.jsonl"
+    helpsteer2.write_text("".join(json.dumps(row) + "\n" for row in [
+        dict(HELPSTEER2_ROW, split="val"), dict(HELPSTEER2_ROW, prompt="Q", response_1="a", response_2="b")]))
+    common = ["--output_dir", str(tmp_path / "out"), "--eval_fraction", "0", "--report_to", "none"]
+    for given, expected in [
+        (["--dataset", str(mapped), "--prompt_column", "question", "--chosen_column", "answer_a",
+          "--rejected_column", "answer_b", "--label_column", "winner", "--label_chosen", "A", "--label_rejected", "B"],
+         [("Name a planet.", "Mars."), ("Name a fruit.", "Apple.")]),
+        (["--dataset", str(helpsteer2), "--row_split", "val"], [("Name a colour.", "Blue.")])]:
+        pairs, _ = train.load_pairs(train.decide(*parse_args([*given, *common])))
+        assert [(pair["prompt"], pair["chosen"]) for pair in pairs] == expected
