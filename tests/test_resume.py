@@ -163,7 +163,7 @@ def replace_in_place(folder):
     (lambda folder: ["--learning_rate", "1e-3"], ["learning_rate 1e-06 -> 0.001"]),
     (lambda folder: ["--weight_decay", "0.1"], ["weight_decay 0.0 -> 0.1"]),
     (lambda folder: ["--lr_scheduler_type", "cosine"], ["lr_scheduler_type linear -> cosine"]),
-    (lambda folder: ["--warmup_steps", "2", "--adam_beta2", "0.99"], ["warmup_steps 0 -> 2, adam_beta2 0.999 -> 0.99"]),
+    (lambda folder: ["--warmup_steps", "2", "--adam_beta2", "0.99"], ["adam_beta2 0.999 -> 0.99, warmup_steps 0 -> 2.0"]),
     (lambda folder: ["--optim", "sgd"], ["optim adamw_torch_fused -> sgd"]),
 ], ids=["other-file", "file-replaced-in-place", "max-length", "loss-type", "eval-fraction", "beta", "model",
         "model-revision", "lora-r", "lora-alpha-dropout", "lora-targets", "no-peft", "chat-template",
