@@ -4,6 +4,7 @@ ends: the same weights and the same logged losses, and each resumed process trai
 import ast
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -115,19 +116,20 @@ def test_killed_and_resumed_run_equals_an_uninterrupted_run(tmp_path, tiny_model
     assert torch.isfinite(torch.tensor(list(actual.values()))).all()
 
 
-# ---- a resume that would train other pairs, cut otherwise, or another loss is refused --------------------------
+# ---- a resume that is not the same run is refused; the same run, however it is spelled, resumes ----------------
 @pytest.fixture(scope="module")
 def finished_run(tmp_path_factory, tiny_model_dir):
-    """A real 1-step run with its checkpoint kept in the published folder: the record a resume is compared with."""
+    """A real 1-step LoRA run with its checkpoint kept in the published folder: the record a resume is compared
+    with. Its held-out share is left to the plan (0.05 of one dataset), its data seed too (the seed's)."""
     from dpo_min.train import main
 
     folder = tmp_path_factory.mktemp("finished")
-    data_file, other_file = write_hh_rows(folder / "pairs.jsonl", 12), folder / "other.jsonl"
+    data_file, other_file = write_hh_rows(folder / "pairs.jsonl", 20), folder / "other.jsonl"
     other_file.write_text("".join(reversed(data_file.read_text().splitlines(keepends=True))))
-    argv = ["--model", str(tiny_model_dir), "--dataset", str(data_file), "--max_steps", "1", "--save_strategy",
-            "steps", "--save_steps", "1", "--per_device_train_batch_size", "2", "--eval_fraction", "0.25",
-            "--max_length", "64", "--num_samples", "0", "--precompute_ref_log_probs", "false", "--disable_tqdm",
-            "true"]
+    shutil.copytree(tiny_model_dir, folder / "other-model")  # another base model for the adapter
+    argv = ["--model", str(tiny_model_dir), "--use_peft", "--dataset", str(data_file), "--max_steps", "1",
+            "--save_strategy", "steps", "--save_steps", "1", "--per_device_train_batch_size", "2", "--max_length",
+            "64", "--num_samples", "0", "--precompute_ref_log_probs", "false", "--disable_tqdm", "true"]
     assert main([*argv, "--output_dir", str(folder / "run")]) == 0
     return folder, argv
 
@@ -145,11 +147,30 @@ def replace_in_place(folder):
     (replace_in_place, ["pairs (sha256) "]),
     (lambda folder: ["--max_length", "32"], ["max_length 64 -> 32"]),
     (lambda folder: ["--loss_type", "ipo"], ['loss_type ["sigmoid"] -> ["ipo"]']),
-    (lambda folder: ["--eval_fraction", "0.5"], ["eval_fraction 0.25 -> 0.5"]),
+    (lambda folder: ["--eval_fraction", "0.5"], ["eval_fraction 0.05 -> 0.5"]),
     (lambda folder: ["--beta", "0.5"], ["beta 0.1 -> 0.5"]),
-], ids=["other-file", "file-replaced-in-place", "max-length", "loss-type", "eval-fraction", "beta"])
-def test_a_resume_with_other_data_or_settings_is_refused_naming_old_and_new(finished_run, tmp_path, capsys, change,
-                                                                           expected):
+    # the model, and the adapter on it (another rank or no adapter: before, a traceback from the checkpoint's load)
+    (lambda folder: ["--model", str(folder / "other-model")], ["model {model} -> {folder}/other-model"]),
+    (lambda folder: ["--model_revision", "v2"], ["model_revision main -> v2"]),
+    (lambda folder: ["--lora_r", "8"], ["lora_r 16 -> 8"]),
+    (lambda folder: ["--lora_alpha", "8", "--lora_dropout", "0.1"], ["lora_alpha 32 -> 8, lora_dropout 0.0 -> 0.1"]),
+    (lambda folder: ["--lora_target_modules", "q_proj"], ['lora_target_modules ["all-linear"] -> ["q_proj"]']),
+    (lambda folder: ["--no_use_peft"], ["use_peft True -> False"]),
+    # the tokenization
+    (lambda folder: ["--chat_template", "{% for m in messages %}{{ m['content'] }}{% endfor %}"],
+     ["chat_template None -> "]),
+    # the optimizer and the schedule (before, the restored optimizer kept the old ones and the card showed the new)
+    (lambda folder: ["--learning_rate", "1e-3"], ["learning_rate 1e-06 -> 0.001"]),
+    (lambda folder: ["--weight_decay", "0.1"], ["weight_decay 0.0 -> 0.1"]),
+    (lambda folder: ["--lr_scheduler_type", "cosine"], ["lr_scheduler_type linear -> cosine"]),
+    (lambda folder: ["--warmup_steps", "2", "--adam_beta2", "0.99"],
+     ["adam_beta2 0.999 -> 0.99, warmup_steps 0 -> 2.0"]),
+    (lambda folder: ["--optim", "sgd"], ["optim adamw_torch_fused -> sgd"]),
+], ids=["other-file", "file-replaced-in-place", "max-length", "loss-type", "eval-fraction", "beta", "model",
+        "model-revision", "lora-r", "lora-alpha-dropout", "lora-targets", "no-peft", "chat-template",
+        "learning-rate", "weight-decay", "scheduler", "warmup-betas", "optim"])
+def test_a_resume_that_is_not_the_same_run_is_refused_naming_old_and_new(finished_run, tiny_model_dir, tmp_path,
+                                                                        capsys, change, expected):
     from dpo_min.train import main
 
     folder, argv = finished_run
@@ -164,18 +185,49 @@ def test_a_resume_with_other_data_or_settings_is_refused_naming_old_and_new(fini
     assert code == 2 and len(lines) == 1, lines
     assert f"cannot resume {checkpoint} with other settings (" in lines[0]
     for part in expected:
-        assert part.format(folder=folder) in lines[0], lines[0]
+        assert part.format(folder=folder, model=tiny_model_dir) in lines[0], lines[0]
     assert not (tmp_path / "again").exists() and not (tmp_path / "again.partial").exists()
 
 
-def test_a_resume_with_the_same_data_and_settings_passes_the_checks(finished_run, tmp_path, capsys):
+@pytest.mark.parametrize("spelled", [
+    [],
+    ["--eval_fraction", "0.05"],  # the share the plan holds out of one dataset when none is given
+    ["--data_seed", "42"],  # the data seed the plan takes when none is given: the seed
+    ["--dataset_config", "default"],  # a data file's one config
+    ["--num_train_epochs", "7"],  # not read when max_steps is given
+    ["--logging_steps", "3", "--eval_strategy", "no"],  # what is logged and evaluated, not what trains
+], ids=["same", "eval-fraction-spelled", "data-seed-spelled", "config-default", "epochs-with-max-steps", "logging"])
+def test_the_same_run_however_it_is_spelled_resumes(finished_run, tmp_path, capsys, spelled):
     from dpo_min.train import main
 
     folder, argv = finished_run
-    # The model is missing: a resume that passes the checks fails where the model loads.
-    code = main([*argv, "--model", str(tmp_path / "no-model"), "--output_dir", str(tmp_path / "again"),
-                 "--resume_from_checkpoint", str(folder / "run" / "checkpoint-1")])
-    assert code == 1 and "no such model folder" in capsys.readouterr().err
+    again = tmp_path / "again"
+    code = main([*argv, *spelled, "--output_dir", str(again), "--resume_from_checkpoint",
+                 str(folder / "run" / "checkpoint-1")])
+    assert code == 0, capsys.readouterr().err
+    state = json.loads((again / "trainer_state.json").read_text())
+    assert state["global_step"] == 1 and (again / "adapter_model.safetensors").is_file()
+    # What the resumed run was given is what its folder says it ran with.
+    if "--logging_steps" in spelled:
+        assert torch.load(again / "training_args.bin", weights_only=False).logging_steps == 3
+
+
+def test_a_record_from_before_the_plan_decided_the_data_seed_and_share_is_the_same_run(tmp_path):
+    """A record that left data_seed and eval_fraction to the plan (None) compares them no more; the seed stays."""
+    from dpo_min.train.plan import resolve
+    from dpo_min.train.run_dir import MANIFEST, OutputDirError, check_same_run
+
+    argv = ["--model", str(tmp_path / "model"), "--dataset", str(tmp_path / "a.jsonl"), "--output_dir",
+            str(tmp_path / "out")]
+    settings = resolve(argv).settings
+    assert (settings["data_seed"], settings["eval_fraction"]) == (42, 0.05)
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / MANIFEST).write_text(json.dumps({"data_settings": {
+        "seed": 42, "data_seed": None, "eval_fraction": None, "max_length": 1024}}))
+    checkpoint = str(tmp_path / "run" / "checkpoint-1")
+    check_same_run(checkpoint, settings)
+    with pytest.raises(OutputDirError, match=r"other settings \(seed 42 -> 7\)"):
+        check_same_run(checkpoint, resolve([*argv, "--seed", "7"]).settings)
 
 
 def test_a_resume_compares_parsed_mixtures_and_names_the_entries_that_differ(tmp_path):

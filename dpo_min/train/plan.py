@@ -6,7 +6,7 @@ everything else is here, each decision in one place.
 """
 
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..config import DPOMinConfig
@@ -37,7 +37,8 @@ class Plan:
     repo_id: str  # the hub repository the run is (or would be) pushed to
     push: bool
     resuming: bool
-    settings: dict[str, Any]  # what a resumed run must share with the interrupted one (run_dir.resume_keys)
+    # What a resumed run must share with the interrupted one (run_dir.resume_keys), fixed as `decide` decides it.
+    settings: dict[str, Any] = field(default_factory=dict)
 
     @property
     def is_main(self) -> bool:
@@ -46,6 +47,13 @@ class Plan:
     @property
     def model_name(self) -> str:
         return self.model.model or EMBEDDED_MODEL_NAME
+
+    @property
+    def decided_settings(self) -> dict[str, Any]:
+        """The resume settings the plan decides rather than an option spelling them: a resume that spells out what
+        was decided anyway (--eval_fraction 0.05 where it was left out, --data_seed equal to --seed) is the same run."""
+        return {"model": self.model_name, "use_peft": self.saved_as != "full", "eval_fraction": self.eval_fraction,
+                "data_seed": self.seed}
 
     @property
     def reach(self) -> int | None:
@@ -74,15 +82,15 @@ def decide(model_args: ModelArguments, data_args: DataArguments, args: DPOMinCon
     args.eval_on_start = args.eval_on_start and not resuming  # a resumed run has its first run's step 0
     args.output_dir = str(folder.staging)
     given_fraction = data_args.eval_fraction
-    return Plan(
+    plan = Plan(
         model=model_args, data=data_args, args=args, demo=demo, mixture=mixture,
         eval_fraction=given_fraction if given_fraction is not None else 0.0 if mixture else EVAL_FRACTION,
         seed=args.data_seed if args.data_seed is not None else args.seed,
         saved_as="full" if not model_args.use_peft else "merged" if model_args.merge_adapter else "adapter",
         reload_reference=(zero.zero_stage(args) == 3 and not model_args.use_peft
                           and not args.precompute_ref_log_probs and args.loss_settings.reads_reference),
-        folder=folder, repo_id=hub_repo_id(folder.named, args.hub_model_id), push=push, resuming=resuming,
-        settings=resume_settings(data_args, args))
+        folder=folder, repo_id=hub_repo_id(folder.named, args.hub_model_id), push=push, resuming=resuming)
+    return replace(plan, settings=resume_settings(model_args, data_args, args, decided=plan.decided_settings))
 
 
 def _mixture_form(data_args: DataArguments) -> str | None:
