@@ -31,8 +31,9 @@ from datasets import (
     load_from_disk,
 )
 from datasets.data_files import DataFilesDict, get_data_patterns
-from datasets.load import _ALL_ALLOWED_EXTENSIONS, infer_module_for_data_files_list
+from datasets.load import _ALL_ALLOWED_EXTENSIONS
 
+from .folders import check_every_file_read, file_type
 from .layouts import (
     CARRIED_COLUMNS,
     Layout,
@@ -247,39 +248,57 @@ def _load_named(path_or_name: str, split: str, config: str | None, streaming: bo
                 load_kwargs: dict[str, Any]) -> AnyDataset:
     """`datasets.load_dataset(name or folder, config, split=...)`: a folder's README.md `configs:`, or its data files
     named by split (data/train_prefs-*.parquet), as for the hub dataset it is a copy of."""
-    if os.path.isdir(path_or_name):
-        _check_one_file_type(path_or_name, load_kwargs)
+    files = _check_one_file_type(path_or_name, load_kwargs) if os.path.isdir(path_or_name) else []
     try:
         return load_dataset(path_or_name, config, split=split, streaming=streaming, **load_kwargs)
     except ValueError as error:
         if not str(error).startswith("Unknown split"):
+            _name_unreadable_file(files, error)
             raise
         raise ValueError(f"{path_or_name}: no split {split!r}; it has "
                          f"{_split_names(path_or_name, config, load_kwargs)}") from None
+    except Exception as error:  # datasets says 'An error occurred while generating the dataset', naming no file
+        _name_unreadable_file(files, error)
+        raise
 
 
-def _check_one_file_type(folder: str, load_kwargs: Mapping[str, Any]) -> None:
+def _name_unreadable_file(files: list[str], error: Exception) -> None:
+    """Raise the reason of the first of a folder's files that does not read on its own, naming it; return where
+    each reads (the folder's error is then about them together, and stands)."""
+    for path in files:
+        module, *options = file_type(path)
+        try:
+            with _quiet(f"datasets.packaged_modules.{module}.{module}"):
+                load_dataset(module, data_files={FILE_SPLIT: path}, split=FILE_SPLIT,
+                             **dict(zip(options[::2], options[1::2])))
+        except Exception as file_error:
+            raise ValueError(f"{path}: {_why_unreadable(path, module, file_error)}") from error
+
+
+def _check_one_file_type(folder: str, load_kwargs: Mapping[str, Any]) -> list[str]:
     """datasets reads a folder's files of its commonest type only (`infer_module_for_data_files`, then a filter on
-    that type), and only its split-named files where some are: such a folder is refused, naming the files, rather
-    than read in part. Files that a README's `configs:` or `data_files` name are read as named."""
+    that type), only its split-named files where some are, and none it cannot glob (`folders`): such a folder is
+    refused, naming the files, rather than read in part. Files that a README's `configs:` or `data_files` name are
+    read as named. Returns the files datasets reads (relative to the folder), [] where they are named."""
     base = os.path.join(folder, load_kwargs["data_dir"]) if load_kwargs.get("data_dir") else folder
     if load_kwargs.get("data_files") is not None or _readme_configs(base):
-        return
+        return []
 
     def found(patterns: Mapping[str, list[str]]) -> list[str]:
         files = DataFilesDict.from_patterns(patterns, base_path=base, allowed_extensions=_ALL_ALLOWED_EXTENSIONS)
         return sorted(os.path.relpath(file, base) for split in files.values() for file in split)
     try:
         in_splits, every = found(get_data_patterns(base)), found({"all": ["**"]})
-    except Exception:  # no data files: datasets' own error says so
-        return
-    by_type: dict[str, list[str]] = {}
+    except Exception:  # no data files that datasets can glob
+        in_splits = every = []
+    check_every_file_read(base, every)
+    by_type: dict[tuple[str, ...], list[str]] = {}
     for name in every:
-        kind = infer_module_for_data_files_list([name])[0]  # datasets' own rule, one file at a time
-        if kind not in (None, *_NOTES):
+        kind = file_type(name)  # datasets' own rule, one file at a time
+        if kind is not None:
             by_type.setdefault(kind, []).append(name)
     if len(by_type) > 1:
-        listed = "; ".join(f"{kind}: {_some(names)}" for kind, names in by_type.items())
+        listed = "; ".join(f"{_type_name(kind)}: {_some(names)}" for kind, names in by_type.items())
         raise ValueError(f"{base}: holds data files of {len(by_type)} types, and datasets would read one type "
                          f"only: {listed}; keep one type in the folder, or name a file")
     # Files named by split (train.jsonl, test-*.parquet) make datasets read those alone and leave out the others.
@@ -287,10 +306,13 @@ def _check_one_file_type(folder: str, load_kwargs: Mapping[str, Any]) -> None:
     if left_out:
         raise ValueError(f"{base}: datasets reads its files by split name ({_some(in_splits)}) and would leave out "
                          f"{_some(left_out)}; name every file by its split, or keep one split's files there")
+    return [os.path.join(base, name) for names in by_type.values() for name in names]
 
 
-# datasets 5 reads .md and .toml files as "harbor" task data; beside preference files they are a folder's notes.
-_NOTES = ("harbor",)
+def _type_name(kind: tuple[str, ...]) -> str:
+    """('csv', 'sep', '\t') -> "csv (sep '\t')"."""
+    options = ", ".join(f"{name} {value!r}" for name, value in zip(kind[1::2], kind[2::2]))
+    return f"{kind[0]} ({options})" if options else kind[0]
 
 
 def _some(names: list[str]) -> str:
@@ -310,8 +332,11 @@ def _readme_configs(folder: str) -> bool:
         return False
     try:
         header = yaml.safe_load(text.split("---", 2)[1])
-    except yaml.YAMLError:
-        return False
+    except yaml.YAMLError as error:  # datasets reads the front matter too, and its error names no file
+        mark = getattr(error, "problem_mark", None)  # its line in the front matter, which starts on line 1
+        where = f" (line {mark.line + 1})" if mark is not None else ""
+        raise ValueError(f"{readme}: its YAML front matter does not parse: {getattr(error, 'problem', error)}"
+                         f"{where}") from None
     return isinstance(header, Mapping) and "configs" in header
 
 
@@ -357,7 +382,7 @@ def _load_saved(folder: str, split: str, config: str | None, streaming: bool) ->
 def _why_unreadable(path: str, builder: str, error: Exception) -> str:
     """A reason that names the line or row: datasets says 'An error occurred while generating the dataset' for a
     line that is not JSON, 'Expected bytes, got a list' for mixed layouts, '' for an empty file."""
-    if builder == "json":
+    if builder == "json" and path.lower().endswith((".json", ".jsonl", ".gz")):  # a text or .gz we can read
         try:
             with (gzip.open(path, "rb") if path.endswith(".gz") else open(path, "rb")) as file:
                 found = _json_fault(file.read())
