@@ -85,8 +85,6 @@ def test_implicit_prompt_is_the_longest_common_prefix():
         ({"prompt": "p", "rejected": "r"}, "chosen"),
         ({"prompt": "p", "chosen": None, "rejected": "r"}, "chosen"),
         ({"prompt": "p", "chosen": 3, "rejected": "r"}, "chosen"),
-        ({"prompt": "p", "chosen": "   ", "rejected": "r"}, "chosen"),
-        ({"prompt": "p", "chosen": "same", "rejected": "same"}, "rejected"),
         ({"prompt": 5, "chosen": "c", "rejected": "r"}, "prompt"),
         (dict(CONVERSATIONAL, chosen=[{"role": "user", "content": "no answer"}]), "chosen"),
         (dict(CONVERSATIONAL, rejected=[{"role": "wizard", "content": "x"}]), "rejected"),
@@ -98,6 +96,22 @@ def test_bad_rows_name_the_row_and_field(row, field):
     rows = [STANDARD, STANDARD, row]
     with pytest.raises(ValueError, match=rf"row 2: field '{field}'"):
         to_preference_rows(rows)
+
+
+@pytest.mark.parametrize("row, field, reason", [
+    ({"prompt": "p", "chosen": "   ", "rejected": "r"}, "chosen", "1 with an empty answer"),
+    ({"prompt": "p", "chosen": "same", "rejected": "same"}, "rejected", "1 with chosen identical to rejected"),
+    (dict(CONVERSATIONAL, rejected=[{"role": "assistant", "content": " "}]), "rejected", "1 with an empty answer"),
+])
+def test_a_row_that_cannot_be_a_pair_is_dropped_and_counted_or_refused_when_strict(row, field, reason, caplog):
+    rows = [STANDARD, STANDARD, row] if isinstance(row["chosen"], str) else [CONVERSATIONAL] * 2 + [row]
+    assert to_preference_rows(rows) == rows[:2]
+    assert f"dropped 1 of 3 rows: {reason}" in caplog.text
+    with pytest.raises(ValueError, match=rf"row 2: field '{field}'"):
+        to_preference_rows(rows, strict_pairs=True)
+    # Most rows unpaired is a wrong layout, not a few bad pairs: refused, naming the first.
+    with pytest.raises(ValueError, match=rf"^row 1: field '{field}' .*; 2 of 3 rows cannot be preference pairs"):
+        to_preference_rows([rows[0], row, row])
 
 
 def test_bad_file_says_which_file(tmp_path):

@@ -62,6 +62,14 @@ SKIPPED = "skipped by the layout (ties)"
 NO_COMPLETION = "with no completion token left after truncation"
 SAME_COMPLETIONS = "with chosen identical to rejected after truncation"
 DROP_REASONS = (NO_COMPLETION, SAME_COMPLETIONS)
+# A row that is well formed but cannot be a preference pair (as the published HH files hold) is dropped and counted
+# by reason, as ties are, unless strict_pairs; the layouts (layouts.py) say so in these words.
+NO_ANSWER = "with an empty answer"
+NO_COMMON_PROMPT = "whose chosen and rejected share no prompt"
+SAME_ANSWERS = "with chosen identical to rejected"
+UNPAIRED = (NO_ANSWER, NO_COMMON_PROMPT, SAME_ANSWERS)
+_UNPAIRED_SIGNS = (("is an empty completion", NO_ANSWER), ("before the last Assistant turn", NO_COMMON_PROMPT),
+                   ("shares no prompt with", NO_COMMON_PROMPT), ("is identical to 'chosen'", SAME_ANSWERS))
 # The datasets cache keys a map by its function's own code and arguments, not by the helpers it calls: a change
 # to what tokenizing writes (the drop reasons became names, not 0/1/2) must change this, or a cached map of
 # the old form is read back.
@@ -80,7 +88,7 @@ class StreamCounts:
     (with the default start method, as Trainer starts them; like any multiprocessing object, the counts pickle only
     into a process being started).
     """
-    NAMES = ("read", SKIPPED, *DROP_REASONS, ALSO_HELD_OUT)
+    NAMES = ("read", SKIPPED, *UNPAIRED, *DROP_REASONS, ALSO_HELD_OUT)
 
     def __init__(self) -> None:
         self._values = multiprocessing.Array("q", len(self.NAMES))  # with a lock: two workers may add at once
@@ -121,9 +129,14 @@ def _counts_for(stream: IterableDataset, counts: StreamCounts | None) -> StreamC
     return stream_counts(stream) or StreamCounts()
 
 
-def _carrying(stream: IterableDataset, counts: StreamCounts) -> IterableDataset:
-    setattr(stream, _COUNTS, counts)
-    return stream
+def carrying(dataset: AnyDataset, counts: StreamCounts) -> AnyDataset:
+    """The dataset, carrying `counts` (`stream_counts` finds them): a stream's as it is read, or what reading a
+    map-style dataset dropped (the command's metrics.json lists them)."""
+    setattr(dataset, _COUNTS, counts)
+    return dataset
+
+
+_carrying = carrying  # the name mixtures.py imports
 
 
 # ---- loading ----------------------------------------------------------------------------------------------------
@@ -131,7 +144,7 @@ def load_preference_dataset(path_or_name: str, split: str = "train", *, config: 
                             columns: Mapping[str, str] | None = None, streaming: bool = False,
                             num_proc: int | None = None, preference_label: str = "better_response_id",
                             no_prompt: bool = False, as_messages: bool = False, counts: StreamCounts | None = None,
-                            **load_kwargs: Any) -> AnyDataset:
+                            strict_pairs: bool = False, **load_kwargs: Any) -> AnyDataset:
     """Load preference pairs from a JSON/JSONL/Parquet/CSV file (optionally .gz) or a `datasets` name.
 
     Returns a `Dataset` (an `IterableDataset` with `streaming`) with columns `prompt`, `chosen`, `rejected`
@@ -139,12 +152,14 @@ def load_preference_dataset(path_or_name: str, split: str = "train", *, config: 
     `chat_template_kwargs` where the source has them. The layout is detected from the columns (see
     `layouts.LAYOUTS`); `columns` maps our names (prompt, chosen, rejected, system) to the source's. A stream
     counts what it reads and skips in `counts` (a new `StreamCounts` if not given; `stream_counts(stream)` is it).
+    A row that cannot be a preference pair (`UNPAIRED`: no answer, no common prompt) is dropped and counted, unless
+    `strict_pairs`, or most rows are such (a wrong layout): then it raises, naming the row.
     """
     options = LayoutOptions(preference_label=preference_label, no_prompt=no_prompt, as_messages=as_messages)
     raw = _load_raw(path_or_name, split, config, streaming, load_kwargs)
     try:
         return to_preference_dataset(raw, columns=columns, options=options, num_proc=num_proc,
-                                     source=os.path.basename(path_or_name), counts=counts)
+                                     source=os.path.basename(path_or_name), counts=counts, strict_pairs=strict_pairs)
     except ValueError as error:
         raise ValueError(f"{path_or_name}: {error}") from error
 
@@ -478,19 +493,20 @@ def count_shared_in_stream(train: IterableDataset, held_out: Dataset,
         keys = (json.dumps(pair, sort_keys=True) for pair in zip(*(batch[name] for name in PAIR_COLUMNS)))
         counts.add({ALSO_HELD_OUT: sum(key in held for key in keys)})
         return batch
-    return _carrying(train.map(count, batched=True, features=train.features), counts)
+    return carrying(train.map(count, batched=True, features=train.features), counts)
 
 
 # ---- layouts -> pairs: every row is validated here, once -----------------------------------------------------
 def to_preference_rows(rows: Iterable[Mapping[str, Any]], columns: Mapping[str, str] | None = None,
-                       options: LayoutOptions = DEFAULT_OPTIONS) -> list[dict[str, Any]]:
-    """Bring each row to {prompt, chosen, rejected}, validating it. Raises ValueError naming row and field."""
+                       options: LayoutOptions = DEFAULT_OPTIONS, strict_pairs: bool = False) -> list[dict[str, Any]]:
+    """Bring each row to {prompt, chosen, rejected}, validating it. Raises ValueError naming row and field; a row that
+    cannot be a pair is left out with a warning, as `load_preference_dataset` does."""
     return [{name: value for name, value in pair.items() if name != SOURCE_ROW}
-            for pair in _to_pairs(rows, columns, options)]
+            for pair in _to_pairs(rows, columns, options, strict_pairs)]
 
 
 def _to_pairs(rows: Iterable[Mapping[str, Any]], columns: Mapping[str, str] | None,
-              options: LayoutOptions) -> list[dict[str, Any]]:
+              options: LayoutOptions, strict_pairs: bool = False) -> list[dict[str, Any]]:
     rows = list(rows)
     if not rows:
         return []
@@ -498,13 +514,22 @@ def _to_pairs(rows: Iterable[Mapping[str, Any]], columns: Mapping[str, str] | No
         check_mapping(columns, list(rows[0]))
         rows = [rename_columns(row, columns) for row in rows]
     layout = _detect(rows[0] if isinstance(rows[0], Mapping) else {}, None, options)
-    pairs, first_conversational = [], None
+    pairs, first_conversational, left_out = [], None, Counter()
     for index, row in enumerate(rows):
-        pair = to_pair(layout, row, index, options)
+        pair = _pair_or_reason(layout, row, index, options, strict_pairs)
+        if isinstance(pair, tuple):
+            if not left_out:
+                first = pair[1]
+            left_out[pair[0]] += 1
+            continue
         if pair is None:
             continue
         first_conversational = _check_kind(pair, index, first_conversational)
         pairs.append({**pair, SOURCE_ROW: index})
+    if left_out:
+        _refuse_most_unpaired(first, left_out, len(rows))
+        logger.warning("dropped %d of %d rows: %s", sum(left_out.values()), len(rows),
+                       ", ".join(f"{number} {reason}" for reason, number in left_out.items()))
     return pairs
 
 
@@ -538,13 +563,19 @@ def _rows(batch: Mapping[str, list]) -> Iterable[dict[str, Any]]:
 
 def _convert_batch(batch: dict[str, list], indices: list[int], layout_name: str, options: LayoutOptions,
                    columns: Mapping[str, str] | None, conversational: bool | None, keep: tuple[str, ...] = (),
-                   counts: StreamCounts | None = None) -> dict[str, list]:
+                   counts: StreamCounts | None = None, strict_pairs: bool = False) -> dict[str, list]:
+    """Rows -> validated pairs; a tie, or a row that cannot be a pair (`UNPAIRED`), is left out: a stream counts
+    both here, map-style data once the map is done (`_count_left_out`)."""
     layout = layout_by_name(layout_name)
     carried = [name for name in (*CARRIED_COLUMNS, *keep) if name in batch]
     out: dict[str, list] = {name: [] for name in (*PAIR_COLUMNS, SOURCE_ROW, *carried)}
+    unpaired: dict[str, list[tuple[Any, str]]] = {}
     for position, (row, index) in enumerate(zip(_rows(batch), indices)):
         label = _row_label(batch, position, index)
-        pair = to_pair(layout, rename_columns(row, columns) if columns else row, label, options)
+        pair = _pair_or_reason(layout, rename_columns(row, columns) if columns else row, label, options, strict_pairs)
+        if isinstance(pair, tuple):
+            unpaired.setdefault(pair[0], []).append((label, pair[1]))
+            continue
         if pair is None:
             continue
         _check_kind(pair, label, conversational)
@@ -554,16 +585,54 @@ def _convert_batch(batch: dict[str, list], indices: list[int], layout_name: str,
         for name in carried:
             out[name].append(row[name])
     if counts is not None:  # a stream: its drops are counted as they happen (see StreamCounts)
-        counts.add({"read": len(indices), SKIPPED: len(indices) - len(out[SOURCE_ROW])})
+        left_out = sum(map(len, unpaired.values()))
+        counts.add({"read": len(indices), SKIPPED: len(indices) - len(out[SOURCE_ROW]) - left_out,
+                    **{reason: len(rows) for reason, rows in unpaired.items()}})
+        _note_unpaired_in_stream(unpaired, counts)
     return out
+
+
+def _pair_or_reason(layout: Layout, row: Mapping[str, Any], label: Any, options: LayoutOptions,
+                    strict_pairs: bool, validate: bool = True) -> dict[str, Any] | tuple[str, str] | None:
+    """The row's pair, None for a tie, or (reason, the layout's message) for a row that cannot be a pair."""
+    try:
+        return to_pair(layout, row, label, options) if validate else layout.to_pair(row, label, options)
+    except ValueError as error:
+        reason = next((reason for sign, reason in _UNPAIRED_SIGNS if sign in str(error)), None)
+        if strict_pairs or reason is None:  # a malformed row (wrong types, unreadable) is always refused
+            raise
+        return reason, str(error)
+
+
+def _refuse_most_unpaired(first: str, left_out: Mapping[str, int], read: int) -> None:
+    """Most rows unpaired is a wrong layout or wrong columns, not a few bad pairs: refused, naming the first."""
+    if 2 * sum(left_out.values()) > read:
+        listed = ", ".join(f"{number} {reason}" for reason, number in left_out.items() if number)
+        raise ValueError(f"{first}; {sum(left_out.values())} of {read} rows cannot be preference pairs ({listed}): "
+                         "too many to drop, check the layout and columns")
+
+
+def _note_unpaired_in_stream(unpaired: Mapping[str, list[tuple[Any, str]]], counts: StreamCounts) -> None:
+    """A stream's rows that cannot be pairs: each logged while its reason has fewer than ten, and most of the rows
+    read so far being such refused."""
+    if not unpaired:
+        return
+    now = counts.snapshot()
+    for reason, rows in unpaired.items():
+        for number, (label, _) in enumerate(rows, start=now[reason] - len(rows)):
+            if number < 10:
+                logger.warning("dropped row %s %s", label, reason)
+    _refuse_most_unpaired(next(iter(unpaired.values()))[0][1], {reason: now[reason] for reason in UNPAIRED},
+                          now["read"])
 
 
 def to_preference_dataset(dataset: AnyDataset, columns: Mapping[str, str] | None = None,
                           options: LayoutOptions = DEFAULT_OPTIONS, num_proc: int | None = None,
                           source: str = "", keep: tuple[str, ...] = (),
-                          counts: StreamCounts | None = None) -> AnyDataset:
+                          counts: StreamCounts | None = None, strict_pairs: bool = False) -> AnyDataset:
     """A loaded dataset in any known layout -> validated prompt/chosen/rejected/source_row columns (a cached `map`),
-    and the columns named in `keep`. Rows read and skipped are added to `counts` (a stream's: see StreamCounts)."""
+    and the columns named in `keep`. Rows read and left out (ties, `UNPAIRED` rows unless `strict_pairs`) are added
+    to `counts` (a stream's: see StreamCounts)."""
     first_row = _first_row(dataset)
     if columns:
         check_mapping(columns, list(first_row))
@@ -571,24 +640,57 @@ def to_preference_dataset(dataset: AnyDataset, columns: Mapping[str, str] | None
     features = None if columns else dataset.features
     layout = _detect(first_row, features, options, source)
     # The kind every row must have is the first row's; the map validates that row with the others.
-    first_pair = layout.to_pair(first_row, 0, options)  # None for a first row the layout skips (a tie)
-    conversational = None if first_pair is None else options.as_messages or isinstance(first_pair["prompt"], list)
+    # None: a tie; a tuple: unpaired. Not validated: the map validates that row with the others.
+    first_pair = _pair_or_reason(layout, first_row, 0, options, strict_pairs, validate=False)
+    conversational = None if not isinstance(first_pair, dict) else (
+        options.as_messages or isinstance(first_pair["prompt"], list))
     fn_kwargs = {"layout_name": layout.name, "options": options, "columns": dict(columns) if columns else None,
-                 "conversational": conversational, "keep": tuple(keep)}
+                 "conversational": conversational, "keep": tuple(keep), "strict_pairs": strict_pairs}
     map_kwargs: dict[str, Any] = {"batched": True, "with_indices": True, "remove_columns": _column_names(dataset),
                                   "fn_kwargs": fn_kwargs}
     if isinstance(dataset, IterableDataset):  # counted as it is read, in the workers that read it too
         counts = fn_kwargs["counts"] = counts if counts is not None else StreamCounts()
-        return _carrying(dataset.map(_convert_batch, **map_kwargs), counts)
+        return carrying(dataset.map(_convert_batch, **map_kwargs), counts)
     # Map-style: the datasets cache keys the map by fn_kwargs, which hold no counts; they are counted once, here.
     map_kwargs.update(num_proc=num_proc, desc=f"Reading {layout.name} pairs")
     converted = dataset.map(_convert_batch, **map_kwargs)
+    left_out = _left_out(dataset, converted, layout, options, columns)
+    ties = len(dataset) - len(converted) - sum(map(len, left_out.values()))
+    if left_out:
+        _refuse_most_unpaired(min(rows[0] for rows in left_out.values())[1],
+                              {reason: len(rows) for reason, rows in left_out.items()}, len(dataset))
     if counts is not None:
-        counts.add({"read": len(dataset), SKIPPED: len(dataset) - len(converted)})
-    if len(converted) < len(dataset):
-        logger.warning("%s: dropped %d of %d rows that the %s layout skips (ties)", source or "data",
-                       len(dataset) - len(converted), len(dataset), layout.name)
+        counts.add({"read": len(dataset), SKIPPED: ties, **{reason: len(rows) for reason, rows in left_out.items()}})
+    if ties:
+        logger.warning("%s: dropped %d of %d rows that the %s layout skips (ties)", source or "data", ties,
+                       len(dataset), layout.name)
+    for reason, rows in left_out.items():
+        logger.warning("%s: dropped %d of %d rows %s; first source rows: %s", source or "data", len(rows),
+                       len(dataset), reason, ", ".join(str(label) for label, _ in rows[:10]))
     return converted
+
+
+def _left_out(dataset: Dataset, converted: Dataset, layout: Layout, options: LayoutOptions,
+              columns: Mapping[str, str] | None) -> dict[str, list[tuple[Any, str]]]:
+    """The rows the map left out that are not ties, by reason, each (its source row, the layout's message). A
+    cached map says nothing, so the rows missing from it are read again (ties and unpaired rows only: few)."""
+    if len(converted) == len(dataset):
+        return {}
+    labels = dataset[SOURCE_ROW] if SOURCE_ROW in dataset.column_names else range(len(dataset))
+    kept = Counter(converted[SOURCE_ROW])
+    missing = []
+    for position, label in enumerate(labels):
+        if kept[label]:
+            kept[label] -= 1
+        else:
+            missing.append(position)
+    left_out: dict[str, list[tuple[Any, str]]] = {}
+    for position, row in zip(missing, dataset.select(missing)):
+        label = labels[position]
+        found = _pair_or_reason(layout, rename_columns(row, columns) if columns else row, label, options, False)
+        if isinstance(found, tuple):
+            left_out.setdefault(found[0], []).append((label, found[1]))
+    return left_out
 
 
 def _first_row(dataset: Any) -> dict[str, Any]:
@@ -755,14 +857,15 @@ def tokenize_dataset(dataset: AnyDataset | Iterable[Mapping[str, Any]], tokenize
     tokenized = dataset.map(_tokenize_batch, **map_kwargs)
     if streaming:
         counts = _counts_for(dataset, counts)
-        return _carrying(tokenized.filter(_count_usable, input_columns=[DROPPED], batched=True,
+        return carrying(tokenized.filter(_count_usable, input_columns=[DROPPED], batched=True,
                                           fn_kwargs={"counts": counts}).remove_columns([SOURCE_ROW, DROPPED]), counts)
     return _drop_unusable(tokenized, truncation, counts).remove_columns([SOURCE_ROW, DROPPED])
 
 
 def describe_stream_counts(counts: Mapping[str, int]) -> str:
     """'read 40 rows, dropped 3: 2 skipped by the layout (ties), 1 with no completion token left after truncation'."""
-    dropped = {reason: counts.get(reason, 0) for reason in (SKIPPED, *DROP_REASONS) if counts.get(reason, 0)}
+    dropped = {reason: counts.get(reason, 0) for reason in (SKIPPED, *UNPAIRED, *DROP_REASONS)
+               if counts.get(reason, 0)}
     listed = ", ".join(f"{number} {reason}" for reason, number in dropped.items())
     shared = counts.get(ALSO_HELD_OUT, 0)
     return (f"read {counts.get('read', 0)} rows, dropped {sum(dropped.values())}" + (f": {listed}" if listed else "")
