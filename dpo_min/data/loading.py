@@ -88,7 +88,7 @@ class StreamCounts:
     (with the default start method, as Trainer starts them; like any multiprocessing object, the counts pickle only
     into a process being started).
     """
-    NAMES = ("read", SKIPPED, *UNPAIRED, *DROP_REASONS, ALSO_HELD_OUT)
+    NAMES = ("read", SKIPPED, *DROP_REASONS, *UNPAIRED, ALSO_HELD_OUT)
 
     def __init__(self) -> None:
         self._values = multiprocessing.Array("q", len(self.NAMES))  # with a lock: two workers may add at once
