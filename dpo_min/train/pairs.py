@@ -16,10 +16,13 @@ from transformers import TrainerCallback
 from ..config import DPOMinConfig
 from ..data.layouts import LayoutOptions
 from ..data.loading import (
+    DROP_REASONS,
     SKIPPED,
+    UNPAIRED,
     SOURCE_DATASET,
     StreamCounts,
     count_shared_in_stream,
+    carrying,
     describe_stream_counts,
     load_preference_dataset,
     stream_counts,
@@ -50,6 +53,7 @@ def load_pairs(plan: Plan) -> tuple[Dataset, Dataset | None]:
                              "others; give one of them")
     else:
         source, train, held_out = _load_dataset(plan)
+    train_read = train  # what reading dropped, counted on it (a stream: on every later form of it too)
     if data_args.streaming:
         return _stream_pairs(train, source, plan)
     if held_out is None and plan.eval_fraction > 0:
@@ -60,7 +64,7 @@ def load_pairs(plan: Plan) -> tuple[Dataset, Dataset | None]:
         # Only the pairs the run will reach are tokenized (and, with precompute_ref_log_probs, scored).
         train = train.shuffle(seed=plan.seed).select(range(plan.reach))
     warn_shared_pairs(train, held_out, source)  # the pairs as trained and evaluated, whichever form split them
-    return train, held_out
+    return (carrying(train, counts) if (counts := stream_counts(train_read)) else train), held_out
 
 
 def _load_dataset(plan: Plan) -> tuple[str, Any, Any]:
@@ -74,10 +78,11 @@ def _load_dataset(plan: Plan) -> tuple[str, Any, Any]:
         raise UsageError(f"no such dataset file: {source}")
     if data_args.eval_split and os.path.isfile(source):
         raise UsageError("--eval_split picks a split of a datasets name; a file has one split, use --eval_fraction")
-    train = _load(source, data_args.split, data_args, plan.args)
-    held_out = _load(source, data_args.eval_split, data_args, plan.args) if data_args.eval_split and not \
+    counts = None if data_args.streaming else StreamCounts()  # a stream counts into its own
+    train = _load(source, data_args.split, data_args, plan.args, counts)
+    held_out = _load(source, data_args.eval_split, data_args, plan.args, counts) if data_args.eval_split and not \
         data_args.streaming else None
-    return source, train, held_out
+    return source, carrying(train, counts) if counts else train, held_out
 
 
 def _split(pairs: Dataset, eval_fraction: float, seed: int) -> tuple[Dataset, Dataset]:
@@ -95,6 +100,14 @@ def trained_sources(train_pairs: Any, data_args: DataArguments) -> dict[str, Any
     if SOURCE_DATASET in (getattr(train_pairs, "column_names", None) or []):
         return dict(sorted(Counter(train_pairs[SOURCE_DATASET]).items()))
     return {data_args.dataset or EMBEDDED_DATASET_NAME: pair_count(train_pairs)}
+
+
+def dropped_rows(train_pairs: Any) -> dict[str, int]:
+    """The rows reading dropped, by reason (ties, rows that cannot be pairs, and a stream's pairs cut unusable by
+    truncation), from the counts the train pairs carry; {} where they carry none (a map-style mixture logs its own)."""
+    counts = stream_counts(train_pairs)
+    found = counts.snapshot() if counts is not None else {}
+    return {reason: found[reason] for reason in (SKIPPED, *UNPAIRED, *DROP_REASONS) if found.get(reason)}
 
 
 def pair_count(pairs: Any) -> int | str:
@@ -187,11 +200,13 @@ def _layout_options(data_args: DataArguments) -> dict[str, Any]:
             "as_messages": data_args.as_messages}
 
 
-def _load(source: str, split: str, data_args: DataArguments, args: DPOMinConfig) -> Any:
+def _load(source: str, split: str, data_args: DataArguments, args: DPOMinConfig,
+          counts: StreamCounts | None = None) -> Any:
     try:
         return load_preference_dataset(source, split=split, config=data_args.dataset_config,
                                        columns=_columns(data_args), streaming=data_args.streaming,
-                                       num_proc=args.dataset_num_proc, **_layout_options(data_args))
+                                       num_proc=args.dataset_num_proc, counts=counts,
+                                       strict_pairs=data_args.strict_pairs, **_layout_options(data_args))
     except ValueError as error:  # a bad row or an unreadable file: the message names it
         raise InputError(f"{source}: {error}" if source not in str(error) else str(error)) from None
     except Exception as error:  # datasets' own errors for a name it cannot find or fetch
@@ -207,6 +222,9 @@ def _load_mixture(plan: Plan) -> Mixture | None:
                 raise UsageError(f"{name} belongs to a mixture (datasets, dataset_mixture or dataset_mixer); "
                                  "there is none")
         return None
+    if data_args.strict_pairs:
+        raise UsageError("--strict_pairs applies to one dataset (--dataset); a mixture drops the rows that cannot "
+                         "be preference pairs and names them in its log")
     if data_args.eval_split:
         raise UsageError("--eval_split picks a split of one dataset; a mixture holds out --eval_fraction of its "
                          "pairs, or its own test_split_size (dataset_mixer: its test splits)")
