@@ -663,3 +663,14 @@ def test_the_command_counts_unpaired_rows_in_its_metrics_and_strict_pairs_refuse
     assert main([*argv, "--output_dir", str(tmp_path / "strict"), "--strict_pairs"]) == 1
     assert capsys.readouterr().err.strip().splitlines() == [
         f"python -m dpo_min.train: error: {path}: row 20: field 'chosen' is an empty completion"]
+
+
+def test_strict_pairs_with_a_mixture_is_a_usage_error(tmp_path, capsys, tiny_model_dir):
+    from dpo_min.train import main
+
+    path = write_jsonl(tmp_path / "pairs.jsonl", unique_pairs(6))
+    code = main(["--model", str(tiny_model_dir), "--output_dir", str(tmp_path / "out"), "--strict_pairs",
+                 "--datasets", json.dumps([{"path": str(path)}])])
+    assert code == 2 and capsys.readouterr().err.strip().splitlines() == [
+        "python -m dpo_min.train: error: --strict_pairs applies to one dataset (--dataset); a mixture drops the rows "
+        "that cannot be preference pairs and names them in its log"]
