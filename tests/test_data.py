@@ -620,8 +620,8 @@ def test_the_embedded_hh_file_is_the_upstream_file_and_loads_with_its_9_unpaired
     assert pairs["source_row"] == [i for i in range(2312) if i not in empty + apart]
     assert {name: number for name, number in counts.snapshot().items() if number} == {
         "read": 2312, NO_ANSWER: 4, NO_COMMON_PROMPT: 5}
-    assert (f"dropped 4 of 2312 rows {NO_ANSWER}; first source rows: 86, 516, 925, 1103" in caplog.text and
-            f"dropped 5 of 2312 rows {NO_COMMON_PROMPT}; first source rows: 1254, 1688, 1950, 1952, 2036" in caplog.text)
+    assert f"dropped 4 of 2312 rows {NO_ANSWER}; first source rows: 86, 516, 925, 1103" in caplog.text
+    assert f"dropped 5 of 2312 rows {NO_COMMON_PROMPT}; first source rows: 1254, 1688, 1950, 1952, 2036" in caplog.text
     with pytest.raises(ValueError, match=r"hh-rlhf-harmless-base-test\.jsonl\.gz: row 86: field 'chosen' is an empty "
                                          r"completion$"):
         load_preference_dataset(str(HH_PATH), strict_pairs=True)

@@ -1,4 +1,4 @@
-"""A dataset folder: every file in it is read, or the load is refused in one line naming the file (dpo_min.data.folders).
+"""A dataset folder: every file in it is read, or the load is refused in one line naming the file (data/folders.py).
 
 The reference is datasets itself: each case below, loaded by `datasets.load_dataset(folder)` alone, reads fewer rows
 than the folder holds (or says "No (supported) data files found"), which the first assertion of each test shows."""

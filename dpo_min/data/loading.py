@@ -43,8 +43,17 @@ from .layouts import (
     feature_kind,
     layout_by_name,
     rename_columns,
-    to_pair,
     value_kind,
+)
+from .unpaired import (  # noqa: F401  (NO_ANSWER, NO_COMMON_PROMPT, SAME_ANSWERS: the reasons, beside the others)
+    NO_ANSWER,
+    NO_COMMON_PROMPT,
+    SAME_ANSWERS,
+    UNPAIRED,
+    left_out_rows,
+    note_in_stream,
+    pair_or_reason,
+    refuse_most_unpaired,
 )
 
 logger = logging.getLogger("dpo_min.data")  # one logger for the data folder: the command shows its lines
@@ -62,14 +71,6 @@ SKIPPED = "skipped by the layout (ties)"
 NO_COMPLETION = "with no completion token left after truncation"
 SAME_COMPLETIONS = "with chosen identical to rejected after truncation"
 DROP_REASONS = (NO_COMPLETION, SAME_COMPLETIONS)
-# A row that is well formed but cannot be a preference pair (as the published HH files hold) is dropped and counted
-# by reason, as ties are, unless strict_pairs; the layouts (layouts.py) say so in these words.
-NO_ANSWER = "with an empty answer"
-NO_COMMON_PROMPT = "whose chosen and rejected share no prompt"
-SAME_ANSWERS = "with chosen identical to rejected"
-UNPAIRED = (NO_ANSWER, NO_COMMON_PROMPT, SAME_ANSWERS)
-_UNPAIRED_SIGNS = (("is an empty completion", NO_ANSWER), ("before the last Assistant turn", NO_COMMON_PROMPT),
-                   ("shares no prompt with", NO_COMMON_PROMPT), ("is identical to 'chosen'", SAME_ANSWERS))
 # The datasets cache keys a map by its function's own code and arguments, not by the helpers it calls: a change
 # to what tokenizing writes (the drop reasons became names, not 0/1/2) must change this, or a cached map of
 # the old form is read back.
@@ -516,7 +517,7 @@ def _to_pairs(rows: Iterable[Mapping[str, Any]], columns: Mapping[str, str] | No
     layout = _detect(rows[0] if isinstance(rows[0], Mapping) else {}, None, options)
     pairs, first_conversational, left_out = [], None, Counter()
     for index, row in enumerate(rows):
-        pair = _pair_or_reason(layout, row, index, options, strict_pairs)
+        pair = pair_or_reason(layout, row, index, options, strict_pairs)
         if isinstance(pair, tuple):
             if not left_out:
                 first = pair[1]
@@ -527,7 +528,7 @@ def _to_pairs(rows: Iterable[Mapping[str, Any]], columns: Mapping[str, str] | No
         first_conversational = _check_kind(pair, index, first_conversational)
         pairs.append({**pair, SOURCE_ROW: index})
     if left_out:
-        _refuse_most_unpaired(first, left_out, len(rows))
+        refuse_most_unpaired(first, left_out, len(rows))
         logger.warning("dropped %d of %d rows: %s", sum(left_out.values()), len(rows),
                        ", ".join(f"{number} {reason}" for reason, number in left_out.items()))
     return pairs
@@ -565,14 +566,14 @@ def _convert_batch(batch: dict[str, list], indices: list[int], layout_name: str,
                    columns: Mapping[str, str] | None, conversational: bool | None, keep: tuple[str, ...] = (),
                    counts: StreamCounts | None = None, strict_pairs: bool = False) -> dict[str, list]:
     """Rows -> validated pairs; a tie, or a row that cannot be a pair (`UNPAIRED`), is left out: a stream counts
-    both here, map-style data once the map is done (`_count_left_out`)."""
+    both here, map-style data once the map is done (`unpaired.left_out_rows`)."""
     layout = layout_by_name(layout_name)
     carried = [name for name in (*CARRIED_COLUMNS, *keep) if name in batch]
     out: dict[str, list] = {name: [] for name in (*PAIR_COLUMNS, SOURCE_ROW, *carried)}
     unpaired: dict[str, list[tuple[Any, str]]] = {}
     for position, (row, index) in enumerate(zip(_rows(batch), indices)):
         label = _row_label(batch, position, index)
-        pair = _pair_or_reason(layout, rename_columns(row, columns) if columns else row, label, options, strict_pairs)
+        pair = pair_or_reason(layout, rename_columns(row, columns) if columns else row, label, options, strict_pairs)
         if isinstance(pair, tuple):
             unpaired.setdefault(pair[0], []).append((label, pair[1]))
             continue
@@ -588,42 +589,8 @@ def _convert_batch(batch: dict[str, list], indices: list[int], layout_name: str,
         left_out = sum(map(len, unpaired.values()))
         counts.add({"read": len(indices), SKIPPED: len(indices) - len(out[SOURCE_ROW]) - left_out,
                     **{reason: len(rows) for reason, rows in unpaired.items()}})
-        _note_unpaired_in_stream(unpaired, counts)
+        note_in_stream(unpaired, counts)
     return out
-
-
-def _pair_or_reason(layout: Layout, row: Mapping[str, Any], label: Any, options: LayoutOptions,
-                    strict_pairs: bool, validate: bool = True) -> dict[str, Any] | tuple[str, str] | None:
-    """The row's pair, None for a tie, or (reason, the layout's message) for a row that cannot be a pair."""
-    try:
-        return to_pair(layout, row, label, options) if validate else layout.to_pair(row, label, options)
-    except ValueError as error:
-        reason = next((reason for sign, reason in _UNPAIRED_SIGNS if sign in str(error)), None)
-        if strict_pairs or reason is None:  # a malformed row (wrong types, unreadable) is always refused
-            raise
-        return reason, str(error)
-
-
-def _refuse_most_unpaired(first: str, left_out: Mapping[str, int], read: int) -> None:
-    """Most rows unpaired is a wrong layout or wrong columns, not a few bad pairs: refused, naming the first."""
-    if 2 * sum(left_out.values()) > read:
-        listed = ", ".join(f"{number} {reason}" for reason, number in left_out.items() if number)
-        raise ValueError(f"{first}; {sum(left_out.values())} of {read} rows cannot be preference pairs ({listed}): "
-                         "too many to drop, check the layout and columns")
-
-
-def _note_unpaired_in_stream(unpaired: Mapping[str, list[tuple[Any, str]]], counts: StreamCounts) -> None:
-    """A stream's rows that cannot be pairs: each logged while its reason has fewer than ten, and most of the rows
-    read so far being such refused."""
-    if not unpaired:
-        return
-    now = counts.snapshot()
-    for reason, rows in unpaired.items():
-        for number, (label, _) in enumerate(rows, start=now[reason] - len(rows)):
-            if number < 10:
-                logger.warning("dropped row %s %s", label, reason)
-    _refuse_most_unpaired(next(iter(unpaired.values()))[0][1], {reason: now[reason] for reason in UNPAIRED},
-                          now["read"])
 
 
 def to_preference_dataset(dataset: AnyDataset, columns: Mapping[str, str] | None = None,
@@ -641,7 +608,7 @@ def to_preference_dataset(dataset: AnyDataset, columns: Mapping[str, str] | None
     layout = _detect(first_row, features, options, source)
     # The kind every row must have is the first row's; the map validates that row with the others.
     # None: a tie; a tuple: unpaired. Not validated: the map validates that row with the others.
-    first_pair = _pair_or_reason(layout, first_row, 0, options, strict_pairs, validate=False)
+    first_pair = pair_or_reason(layout, first_row, 0, options, strict_pairs, validate=False)
     conversational = None if not isinstance(first_pair, dict) else (
         options.as_messages or isinstance(first_pair["prompt"], list))
     fn_kwargs = {"layout_name": layout.name, "options": options, "columns": dict(columns) if columns else None,
@@ -654,10 +621,13 @@ def to_preference_dataset(dataset: AnyDataset, columns: Mapping[str, str] | None
     # Map-style: the datasets cache keys the map by fn_kwargs, which hold no counts; they are counted once, here.
     map_kwargs.update(num_proc=num_proc, desc=f"Reading {layout.name} pairs")
     converted = dataset.map(_convert_batch, **map_kwargs)
-    left_out = _left_out(dataset, converted, layout, options, columns)
+    left_out = {}
+    if len(converted) < len(dataset):
+        labels = dataset[SOURCE_ROW] if SOURCE_ROW in dataset.column_names else range(len(dataset))
+        left_out = left_out_rows(dataset, labels, converted[SOURCE_ROW], layout, options, columns)
     ties = len(dataset) - len(converted) - sum(map(len, left_out.values()))
     if left_out:
-        _refuse_most_unpaired(min(rows[0] for rows in left_out.values())[1],
+        refuse_most_unpaired(min(rows[0] for rows in left_out.values())[1],
                               {reason: len(rows) for reason, rows in left_out.items()}, len(dataset))
     if counts is not None:
         counts.add({"read": len(dataset), SKIPPED: ties, **{reason: len(rows) for reason, rows in left_out.items()}})
@@ -668,29 +638,6 @@ def to_preference_dataset(dataset: AnyDataset, columns: Mapping[str, str] | None
         logger.warning("%s: dropped %d of %d rows %s; first source rows: %s", source or "data", len(rows),
                        len(dataset), reason, ", ".join(str(label) for label, _ in rows[:10]))
     return converted
-
-
-def _left_out(dataset: Dataset, converted: Dataset, layout: Layout, options: LayoutOptions,
-              columns: Mapping[str, str] | None) -> dict[str, list[tuple[Any, str]]]:
-    """The rows the map left out that are not ties, by reason, each (its source row, the layout's message). A
-    cached map says nothing, so the rows missing from it are read again (ties and unpaired rows only: few)."""
-    if len(converted) == len(dataset):
-        return {}
-    labels = dataset[SOURCE_ROW] if SOURCE_ROW in dataset.column_names else range(len(dataset))
-    kept = Counter(converted[SOURCE_ROW])
-    missing = []
-    for position, label in enumerate(labels):
-        if kept[label]:
-            kept[label] -= 1
-        else:
-            missing.append(position)
-    left_out: dict[str, list[tuple[Any, str]]] = {}
-    for position, row in zip(missing, dataset.select(missing)):
-        label = labels[position]
-        found = _pair_or_reason(layout, rename_columns(row, columns) if columns else row, label, options, False)
-        if isinstance(found, tuple):
-            left_out.setdefault(found[0], []).append((label, found[1]))
-    return left_out
 
 
 def _first_row(dataset: Any) -> dict[str, Any]:
