@@ -130,14 +130,9 @@ def _counts_for(stream: IterableDataset, counts: StreamCounts | None) -> StreamC
     return stream_counts(stream) or StreamCounts()
 
 
-def carrying(dataset: AnyDataset, counts: StreamCounts) -> AnyDataset:
-    """The dataset, carrying `counts` (`stream_counts` finds them): a stream's as it is read, or what reading a
-    map-style dataset dropped (the command's metrics.json lists them)."""
-    setattr(dataset, _COUNTS, counts)
-    return dataset
-
-
-_carrying = carrying  # the name mixtures.py imports
+def _carrying(stream: IterableDataset, counts: StreamCounts) -> IterableDataset:
+    setattr(stream, _COUNTS, counts)
+    return stream
 
 
 # ---- loading ----------------------------------------------------------------------------------------------------
@@ -494,7 +489,7 @@ def count_shared_in_stream(train: IterableDataset, held_out: Dataset,
         keys = (json.dumps(pair, sort_keys=True) for pair in zip(*(batch[name] for name in PAIR_COLUMNS)))
         counts.add({ALSO_HELD_OUT: sum(key in held for key in keys)})
         return batch
-    return carrying(train.map(count, batched=True, features=train.features), counts)
+    return _carrying(train.map(count, batched=True, features=train.features), counts)
 
 
 # ---- layouts -> pairs: every row is validated here, once -----------------------------------------------------
@@ -617,7 +612,7 @@ def to_preference_dataset(dataset: AnyDataset, columns: Mapping[str, str] | None
                                   "fn_kwargs": fn_kwargs}
     if isinstance(dataset, IterableDataset):  # counted as it is read, in the workers that read it too
         counts = fn_kwargs["counts"] = counts if counts is not None else StreamCounts()
-        return carrying(dataset.map(_convert_batch, **map_kwargs), counts)
+        return _carrying(dataset.map(_convert_batch, **map_kwargs), counts)
     # Map-style: the datasets cache keys the map by fn_kwargs, which hold no counts; they are counted once, here.
     map_kwargs.update(num_proc=num_proc, desc=f"Reading {layout.name} pairs")
     converted = dataset.map(_convert_batch, **map_kwargs)
@@ -804,7 +799,7 @@ def tokenize_dataset(dataset: AnyDataset | Iterable[Mapping[str, Any]], tokenize
     tokenized = dataset.map(_tokenize_batch, **map_kwargs)
     if streaming:
         counts = _counts_for(dataset, counts)
-        return carrying(tokenized.filter(_count_usable, input_columns=[DROPPED], batched=True,
+        return _carrying(tokenized.filter(_count_usable, input_columns=[DROPPED], batched=True,
                                           fn_kwargs={"counts": counts}).remove_columns([SOURCE_ROW, DROPPED]), counts)
     return _drop_unusable(tokenized, truncation, counts).remove_columns([SOURCE_ROW, DROPPED])
 

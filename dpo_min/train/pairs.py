@@ -6,6 +6,7 @@ import math
 import os
 import sys
 from collections import Counter
+from collections.abc import Mapping
 from contextlib import suppress
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,6 @@ from ..data.loading import (
     SOURCE_DATASET,
     StreamCounts,
     count_shared_in_stream,
-    carrying,
     describe_stream_counts,
     load_preference_dataset,
     stream_counts,
@@ -53,7 +53,7 @@ def load_pairs(plan: Plan) -> tuple[Dataset, Dataset | None]:
                              "others; give one of them")
     else:
         source, train, held_out = _load_dataset(plan)
-    train_read = train  # what reading dropped, counted on it (a stream: on every later form of it too)
+    train_read = train  # what reading dropped is noted on it (a stream counts on every later form of it too)
     if data_args.streaming:
         return _stream_pairs(train, source, plan)
     if held_out is None and plan.eval_fraction > 0:
@@ -64,7 +64,7 @@ def load_pairs(plan: Plan) -> tuple[Dataset, Dataset | None]:
         # Only the pairs the run will reach are tokenized (and, with precompute_ref_log_probs, scored).
         train = train.shuffle(seed=plan.seed).select(range(plan.reach))
     warn_shared_pairs(train, held_out, source)  # the pairs as trained and evaluated, whichever form split them
-    return (carrying(train, counts) if (counts := stream_counts(train_read)) else train), held_out
+    return _with_dropped_rows(train, getattr(train_read, _DROPPED_ROWS, {})), held_out
 
 
 def _load_dataset(plan: Plan) -> tuple[str, Any, Any]:
@@ -82,7 +82,7 @@ def _load_dataset(plan: Plan) -> tuple[str, Any, Any]:
     train = _load(source, data_args.split, data_args, plan.args, counts)
     held_out = _load(source, data_args.eval_split, data_args, plan.args, counts) if data_args.eval_split and not \
         data_args.streaming else None
-    return source, carrying(train, counts) if counts else train, held_out
+    return source, _with_dropped_rows(train, counts.snapshot()) if counts else train, held_out
 
 
 def _split(pairs: Dataset, eval_fraction: float, seed: int) -> tuple[Dataset, Dataset]:
@@ -102,11 +102,19 @@ def trained_sources(train_pairs: Any, data_args: DataArguments) -> dict[str, Any
     return {data_args.dataset or EMBEDDED_DATASET_NAME: pair_count(train_pairs)}
 
 
+_DROPPED_ROWS = "_dpo_min_dropped_rows"  # what reading a map-style dataset dropped, noted on the train pairs
+
+
+def _with_dropped_rows(pairs: Any, counts: Mapping[str, int]) -> Any:
+    setattr(pairs, _DROPPED_ROWS, dict(counts))  # plain numbers: datasets may pickle the pairs
+    return pairs
+
+
 def dropped_rows(train_pairs: Any) -> dict[str, int]:
     """The rows reading dropped, by reason (ties, rows that cannot be pairs, and a stream's pairs cut unusable by
-    truncation), from the counts the train pairs carry; {} where they carry none (a map-style mixture logs its own)."""
+    truncation), as the train pairs note them; {} where they note none (a map-style mixture logs its own)."""
     counts = stream_counts(train_pairs)
-    found = counts.snapshot() if counts is not None else {}
+    found = counts.snapshot() if counts is not None else getattr(train_pairs, _DROPPED_ROWS, {})
     return {reason: found[reason] for reason in (SKIPPED, *UNPAIRED, *DROP_REASONS) if found.get(reason)}
 
 
