@@ -80,13 +80,21 @@ def tiny_model_dir(tmp_path_factory, smollm_path) -> Path:
     return path
 
 
+def is_hh_pair(row) -> bool:
+    """Both transcripts share the turns before their last answer and end with text: the upstream file's 9 rows
+    that do not (data/README.md) are dropped by the loader."""
+    (prompt, chosen), (other_prompt, rejected) = (row[name].rsplit("\n\nAssistant:", 1)
+                                                  for name in ("chosen", "rejected"))
+    return prompt == other_prompt and bool(chosen.strip()) and bool(rejected.strip())
+
+
 def write_hh_rows(path, count):
-    """The first `count` short HH transcripts, as they are in the embedded file."""
+    """The first `count` short HH transcripts that are preference pairs, as they are in the embedded file."""
     rows = []
     with gzip.open(HH_PATH, "rt") as file:
         for line in file:
             row = json.loads(line)
-            if len(row["chosen"]) + len(row["rejected"]) < 500:
+            if len(row["chosen"]) + len(row["rejected"]) < 500 and is_hh_pair(row):
                 rows.append(row)
             if len(rows) == count:
                 break

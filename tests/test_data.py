@@ -85,8 +85,6 @@ def test_implicit_prompt_is_the_longest_common_prefix():
         ({"prompt": "p", "rejected": "r"}, "chosen"),
         ({"prompt": "p", "chosen": None, "rejected": "r"}, "chosen"),
         ({"prompt": "p", "chosen": 3, "rejected": "r"}, "chosen"),
-        ({"prompt": "p", "chosen": "   ", "rejected": "r"}, "chosen"),
-        ({"prompt": "p", "chosen": "same", "rejected": "same"}, "rejected"),
         ({"prompt": 5, "chosen": "c", "rejected": "r"}, "prompt"),
         (dict(CONVERSATIONAL, chosen=[{"role": "user", "content": "no answer"}]), "chosen"),
         (dict(CONVERSATIONAL, rejected=[{"role": "wizard", "content": "x"}]), "rejected"),
@@ -98,6 +96,22 @@ def test_bad_rows_name_the_row_and_field(row, field):
     rows = [STANDARD, STANDARD, row]
     with pytest.raises(ValueError, match=rf"row 2: field '{field}'"):
         to_preference_rows(rows)
+
+
+@pytest.mark.parametrize("row, field, reason", [
+    ({"prompt": "p", "chosen": "   ", "rejected": "r"}, "chosen", "1 with an empty answer"),
+    ({"prompt": "p", "chosen": "same", "rejected": "same"}, "rejected", "1 with chosen identical to rejected"),
+    (dict(CONVERSATIONAL, rejected=[{"role": "assistant", "content": " "}]), "rejected", "1 with an empty answer"),
+])
+def test_a_row_that_cannot_be_a_pair_is_dropped_and_counted_or_refused_when_strict(row, field, reason, caplog):
+    rows = [STANDARD, STANDARD, row] if isinstance(row["chosen"], str) else [CONVERSATIONAL] * 2 + [row]
+    assert to_preference_rows(rows) == rows[:2]
+    assert f"dropped 1 of 3 rows: {reason}" in caplog.text
+    with pytest.raises(ValueError, match=rf"row 2: field '{field}'"):
+        to_preference_rows(rows, strict_pairs=True)
+    # Most rows unpaired is a wrong layout, not a few bad pairs: refused, naming the first.
+    with pytest.raises(ValueError, match=rf"^row 1: field '{field}' .*; 2 of 3 rows cannot be preference pairs"):
+        to_preference_rows([rows[0], row, row])
 
 
 def test_bad_file_says_which_file(tmp_path):
@@ -577,3 +591,86 @@ def test_a_data_mistake_is_one_line_exit_1_and_writes_nothing(tmp_path, capsys, 
     error_lines = capsys.readouterr().err.strip().splitlines()
     assert code == 1 and len(error_lines) == 1 and message in error_lines[0], error_lines
     assert sorted(os.listdir(tmp_path)) == before
+
+
+# ---- issue 31: Anthropic/hh-rlhf as published; a row that cannot be a pair is dropped and counted ---------------
+def upstream_unpaired_rows():
+    """The upstream HH file's rows that cannot be pairs, found from its raw text (not by the data code): the last
+    chosen answer empty, or the two transcripts different before their last Assistant turn."""
+    with gzip.open(HH_PATH, "rt", encoding="utf-8") as file:
+        rows = [json.loads(line) for line in file]
+    split = [[row[name].rsplit("\n\nAssistant:", 1) for name in ("chosen", "rejected")] for row in rows]
+    empty = [i for i, (chosen, rejected) in enumerate(split) if not chosen[1].strip() or not rejected[1].strip()]
+    apart = [i for i, (chosen, rejected) in enumerate(split) if chosen[0] != rejected[0] and i not in empty]
+    return rows, empty, apart
+
+
+def test_the_embedded_hh_file_is_the_upstream_file_and_loads_with_its_9_unpaired_rows_dropped_by_reason(caplog):
+    from hashlib import sha256
+
+    from dpo_min.data.loading import NO_ANSWER, NO_COMMON_PROMPT, StreamCounts
+
+    digest = sha256(HH_PATH.read_bytes()).hexdigest()
+    assert digest == "ebfaaed21162a4de120ae85366075b34425e2a6303fac59b99555002f7016f03"
+    assert f"`{digest}`" in (ROOT / "data" / "README.md").read_text()
+    rows, empty, apart = upstream_unpaired_rows()
+    assert (len(rows), empty, apart) == (2312, [86, 516, 925, 1103], [1254, 1688, 1950, 1952, 2036])  # data/README.md
+    counts = StreamCounts()
+    pairs = load_preference_dataset(str(HH_PATH), counts=counts)
+    assert pairs["source_row"] == [i for i in range(2312) if i not in empty + apart]
+    assert {name: number for name, number in counts.snapshot().items() if number} == {
+        "read": 2312, NO_ANSWER: 4, NO_COMMON_PROMPT: 5}
+    assert f"dropped 4 of 2312 rows {NO_ANSWER}; first source rows: 86, 516, 925, 1103" in caplog.text
+    assert f"dropped 5 of 2312 rows {NO_COMMON_PROMPT}; first source rows: 1254, 1688, 1950, 1952, 2036" in caplog.text
+    with pytest.raises(ValueError, match=r"hh-rlhf-harmless-base-test\.jsonl\.gz: row 86: field 'chosen' is an empty "
+                                         r"completion$"):
+        load_preference_dataset(str(HH_PATH), strict_pairs=True)
+
+
+def test_a_stream_drops_and_counts_the_upstream_unpaired_rows_naming_them(caplog):
+    from dpo_min.data.loading import NO_ANSWER, NO_COMMON_PROMPT, stream_counts
+
+    stream = load_preference_dataset(str(HH_PATH), streaming=True)
+    assert sum(1 for _ in stream) == 2303
+    counts = stream_counts(stream).snapshot()
+    assert (counts["read"], counts[NO_ANSWER], counts[NO_COMMON_PROMPT]) == (2312, 4, 5)
+    assert f"dropped row 86 {NO_ANSWER}" in caplog.text and f"dropped row 2036 {NO_COMMON_PROMPT}" in caplog.text
+
+
+def test_most_rows_unpaired_is_refused_as_a_wrong_layout_naming_the_first(tmp_path):
+    rows, empty, apart = upstream_unpaired_rows()
+    path = write_jsonl(tmp_path / "hh.jsonl", [rows[i] for i in [0, *empty, 1]])
+    with pytest.raises(ValueError, match=r"hh\.jsonl: row 1: field 'chosen' is an empty completion; 4 of 6 rows cannot "
+                                         r"be preference pairs \(4 with an empty answer\): too many to drop"):
+        load_preference_dataset(str(path))
+
+
+def test_the_command_counts_unpaired_rows_in_its_metrics_and_strict_pairs_refuses_in_one_line(tmp_path, capsys,
+                                                                                           tiny_model_dir):
+    from dpo_min.data.loading import NO_ANSWER, NO_COMMON_PROMPT
+    from dpo_min.train import main
+
+    rows, empty, apart = upstream_unpaired_rows()
+    path = write_jsonl(tmp_path / "hh.jsonl", [rows[i] for i in sorted([*range(20), *empty, *apart])])
+    argv = ["--model", str(tiny_model_dir), "--dataset", str(path), "--max_steps", "1", "--eval_fraction", "0.25",
+            "--per_device_train_batch_size", "2", "--max_length", "1024", "--num_samples", "1", "--max_new_tokens", "2",
+            "--disable_tqdm", "true"]
+    assert main([*argv, "--output_dir", str(tmp_path / "run")]) == 0
+    assert "dropped 4 of 29 rows with an empty answer; first source rows: 20, 21, 22, 23" in capsys.readouterr().out
+    metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    assert metrics["dropped_rows"] == {NO_ANSWER: 4, NO_COMMON_PROMPT: 5}
+    assert metrics["held_out_pairs"] == 5  # 25% of the 20 pairs left (the run reaches 2 of the other 15)
+    assert main([*argv, "--output_dir", str(tmp_path / "strict"), "--strict_pairs"]) == 1
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"python -m dpo_min.train: error: {path}: row 20: field 'chosen' is an empty completion"]
+
+
+def test_strict_pairs_with_a_mixture_is_a_usage_error(tmp_path, capsys, tiny_model_dir):
+    from dpo_min.train import main
+
+    path = write_jsonl(tmp_path / "pairs.jsonl", unique_pairs(6))
+    code = main(["--model", str(tiny_model_dir), "--output_dir", str(tmp_path / "out"), "--strict_pairs",
+                 "--datasets", json.dumps([{"path": str(path)}])])
+    assert code == 2 and capsys.readouterr().err.strip().splitlines() == [
+        "python -m dpo_min.train: error: --strict_pairs applies to one dataset (--dataset); a mixture drops the rows "
+        "that cannot be preference pairs and names them in its log"]

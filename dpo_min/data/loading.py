@@ -31,8 +31,9 @@ from datasets import (
     load_from_disk,
 )
 from datasets.data_files import DataFilesDict, get_data_patterns
-from datasets.load import _ALL_ALLOWED_EXTENSIONS, infer_module_for_data_files_list
+from datasets.load import _ALL_ALLOWED_EXTENSIONS
 
+from .folders import check_every_file_read, file_type
 from .layouts import (
     CARRIED_COLUMNS,
     Layout,
@@ -42,8 +43,17 @@ from .layouts import (
     feature_kind,
     layout_by_name,
     rename_columns,
-    to_pair,
     value_kind,
+)
+from .unpaired import (  # noqa: F401  (NO_ANSWER, NO_COMMON_PROMPT, SAME_ANSWERS: the reasons, beside the others)
+    NO_ANSWER,
+    NO_COMMON_PROMPT,
+    SAME_ANSWERS,
+    UNPAIRED,
+    left_out_rows,
+    note_in_stream,
+    pair_or_reason,
+    refuse_most_unpaired,
 )
 
 logger = logging.getLogger("dpo_min.data")  # one logger for the data folder: the command shows its lines
@@ -79,7 +89,7 @@ class StreamCounts:
     (with the default start method, as Trainer starts them; like any multiprocessing object, the counts pickle only
     into a process being started).
     """
-    NAMES = ("read", SKIPPED, *DROP_REASONS, ALSO_HELD_OUT)
+    NAMES = ("read", SKIPPED, *DROP_REASONS, *UNPAIRED, ALSO_HELD_OUT)
 
     def __init__(self) -> None:
         self._values = multiprocessing.Array("q", len(self.NAMES))  # with a lock: two workers may add at once
@@ -132,7 +142,7 @@ def load_preference_dataset(path_or_name: str, split: str = "train", *, config: 
                             no_prompt: bool = False, as_messages: bool = False, row_split: str = "train",
                             label_column: str | None = None, label_chosen: str | None = None,
                             label_rejected: str | None = None, counts: StreamCounts | None = None,
-                            **load_kwargs: Any) -> AnyDataset:
+                            strict_pairs: bool = False, **load_kwargs: Any) -> AnyDataset:
     """Load preference pairs from a JSON/JSONL/Parquet/CSV file (optionally .gz) or a `datasets` name.
 
     Returns a `Dataset` (an `IterableDataset` with `streaming`) with columns `prompt`, `chosen`, `rejected`
@@ -140,6 +150,8 @@ def load_preference_dataset(path_or_name: str, split: str = "train", *, config: 
     `chat_template_kwargs` where the source has them. The layout is detected from the columns (see
     `layouts.LAYOUTS`); `columns` maps our names (prompt, chosen, rejected, system) to the source's. A stream
     counts what it reads and skips in `counts` (a new `StreamCounts` if not given; `stream_counts(stream)` is it).
+    A row that cannot be a preference pair (`UNPAIRED`: no answer, no common prompt) is dropped and counted, unless
+    `strict_pairs`, or most rows are such (a wrong layout): then it raises, naming the row.
     """
     options = LayoutOptions(preference_label=preference_label, no_prompt=no_prompt, as_messages=as_messages,
                             row_split=row_split, label_column=label_column, label_chosen=label_chosen,
@@ -147,7 +159,7 @@ def load_preference_dataset(path_or_name: str, split: str = "train", *, config: 
     raw = _load_raw(path_or_name, split, config, streaming, load_kwargs)
     try:
         return to_preference_dataset(raw, columns=columns, options=options, num_proc=num_proc,
-                                     source=os.path.basename(path_or_name), counts=counts)
+                                     source=os.path.basename(path_or_name), counts=counts, strict_pairs=strict_pairs)
     except ValueError as error:
         raise ValueError(f"{path_or_name}: {error}") from error
 
@@ -251,39 +263,57 @@ def _load_named(path_or_name: str, split: str, config: str | None, streaming: bo
                 load_kwargs: dict[str, Any]) -> AnyDataset:
     """`datasets.load_dataset(name or folder, config, split=...)`: a folder's README.md `configs:`, or its data files
     named by split (data/train_prefs-*.parquet), as for the hub dataset it is a copy of."""
-    if os.path.isdir(path_or_name):
-        _check_one_file_type(path_or_name, load_kwargs)
+    files = _check_one_file_type(path_or_name, load_kwargs) if os.path.isdir(path_or_name) else []
     try:
         return load_dataset(path_or_name, config, split=split, streaming=streaming, **load_kwargs)
     except ValueError as error:
         if not str(error).startswith("Unknown split"):
+            _name_unreadable_file(files, error)
             raise
         raise ValueError(f"{path_or_name}: no split {split!r}; it has "
                          f"{_split_names(path_or_name, config, load_kwargs)}") from None
+    except Exception as error:  # datasets says 'An error occurred while generating the dataset', naming no file
+        _name_unreadable_file(files, error)
+        raise
 
 
-def _check_one_file_type(folder: str, load_kwargs: Mapping[str, Any]) -> None:
+def _name_unreadable_file(files: list[str], error: Exception) -> None:
+    """Raise the reason of the first of a folder's files that does not read on its own, naming it; return where
+    each reads (the folder's error is then about them together, and stands)."""
+    for path in files:
+        module, *options = file_type(path)
+        try:
+            with _quiet(f"datasets.packaged_modules.{module}.{module}"):
+                load_dataset(module, data_files={FILE_SPLIT: path}, split=FILE_SPLIT,
+                             **dict(zip(options[::2], options[1::2])))
+        except Exception as file_error:
+            raise ValueError(f"{path}: {_why_unreadable(path, module, file_error)}") from error
+
+
+def _check_one_file_type(folder: str, load_kwargs: Mapping[str, Any]) -> list[str]:
     """datasets reads a folder's files of its commonest type only (`infer_module_for_data_files`, then a filter on
-    that type), and only its split-named files where some are: such a folder is refused, naming the files, rather
-    than read in part. Files that a README's `configs:` or `data_files` name are read as named."""
+    that type), only its split-named files where some are, and none it cannot glob (`folders`): such a folder is
+    refused, naming the files, rather than read in part. Files that a README's `configs:` or `data_files` name are
+    read as named. Returns the files datasets reads (relative to the folder), [] where they are named."""
     base = os.path.join(folder, load_kwargs["data_dir"]) if load_kwargs.get("data_dir") else folder
     if load_kwargs.get("data_files") is not None or _readme_configs(base):
-        return
+        return []
 
     def found(patterns: Mapping[str, list[str]]) -> list[str]:
         files = DataFilesDict.from_patterns(patterns, base_path=base, allowed_extensions=_ALL_ALLOWED_EXTENSIONS)
         return sorted(os.path.relpath(file, base) for split in files.values() for file in split)
     try:
         in_splits, every = found(get_data_patterns(base)), found({"all": ["**"]})
-    except Exception:  # no data files: datasets' own error says so
-        return
-    by_type: dict[str, list[str]] = {}
+    except Exception:  # no data files that datasets can glob
+        in_splits = every = []
+    check_every_file_read(base, every)
+    by_type: dict[tuple[str, ...], list[str]] = {}
     for name in every:
-        kind = infer_module_for_data_files_list([name])[0]  # datasets' own rule, one file at a time
-        if kind not in (None, *_NOTES):
+        kind = file_type(name)  # datasets' own rule, one file at a time
+        if kind is not None:
             by_type.setdefault(kind, []).append(name)
     if len(by_type) > 1:
-        listed = "; ".join(f"{kind}: {_some(names)}" for kind, names in by_type.items())
+        listed = "; ".join(f"{_type_name(kind)}: {_some(names)}" for kind, names in by_type.items())
         raise ValueError(f"{base}: holds data files of {len(by_type)} types, and datasets would read one type "
                          f"only: {listed}; keep one type in the folder, or name a file")
     # Files named by split (train.jsonl, test-*.parquet) make datasets read those alone and leave out the others.
@@ -291,10 +321,13 @@ def _check_one_file_type(folder: str, load_kwargs: Mapping[str, Any]) -> None:
     if left_out:
         raise ValueError(f"{base}: datasets reads its files by split name ({_some(in_splits)}) and would leave out "
                          f"{_some(left_out)}; name every file by its split, or keep one split's files there")
+    return [os.path.join(base, name) for names in by_type.values() for name in names]
 
 
-# datasets 5 reads .md and .toml files as "harbor" task data; beside preference files they are a folder's notes.
-_NOTES = ("harbor",)
+def _type_name(kind: tuple[str, ...]) -> str:
+    """('csv', 'sep', '\t') -> "csv (sep '\t')"."""
+    options = ", ".join(f"{name} {value!r}" for name, value in zip(kind[1::2], kind[2::2]))
+    return f"{kind[0]} ({options})" if options else kind[0]
 
 
 def _some(names: list[str]) -> str:
@@ -314,8 +347,11 @@ def _readme_configs(folder: str) -> bool:
         return False
     try:
         header = yaml.safe_load(text.split("---", 2)[1])
-    except yaml.YAMLError:
-        return False
+    except yaml.YAMLError as error:  # datasets reads the front matter too, and its error names no file
+        mark = getattr(error, "problem_mark", None)  # its line in the front matter, which starts on line 1
+        where = f" (line {mark.line + 1})" if mark is not None else ""
+        raise ValueError(f"{readme}: its YAML front matter does not parse: {getattr(error, 'problem', error)}"
+                         f"{where}") from None
     return isinstance(header, Mapping) and "configs" in header
 
 
@@ -361,7 +397,7 @@ def _load_saved(folder: str, split: str, config: str | None, streaming: bool) ->
 def _why_unreadable(path: str, builder: str, error: Exception) -> str:
     """A reason that names the line or row: datasets says 'An error occurred while generating the dataset' for a
     line that is not JSON, 'Expected bytes, got a list' for mixed layouts, '' for an empty file."""
-    if builder == "json":
+    if builder == "json" and path.lower().endswith((".json", ".jsonl", ".gz")):  # a text or .gz we can read
         try:
             with (gzip.open(path, "rb") if path.endswith(".gz") else open(path, "rb")) as file:
                 found = _json_fault(file.read())
@@ -462,14 +498,15 @@ def count_shared_in_stream(train: IterableDataset, held_out: Dataset,
 
 # ---- layouts -> pairs: every row is validated here, once -----------------------------------------------------
 def to_preference_rows(rows: Iterable[Mapping[str, Any]], columns: Mapping[str, str] | None = None,
-                       options: LayoutOptions = DEFAULT_OPTIONS) -> list[dict[str, Any]]:
-    """Bring each row to {prompt, chosen, rejected}, validating it. Raises ValueError naming row and field."""
+                       options: LayoutOptions = DEFAULT_OPTIONS, strict_pairs: bool = False) -> list[dict[str, Any]]:
+    """Bring each row to {prompt, chosen, rejected}, validating it. Raises ValueError naming row and field; a row that
+    cannot be a pair is left out with a warning, as `load_preference_dataset` does."""
     return [{name: value for name, value in pair.items() if name != SOURCE_ROW}
-            for pair in _to_pairs(rows, columns, options)]
+            for pair in _to_pairs(rows, columns, options, strict_pairs)]
 
 
 def _to_pairs(rows: Iterable[Mapping[str, Any]], columns: Mapping[str, str] | None,
-              options: LayoutOptions) -> list[dict[str, Any]]:
+              options: LayoutOptions, strict_pairs: bool = False) -> list[dict[str, Any]]:
     rows = list(rows)
     if not rows:
         return []
@@ -477,13 +514,22 @@ def _to_pairs(rows: Iterable[Mapping[str, Any]], columns: Mapping[str, str] | No
         check_mapping(columns, list(rows[0]))
         rows = [rename_columns(row, columns) for row in rows]
     layout = _detect(rows[0] if isinstance(rows[0], Mapping) else {}, None, options)
-    pairs, first_conversational = [], None
+    pairs, first_conversational, left_out = [], None, Counter()
     for index, row in enumerate(rows):
-        pair = to_pair(layout, row, index, options)
+        pair = pair_or_reason(layout, row, index, options, strict_pairs)
+        if isinstance(pair, tuple):
+            if not left_out:
+                first = pair[1]
+            left_out[pair[0]] += 1
+            continue
         if pair is None:
             continue
         first_conversational = _check_kind(pair, index, first_conversational)
         pairs.append({**pair, SOURCE_ROW: index})
+    if left_out:
+        refuse_most_unpaired(first, left_out, len(rows))
+        logger.warning("dropped %d of %d rows: %s", sum(left_out.values()), len(rows),
+                       ", ".join(f"{number} {reason}" for reason, number in left_out.items()))
     return pairs
 
 
@@ -517,13 +563,19 @@ def _rows(batch: Mapping[str, list]) -> Iterable[dict[str, Any]]:
 
 def _convert_batch(batch: dict[str, list], indices: list[int], layout_name: str, options: LayoutOptions,
                    columns: Mapping[str, str] | None, conversational: bool | None, keep: tuple[str, ...] = (),
-                   counts: StreamCounts | None = None) -> dict[str, list]:
+                   counts: StreamCounts | None = None, strict_pairs: bool = False) -> dict[str, list]:
+    """Rows -> validated pairs; a tie, or a row that cannot be a pair (`UNPAIRED`), is left out: a stream counts
+    both here, map-style data once the map is done (`unpaired.left_out_rows`)."""
     layout = layout_by_name(layout_name)
     carried = [name for name in (*CARRIED_COLUMNS, *keep) if name in batch]
     out: dict[str, list] = {name: [] for name in (*PAIR_COLUMNS, SOURCE_ROW, *carried)}
+    unpaired: dict[str, list[tuple[Any, str]]] = {}
     for position, (row, index) in enumerate(zip(_rows(batch), indices)):
         label = _row_label(batch, position, index)
-        pair = to_pair(layout, rename_columns(row, columns) if columns else row, label, options)
+        pair = pair_or_reason(layout, rename_columns(row, columns) if columns else row, label, options, strict_pairs)
+        if isinstance(pair, tuple):
+            unpaired.setdefault(pair[0], []).append((label, pair[1]))
+            continue
         if pair is None:
             continue
         _check_kind(pair, label, conversational)
@@ -533,16 +585,20 @@ def _convert_batch(batch: dict[str, list], indices: list[int], layout_name: str,
         for name in carried:
             out[name].append(row[name])
     if counts is not None:  # a stream: its drops are counted as they happen (see StreamCounts)
-        counts.add({"read": len(indices), SKIPPED: len(indices) - len(out[SOURCE_ROW])})
+        left_out = sum(map(len, unpaired.values()))
+        counts.add({"read": len(indices), SKIPPED: len(indices) - len(out[SOURCE_ROW]) - left_out,
+                    **{reason: len(rows) for reason, rows in unpaired.items()}})
+        note_in_stream(unpaired, counts)
     return out
 
 
 def to_preference_dataset(dataset: AnyDataset, columns: Mapping[str, str] | None = None,
                           options: LayoutOptions = DEFAULT_OPTIONS, num_proc: int | None = None,
                           source: str = "", keep: tuple[str, ...] = (),
-                          counts: StreamCounts | None = None) -> AnyDataset:
+                          counts: StreamCounts | None = None, strict_pairs: bool = False) -> AnyDataset:
     """A loaded dataset in any known layout -> validated prompt/chosen/rejected/source_row columns (a cached `map`),
-    and the columns named in `keep`. Rows read and skipped are added to `counts` (a stream's: see StreamCounts)."""
+    and the columns named in `keep`. Rows read and left out (ties, `UNPAIRED` rows unless `strict_pairs`) are added
+    to `counts` (a stream's: see StreamCounts)."""
     first_row = _first_row(dataset)
     if columns:
         check_mapping(columns, list(first_row))
@@ -550,10 +606,12 @@ def to_preference_dataset(dataset: AnyDataset, columns: Mapping[str, str] | None
     features = None if columns else dataset.features
     layout = _detect(first_row, features, options, source)
     # The kind every row must have is the first row's; the map validates that row with the others.
-    first_pair = layout.to_pair(first_row, 0, options)  # None for a first row the layout skips (a tie)
-    conversational = None if first_pair is None else options.as_messages or isinstance(first_pair["prompt"], list)
+    # None: a tie; a tuple: unpaired. Not validated: the map validates that row with the others.
+    first_pair = pair_or_reason(layout, first_row, 0, options, strict_pairs, validate=False)
+    conversational = None if not isinstance(first_pair, dict) else (
+        options.as_messages or isinstance(first_pair["prompt"], list))
     fn_kwargs = {"layout_name": layout.name, "options": options, "columns": dict(columns) if columns else None,
-                 "conversational": conversational, "keep": tuple(keep)}
+                 "conversational": conversational, "keep": tuple(keep), "strict_pairs": strict_pairs}
     map_kwargs: dict[str, Any] = {"batched": True, "with_indices": True, "remove_columns": _column_names(dataset),
                                   "fn_kwargs": fn_kwargs}
     if isinstance(dataset, IterableDataset):  # counted as it is read, in the workers that read it too
@@ -562,11 +620,22 @@ def to_preference_dataset(dataset: AnyDataset, columns: Mapping[str, str] | None
     # Map-style: the datasets cache keys the map by fn_kwargs, which hold no counts; they are counted once, here.
     map_kwargs.update(num_proc=num_proc, desc=f"Reading {layout.name} pairs")
     converted = dataset.map(_convert_batch, **map_kwargs)
-    if counts is not None:
-        counts.add({"read": len(dataset), SKIPPED: len(dataset) - len(converted)})
+    left_out = {}
     if len(converted) < len(dataset):
-        logger.warning("%s: dropped %d of %d rows that the %s layout skips (%s)", source or "data",
-                       len(dataset) - len(converted), len(dataset), layout.name, layout.skips)
+        labels = dataset[SOURCE_ROW] if SOURCE_ROW in dataset.column_names else range(len(dataset))
+        left_out = left_out_rows(dataset, labels, converted[SOURCE_ROW], layout, options, columns)
+    ties = len(dataset) - len(converted) - sum(map(len, left_out.values()))
+    if left_out:
+        refuse_most_unpaired(min(rows[0] for rows in left_out.values())[1],
+                              {reason: len(rows) for reason, rows in left_out.items()}, len(dataset))
+    if counts is not None:
+        counts.add({"read": len(dataset), SKIPPED: ties, **{reason: len(rows) for reason, rows in left_out.items()}})
+    if ties:
+        logger.warning("%s: dropped %d of %d rows that the %s layout skips (%s)", source or "data", ties,
+                       len(dataset), layout.name, layout.skips)
+    for reason, rows in left_out.items():
+        logger.warning("%s: dropped %d of %d rows %s; first source rows: %s", source or "data", len(rows),
+                       len(dataset), reason, ", ".join(str(label) for label, _ in rows[:10]))
     return converted
 
 
@@ -741,7 +810,8 @@ def tokenize_dataset(dataset: AnyDataset | Iterable[Mapping[str, Any]], tokenize
 
 def describe_stream_counts(counts: Mapping[str, int]) -> str:
     """'read 40 rows, dropped 3: 2 skipped by the layout (ties), 1 with no completion token left after truncation'."""
-    dropped = {reason: counts.get(reason, 0) for reason in (SKIPPED, *DROP_REASONS) if counts.get(reason, 0)}
+    dropped = {reason: counts.get(reason, 0) for reason in (SKIPPED, *UNPAIRED, *DROP_REASONS)
+               if counts.get(reason, 0)}
     listed = ", ".join(f"{number} {reason}" for reason, number in dropped.items())
     shared = counts.get(ALSO_HELD_OUT, 0)
     return (f"read {counts.get('read', 0)} rows, dropped {sum(dropped.values())}" + (f": {listed}" if listed else "")

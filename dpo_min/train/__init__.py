@@ -39,7 +39,7 @@ from .args import (  # noqa: F401  (COMMAND_DEFAULTS, DEMO_DEFAULTS, DataArgumen
     parse_args,
 )
 from .card import check_hub_access, model_card, push_to_hub
-from .pairs import StreamCountsLogger, load_pairs, local_data, pair_count, trained_sources
+from .pairs import StreamCountsLogger, dropped_rows, load_pairs, local_data, pair_count, trained_sources
 from .plan import Plan, decide, resolve  # noqa: F401  (decide: a library caller's options -> their plan)
 from .report import (
     CompletionLogger,
@@ -155,7 +155,8 @@ def main(argv: list[str] | None = None) -> int:
             samples = sample_reference(trainer, plan, held_out)
             results = run_training(trainer, plan, checkpoint, held_out is not None)
             if plan.is_main:
-                publish(trainer, plan, samples, results, trained_sources(train_pairs, plan.data), started)
+                publish(trainer, plan, samples, results, trained_sources(train_pairs, plan.data), started,
+                        dropped_rows(train_pairs))
     except (UsageError, InputError, OutputDirError, FloatingPointError) as error:
         print(f"{PROG}: error: {error}", file=sys.stderr)
         return getattr(error, "exit_code", 1)
@@ -259,15 +260,17 @@ def run_training(trainer: DPOMinTrainer, plan: Plan, checkpoint: str | None, has
 
 
 def publish(trainer: DPOMinTrainer, plan: Plan, samples: Samples, results: Results, sources: dict[str, Any],
-            started: float) -> None:
+            started: float, dropped: dict[str, int] | None = None) -> None:
     """The main process: metrics, plot and card into the staging folder, then the folder published (and pushed).
-    `sources`: what the train pairs came from, for the card (`trained_sources`)."""
+    `sources`: what the train pairs came from, for the card (`trained_sources`); `dropped`: the rows reading
+    dropped, by reason (`dropped_rows`)."""
     staging, say = plan.folder.staging, _say(plan)
     train_pairs = pair_count(trainer.train_dataset)
     wall_time = time.perf_counter() - started
     metrics = {"model": str(results.model.name_or_path), "train_pairs": train_pairs,
                "held_out_pairs": 0 if trainer.eval_dataset is None else len(trainer.eval_dataset),
-               "before": results.before, "after": results.after, "train": results.train,
+               "dropped_rows": dropped or {}, "before": results.before, "after": results.after,
+               "train": results.train,
                "wall_time_s": round(wall_time, 1)}
     with _writing(f"metrics.json to {staging}"):
         (staging / "metrics.json").write_text(json.dumps(metrics, indent=2, allow_nan=True) + "\n")

@@ -129,6 +129,9 @@ class DataArguments:
         "help": "The data has no prompts: string pairs without a prompt column train with an empty prompt."})
     as_messages: bool = field(default=False, metadata={
         "help": "String pairs become a user turn (after the system one) and assistant turns, for the chat template."})
+    strict_pairs: bool = field(default=False, metadata={
+        "help": "Refuse the data at its first row that cannot be a preference pair (an empty answer, no common "
+                "prompt, chosen identical to rejected) instead of dropping and counting such rows."})
     streaming: bool = field(default=False, metadata={
         "help": "Stream the dataset (an IterableDataset, tokenized on the fly); needs --max_steps, held-out pairs "
                 "from --eval_split or the stream's first --max_eval_samples (TRL: dataset_streaming)."})

@@ -6,6 +6,7 @@ import math
 import os
 import sys
 from collections import Counter
+from collections.abc import Mapping
 from contextlib import suppress
 from pathlib import Path
 from typing import Any
@@ -16,7 +17,9 @@ from transformers import TrainerCallback
 from ..config import DPOMinConfig
 from ..data.layouts import LayoutOptions
 from ..data.loading import (
+    DROP_REASONS,
     SKIPPED,
+    UNPAIRED,
     SOURCE_DATASET,
     StreamCounts,
     count_shared_in_stream,
@@ -50,6 +53,7 @@ def load_pairs(plan: Plan) -> tuple[Dataset, Dataset | None]:
                              "others; give one of them")
     else:
         source, train, held_out = _load_dataset(plan)
+    train_read = train  # what reading dropped is noted on it (a stream counts on every later form of it too)
     if data_args.streaming:
         return _stream_pairs(train, source, plan)
     if held_out is None and plan.eval_fraction > 0:
@@ -60,7 +64,7 @@ def load_pairs(plan: Plan) -> tuple[Dataset, Dataset | None]:
         # Only the pairs the run will reach are tokenized (and, with precompute_ref_log_probs, scored).
         train = train.shuffle(seed=plan.seed).select(range(plan.reach))
     warn_shared_pairs(train, held_out, source)  # the pairs as trained and evaluated, whichever form split them
-    return train, held_out
+    return _with_dropped_rows(train, getattr(train_read, _DROPPED_ROWS, {})), held_out
 
 
 def _load_dataset(plan: Plan) -> tuple[str, Any, Any]:
@@ -74,10 +78,11 @@ def _load_dataset(plan: Plan) -> tuple[str, Any, Any]:
         raise UsageError(f"no such dataset file: {source}")
     if data_args.eval_split and os.path.isfile(source):
         raise UsageError("--eval_split picks a split of a datasets name; a file has one split, use --eval_fraction")
-    train = _load(source, data_args.split, data_args, plan.args)
-    held_out = _load(source, data_args.eval_split, data_args, plan.args) if data_args.eval_split and not \
+    counts = None if data_args.streaming else StreamCounts()  # a stream counts into its own
+    train = _load(source, data_args.split, data_args, plan.args, counts)
+    held_out = _load(source, data_args.eval_split, data_args, plan.args, counts) if data_args.eval_split and not \
         data_args.streaming else None
-    return source, train, held_out
+    return source, _with_dropped_rows(train, counts.snapshot()) if counts else train, held_out
 
 
 def _split(pairs: Dataset, eval_fraction: float, seed: int) -> tuple[Dataset, Dataset]:
@@ -95,6 +100,22 @@ def trained_sources(train_pairs: Any, data_args: DataArguments) -> dict[str, Any
     if SOURCE_DATASET in (getattr(train_pairs, "column_names", None) or []):
         return dict(sorted(Counter(train_pairs[SOURCE_DATASET]).items()))
     return {data_args.dataset or EMBEDDED_DATASET_NAME: pair_count(train_pairs)}
+
+
+_DROPPED_ROWS = "_dpo_min_dropped_rows"  # what reading a map-style dataset dropped, noted on the train pairs
+
+
+def _with_dropped_rows(pairs: Any, counts: Mapping[str, int]) -> Any:
+    setattr(pairs, _DROPPED_ROWS, dict(counts))  # plain numbers: datasets may pickle the pairs
+    return pairs
+
+
+def dropped_rows(train_pairs: Any) -> dict[str, int]:
+    """The rows reading dropped, by reason (ties, rows that cannot be pairs, and a stream's pairs cut unusable by
+    truncation), as the train pairs note them; {} where they note none (a map-style mixture logs its own)."""
+    counts = stream_counts(train_pairs)
+    found = counts.snapshot() if counts is not None else getattr(train_pairs, _DROPPED_ROWS, {})
+    return {reason: found[reason] for reason in (SKIPPED, *UNPAIRED, *DROP_REASONS) if found.get(reason)}
 
 
 def pair_count(pairs: Any) -> int | str:
@@ -188,11 +209,13 @@ def _layout_options(data_args: DataArguments) -> dict[str, Any]:
     return {name: getattr(data_args, name) for name in names}
 
 
-def _load(source: str, split: str, data_args: DataArguments, args: DPOMinConfig) -> Any:
+def _load(source: str, split: str, data_args: DataArguments, args: DPOMinConfig,
+          counts: StreamCounts | None = None) -> Any:
     try:
         return load_preference_dataset(source, split=split, config=data_args.dataset_config,
                                        columns=_columns(data_args), streaming=data_args.streaming,
-                                       num_proc=args.dataset_num_proc, **_layout_options(data_args))
+                                       num_proc=args.dataset_num_proc, counts=counts,
+                                       strict_pairs=data_args.strict_pairs, **_layout_options(data_args))
     except ValueError as error:  # a bad row or an unreadable file: the message names it
         raise InputError(f"{source}: {error}" if source not in str(error) else str(error)) from None
     except Exception as error:  # datasets' own errors for a name it cannot find or fetch
@@ -208,6 +231,9 @@ def _load_mixture(plan: Plan) -> Mixture | None:
                 raise UsageError(f"{name} belongs to a mixture (datasets, dataset_mixture or dataset_mixer); "
                                  "there is none")
         return None
+    if data_args.strict_pairs:
+        raise UsageError("--strict_pairs applies to one dataset (--dataset); a mixture drops the rows that cannot "
+                         "be preference pairs and names them in its log")
     if data_args.eval_split:
         raise UsageError("--eval_split picks a split of one dataset; a mixture holds out --eval_fraction of its "
                          "pairs, or its own test_split_size (dataset_mixer: its test splits)")
