@@ -1,55 +1,32 @@
-"""TRL compatibility: every table of TRL 1.16's names that dpo_min answers to, in one place.
+"""TRL compatibility: the tables of TRL 1.16's names that dpo_min answers to, in one place.
 
 A script written for TRL runs after changing its imports, and a recipe or command line written for `trl dpo` runs
 as written. What that takes, table by table:
 - `TRL_FIELDS`: `DPOConfig` fields with no dpo_min field behind them, accepted at TRL's default only;
 - `TRL_NEGATIONS`: TRL's `--no_<name>` flags for fields whose default here is already off;
-- `TRL_ATTRIBUTES`: `DPOTrainer`'s public attributes, read from the config;
 - `TRL_NAMES`, `TRL_WITHOUT_COUNTERPART`: the command's options as TRL names them, and TRL's options with none here;
 - `TRL_TAGS`: the hub tags TRL's trainer puts on a model.
 None is silently ignored: a value dpo_min cannot honour is refused with a one-line error that names it and says
-why. Adding a TRL name is adding an entry; a field dpo_min implements leaves the table.
+why. The fields the first two tables name are written in `DPOMinConfig`'s body, and `DPOTrainer`'s public attributes
+(`beta`, `loss_types`, ...) in `DPOMinTrainer`'s: a reader finds each where it is used. Adding a TRL name is adding
+an entry (and its field); a field dpo_min implements leaves the table.
 """
 
-from collections.abc import Callable
-from dataclasses import dataclass, field, make_dataclass
+from dataclasses import fields
 from typing import Any
 
 # Tags TRL's DPOTrainer puts on the model and its card: people filter the hub on them.
 TRL_TAGS = ("trl", "dpo")
 
-
-@dataclass(frozen=True)
-class TRLField:
-    """A TRL `DPOConfig` field with no dpo_min field behind it: TRL's type and default, and why another value is
-    refused."""
-
-    type: Any
-    default: Any
-    refusal: str
-
-
-# Each is a real dataclass field with TRL's type and default, so that TRL's keyword arguments and command-line flags
-# parse; any other value is refused.
-TRL_FIELDS: dict[str, TRLField] = {
-    # TRL-internal.
-    "pad_token": TRLField(str | None, None, "it is deprecated in TRL; set tokenizer.pad_token on the "
-                                            "processing_class instead"),
+# TRL `DPOConfig` fields with no dpo_min field behind them: why another value than TRL's default is refused. Each is a
+# field of `DPOMinConfig` with TRL's type and default, so that TRL's keyword arguments and command-line flags parse.
+TRL_FIELDS: dict[str, str] = {
+    "pad_token": "it is deprecated in TRL; set tokenizer.pad_token on the processing_class instead",  # TRL-internal
 }
 
 # TRL's DPOConfig defaults these to True, so HfArgumentParser gives TRL's command line `--no_<name>` for them (TRL's
-# own docstring commands pass --no_remove_unused_columns); here they default to False and would get no such flag.
-# A `no_<name>` field each gives it, with TRL's meaning: <name>=False.
+# own docstring commands pass --no_remove_unused_columns); `DPOMinConfig` has a `no_<name>` field for each.
 TRL_NEGATIONS = ("gradient_checkpointing", "remove_unused_columns")
-
-# Both tables as dataclass fields, for DPOMinConfig to inherit.
-TRLOnlyFields = make_dataclass("TRLOnlyFields", [
-    *[(name, entry.type, field(default=entry.default, metadata={
-        "help": f"TRL DPOConfig field, accepted at its default {entry.default!r} only: {entry.refusal}."}))
-      for name, entry in TRL_FIELDS.items()],
-    *[(f"no_{name}", bool, field(default=False, metadata={"help": f"TRL's --no_{name}: {name}=False."}))
-      for name in TRL_NEGATIONS],
-])
 
 
 def apply_trl_negations(config: Any) -> None:
@@ -62,35 +39,14 @@ def apply_trl_negations(config: Any) -> None:
 
 
 def check_trl_fields(config: Any) -> None:
-    """Refuse any TRL-only field set to another value than TRL's default."""
-    for name, entry in TRL_FIELDS.items():
+    """Refuse any TRL-only field set to another value than TRL's default (the field's default)."""
+    defaults = {option.name: option.default for option in fields(config)}
+    for name, refusal in TRL_FIELDS.items():
         value = getattr(config, name)
-        if value != entry.default:
-            raise ValueError(f"{name}={value!r} is not supported by dpo_min: {entry.refusal} (TRL DPOConfig field, "
-                             f"accepted at its default {entry.default!r} only)")
+        if value != defaults[name]:
+            raise ValueError(f"{name}={value!r} is not supported by dpo_min: {refusal} (TRL DPOConfig field, "
+                             f"accepted at its default {defaults[name]!r} only)")
 
-
-# TRL DPOTrainer's public attributes that scripts read, with TRL's meaning: name -> how it reads the trainer's
-# config (read each time, not copied at construction: tests swap the config).
-TRL_ATTRIBUTES: dict[str, Callable[[Any], Any]] = {
-    "beta": lambda args: args.beta,
-    "loss_types": lambda args: args.loss_type,
-    "loss_weights": lambda args: args.loss_weights or [1.0] * len(args.loss_type),
-    "label_smoothing": lambda args: args.label_smoothing,
-    "ld_alpha": lambda args: args.ld_alpha,
-    "use_weighting": lambda args: args.use_weighting,
-    "f_divergence_type": lambda args: args.f_divergence_type,
-    "f_alpha_divergence_coef": lambda args: args.f_alpha_divergence_coef,
-    "precompute_ref_logps": lambda args: args.precompute_ref_log_probs,
-    "padding_free": lambda args: args.padding_free,
-}
-
-# The table as read-only properties, for DPOMinTrainer to inherit.
-TRLAttributes = type("TRLAttributes", (), {
-    name: property(lambda self, read=read: read(self.args),
-                   doc="TRL DPOTrainer's attribute of this name, read from args.")
-    for name, read in TRL_ATTRIBUTES.items()
-})
 
 # TRL's (ScriptArguments, ModelConfig, DPOConfig) names for the command's options that dpo_min calls otherwise.
 TRL_NAMES = {

@@ -7,27 +7,39 @@ from typing import Any
 
 from transformers import TrainingArguments
 
-from .compat import TRLOnlyFields, apply_trl_negations, check_trl_fields
+from .compat import TRL_FIELDS, apply_trl_negations, check_trl_fields
 from .losses import F_DIVERGENCES, LOSS_TYPES, LOSSES, LossSettings
 
 TRUNCATION_MODES = ("keep_end", "keep_start")
+# The loss types that read label_smoothing, named in its help.
+SMOOTHED_LOSSES = tuple(name for name, entry in LOSSES.items() if "label_smoothing" in entry.reads)
 # TrainingArguments' secrets (hub_token): its to_dict() masks every `*_token` field, for logs and TensorBoard.
 SECRET_FIELDS = tuple(option.name for option in fields(TrainingArguments) if option.name.endswith("_token"))
 logger = logging.getLogger(__name__)
 
 
 @dataclass
-class DPOMinConfig(TRLOnlyFields, TrainingArguments):
+class DPOMinConfig(TrainingArguments):
     """Training arguments for `DPOMinTrainer`.
 
     Defaults follow TRL's `DPOConfig` where both have the option, so that the same numbers come out. Every other
-    field of TRL's `DPOConfig` is accepted too, and TRL's `--no_<name>` flags: see `compat.TRL_FIELDS` and
-    `compat.TRL_NEGATIONS` for what each does.
+    field of TRL's `DPOConfig` is accepted too (the TRL-only ones first below, checked against `compat.TRL_FIELDS`),
+    and TRL's `--no_<name>` flags (`compat.TRL_NEGATIONS`).
     """
 
     # Fields whose JSON string (from the command line) TrainingArguments parses into a dict. Not annotated: a
     # ClassVar would still appear among the dataclass fields that --help lists.
     _VALID_DICT_FIELDS = [*TrainingArguments._VALID_DICT_FIELDS, "model_init_kwargs"]  # noqa: RUF012
+
+    # TRL-only: accepted at TRL's default, refused otherwise (`compat.check_trl_fields`).
+    pad_token: str | None = field(default=None, metadata={
+        "help": f"TRL DPOConfig field, accepted at its default None only: {TRL_FIELDS['pad_token']}."})
+    # TRL defaults these to True, so its command line has --no_<name> for them; here they default to False and would
+    # get no such flag. Each gives it, with TRL's meaning (`compat.apply_trl_negations`).
+    no_gradient_checkpointing: bool = field(
+        default=False, metadata={"help": "TRL's --no_gradient_checkpointing: gradient_checkpointing=False."})
+    no_remove_unused_columns: bool = field(
+        default=False, metadata={"help": "TRL's --no_remove_unused_columns: remove_unused_columns=False."})
 
     learning_rate: float = field(default=1e-6, metadata={"help": "AdamW learning rate (TRL's DPO default)."})
     model_init_kwargs: dict[str, Any] | str | None = field(
@@ -48,7 +60,8 @@ class DPOMinConfig(TRLOnlyFields, TrainingArguments):
     )
     label_smoothing: float = field(
         default=0.0,
-        metadata={"help": "eps: label-flip probability for sigmoid (conservative DPO), aot, robust; exo_pair's eps."},
+        metadata={"help": f"eps, read by {', '.join(SMOOTHED_LOSSES)}: the label-flip probability (sigmoid's is "
+                          "conservative DPO; robust needs < 0.5); exo_pair's eps (> 0)."},
     )
     reference_free: bool = field(default=False, metadata={"help": "Take the reference log-probs as 0."})
     ld_alpha: float | None = field(

@@ -49,9 +49,10 @@ class SequenceLogps:
     def _per_sequence(self, values: torch.Tensor) -> torch.Tensor:
         return values.new_zeros(self.logps.shape).index_add(0, self.token_sequence, values)
 
-    def ld_dpo_logps(self, ld_alpha: float | None) -> torch.Tensor:
-        """[2B] summed log-probs per sequence; with `ld_alpha` (LD-DPO, arXiv 2409.06411), the tokens of a completion
-        beyond the length of the shorter completion of its pair count `ld_alpha` times. None: `logps` itself."""
+    def summed_logps(self, ld_alpha: float | None = None) -> torch.Tensor:
+        """[2B] log-probs summed per sequence, what the loss reads: `logps` itself, or with `ld_alpha` (LD-DPO, arXiv
+        2409.06411) the tokens of a completion beyond the length of the shorter completion of its pair counted
+        `ld_alpha` times."""
         if ld_alpha is None:
             return self.logps
         shared_lengths = torch.minimum(*self.lengths.chunk(2)).repeat(2)

@@ -1,8 +1,9 @@
 """The DPO loss family: a pure function of four per-pair log-prob tensors (plus lengths for a few variants).
 
-`LOSSES` is a table of small named entries, each a per-pair loss written from the same `PairTerms` and carrying
-its own constraints: the hyperparameters it reads (config fields) and the values it accepts, whether it reads a
-reference, needs lengths, sorts across the batch, has an f-divergence form, or rewards of its own (AlphaPO's form).
+`dpo_loss` computes the log-ratios and DPO's logits from the four log-probs, then calls each loss type's entry of
+`LOSSES`: a per-pair loss of those `PairTerms` (plain tensors and plain hyperparameter values), carrying its own
+constraints: the hyperparameters it reads (config fields) and the values it accepts, whether it reads the reference,
+needs lengths, sorts across the batch, has an f-divergence form, or rewards of its own (AlphaPO's form).
 `LossSettings` is built from the config, validated once (`DPOMinConfig.__post_init__`), and is what `dpo_loss` reads.
 Several variants combine as sum_i w_i * L_i per pair, so that the mean over pairs is sum_i w_i * mean(L_i). Adding
 a loss type with a hyperparameter of its own is one `LOSSES` entry and one `DPOMinConfig` field of the same name:
@@ -48,7 +49,8 @@ ALPHA, GAMMA = Knob(0.0), Knob(0.5)
 
 @dataclass(frozen=True)
 class PairTerms:
-    """What every loss reads, computed once per batch; every tensor is [B], one value per pair."""
+    """What every loss reads, made once per batch by `dpo_loss`: [B] tensors, one value per pair, and the
+    hyperparameters as plain values."""
 
     chosen_logps: torch.Tensor  # policy
     rejected_logps: torch.Tensor
@@ -56,28 +58,19 @@ class PairTerms:
     ref_rejected_logps: torch.Tensor
     chosen_logratios: torch.Tensor  # policy - reference
     rejected_logratios: torch.Tensor
-    chosen_scores: torch.Tensor  # f'(pi / pi_ref) of the f-divergence; the log-ratios for reverse KL
+    chosen_scores: torch.Tensor  # f'(pi / pi_ref) of the f-divergence; the log-ratios for reverse KL (DPO)
     rejected_scores: torch.Tensor
+    delta: torch.Tensor  # DPO's logits: chosen_scores - rejected_scores
     chosen_lengths: torch.Tensor | None
     rejected_lengths: torch.Tensor | None
     chosen_nll: torch.Tensor | None
-    settings: "LossSettings"
-
-    @property
-    def beta(self) -> float:
-        return self.settings.beta
-
-    @property
-    def eps(self) -> float:  # label_smoothing
-        return self.value("label_smoothing")
+    beta: float
+    label_smoothing: float
+    hyperparameters: Mapping[str, float]  # every one some entry reads, by config field name (`LossEntry.reads`)
 
     def value(self, name: str) -> float:
         """A hyperparameter a loss entry declares it reads (`LossEntry.reads`)."""
-        return self.settings.hyperparameters[name]
-
-    @property
-    def delta(self) -> torch.Tensor:
-        return self.chosen_scores - self.rejected_scores
+        return self.hyperparameters[name]
 
     def length_normalised_delta(self) -> torch.Tensor:
         return (self.chosen_scores / self.chosen_lengths.clamp(min=1)
@@ -95,17 +88,17 @@ class PairTerms:
 
 # ---- reference-based losses: r = log pi - log pi_ref, D = r_chosen - r_rejected ----------------------------------
 def _sigmoid(t: PairTerms, logits: torch.Tensor | None = None) -> torch.Tensor:
-    """DPO, arXiv 2305.18290; label_smoothing ls > 0 is conservative DPO (cDPO, Mitchell 2023), labels flipped with
-    probability ls. aot, cpo and simpo take the same loss of logits of their own."""
-    beta, ls = t.beta, t.eps
-    if logits is None:  # (pi_c - ref_c) - (pi_r - ref_r) in log-probs; f-DPO takes f'(pi / pi_ref) for each ratio
-        logits = t.delta
+    """DPO, arXiv 2305.18290: logits (pi_c - ref_c) - (pi_r - ref_r) in log-probs, made by `dpo_loss`; label_smoothing
+    ls > 0 is conservative DPO (cDPO, Mitchell 2023), labels flipped with probability ls. aot, cpo and simpo take
+    the same loss of logits of their own."""
+    logits = t.delta if logits is None else logits
+    beta, ls = t.beta, t.label_smoothing
     return -F.logsigmoid(beta * logits) * (1 - ls) - F.logsigmoid(-beta * logits) * ls
 
 
 def _robust(t: PairTerms) -> torch.Tensor:  # arXiv 2403.00409: unbiased under label flips with probability eps
-    beta_delta = t.beta * t.delta
-    return (-(1 - t.eps) * F.logsigmoid(beta_delta) + t.eps * F.logsigmoid(-beta_delta)) / (1 - 2 * t.eps)
+    beta_delta, eps = t.beta * t.delta, t.label_smoothing
+    return (-(1 - eps) * F.logsigmoid(beta_delta) + eps * F.logsigmoid(-beta_delta)) / (1 - 2 * eps)
 
 
 def _hinge(t: PairTerms) -> torch.Tensor:  # SLiC, arXiv 2305.10425
@@ -147,9 +140,9 @@ def _apo_down(t: PairTerms) -> torch.Tensor:  # APO, arXiv 2408.06266, eq. 8: lo
 
 
 def _exo_pair(t: PairTerms) -> torch.Tensor:  # EXO, arXiv 2402.00856: KL(softmax(beta [r_w, r_l]) || [1-eps, eps])
-    beta_delta = t.beta * t.delta
-    return (torch.sigmoid(beta_delta) * (F.logsigmoid(beta_delta) - math.log1p(-t.eps))
-            + torch.sigmoid(-beta_delta) * (F.logsigmoid(-beta_delta) - math.log(t.eps)))
+    beta_delta, eps = t.beta * t.delta, t.label_smoothing
+    return (torch.sigmoid(beta_delta) * (F.logsigmoid(beta_delta) - math.log1p(-eps))
+            + torch.sigmoid(-beta_delta) * (F.logsigmoid(-beta_delta) - math.log(eps)))
 
 
 def _aot(t: PairTerms) -> torch.Tensor:  # AOT, arXiv 2406.05882: sorted policy margins against sorted reference ones
@@ -192,29 +185,30 @@ class LossEntry:
     """One loss type and its constraints.
 
     `reads`: the hyperparameters (config field names) it reads beyond beta, with the values it accepts.
-    `needs_reference`: None for a loss that reads no reference but leaves the choice to the others (sft: alone, it
-    keeps the reference for the reward metrics, as TRL). `sorts_batch`: it sorts pairs across the batch (no per-pair
+    `reads_reference`: its loss reads the reference log-probs (a run without one still keeps the reference for the
+    reward metrics, the log-ratios, unless a loss type has `rewards` of its own: `LossSettings.reads_reference`).
+    `sorts_batch`: it sorts pairs across the batch (no per-pair
     weights). `f_divergence`: built on the chosen-rejected score difference, where f-DPO's reparameterisation holds
     (TRL's list). `rewards`: the (chosen, rejected) implicit rewards before beta, when they are not the log-ratios
     (AlphaPO's reward form, for the losses that read `alpha`)."""
 
     loss: Callable[[PairTerms], torch.Tensor]
     reads: Mapping[str, Knob] = field(default_factory=dict)
-    needs_reference: bool | None = True
+    reads_reference: bool = True
     needs_lengths: bool = False
     sorts_batch: bool = False
     f_divergence: bool = False
     rewards: Callable[[PairTerms], tuple[torch.Tensor, torch.Tensor]] | None = None
 
 
-EPS = {"label_smoothing": SMOOTHING}
+READS_LABEL_SMOOTHING = {"label_smoothing": SMOOTHING}  # a label-flip probability in [0, 1)
 LOSSES: dict[str, LossEntry] = {
-    "sigmoid": LossEntry(_sigmoid, EPS, f_divergence=True),
+    "sigmoid": LossEntry(_sigmoid, READS_LABEL_SMOOTHING, f_divergence=True),
     "robust": LossEntry(_robust, {"label_smoothing": Knob(0.0, 0.0, 0.5, open_high=True)}, f_divergence=True),
     "hinge": LossEntry(_hinge, f_divergence=True),
     "ipo": LossEntry(_ipo, needs_lengths=True, f_divergence=True),
     "sigmoid_norm": LossEntry(_sigmoid_norm, needs_lengths=True, f_divergence=True),
-    "sft": LossEntry(_sft, needs_reference=None, needs_lengths=True, f_divergence=True),
+    "sft": LossEntry(_sft, reads_reference=False, needs_lengths=True, f_divergence=True),
     "bco_pair": LossEntry(_bco_pair),
     "sppo_hard": LossEntry(_sppo_hard),
     "nca_pair": LossEntry(_nca_pair),
@@ -222,11 +216,11 @@ LOSSES: dict[str, LossEntry] = {
     "apo_down": LossEntry(_apo_down),
     "exo_pair": LossEntry(_exo_pair, {"label_smoothing": Knob(0.0, 0.0, 1.0, open_low=True, open_high=True,
                                                               note=" (the EXO paper uses 1e-3)")}, f_divergence=True),
-    "aot": LossEntry(_aot, EPS, sorts_batch=True),
-    "aot_unpaired": LossEntry(_aot_unpaired, EPS, sorts_batch=True),
+    "aot": LossEntry(_aot, READS_LABEL_SMOOTHING, sorts_batch=True),
+    "aot_unpaired": LossEntry(_aot_unpaired, READS_LABEL_SMOOTHING, sorts_batch=True),
     "discopop": LossEntry(_discopop, {"discopop_tau": TAU}, f_divergence=True),
-    "cpo": LossEntry(_cpo, {**EPS, "alpha": ALPHA}, needs_reference=False, rewards=_cpo_rewards),
-    "simpo": LossEntry(_simpo, {**EPS, "alpha": ALPHA, "simpo_gamma": GAMMA}, needs_reference=False,
+    "cpo": LossEntry(_cpo, {**READS_LABEL_SMOOTHING, "alpha": ALPHA}, reads_reference=False, rewards=_cpo_rewards),
+    "simpo": LossEntry(_simpo, {**READS_LABEL_SMOOTHING, "alpha": ALPHA, "simpo_gamma": GAMMA}, reads_reference=False,
                        needs_lengths=True, rewards=_simpo_rewards),
 }
 LOSS_TYPES = tuple(LOSSES)
@@ -310,10 +304,11 @@ class LossSettings:
 
     @property
     def reads_reference(self) -> bool:
-        """Whether a reference is built and run: some loss type reads it, or every one leaves it to the others
-        (sft alone keeps it for the reward metrics, as TRL); never with `reference_free`."""
-        wants = [LOSSES[name].needs_reference for name in self.loss_types]
-        return not self.reference_free and (any(wants) or all(want is None for want in wants))
+        """Whether a reference is built and run: some loss type reads it, or none has rewards of its own, so that the
+        reward metrics are log-ratios (sft alone keeps it for them, as TRL); never with `reference_free`."""
+        entries = [LOSSES[name] for name in self.loss_types]
+        return not self.reference_free and (any(entry.reads_reference for entry in entries)
+                                            or all(entry.rewards is None for entry in entries))
 
     @property
     def needs_lengths(self) -> bool:
@@ -367,33 +362,23 @@ class LossSettings:
                              f"(the others have no f-divergence form), got {list(self.loss_types)}")
 
 
-def dpo_loss(
-    policy_chosen_logps: torch.Tensor,
-    policy_rejected_logps: torch.Tensor,
-    ref_chosen_logps: torch.Tensor | None,
-    ref_rejected_logps: torch.Tensor | None,
-    settings: LossSettings | None = None,
-    chosen_lengths: torch.Tensor | None = None,
-    rejected_lengths: torch.Tensor | None = None,
-    chosen_nll: torch.Tensor | None = None,
-    pair_weights: torch.Tensor | None = None,
-    **options: Any,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def dpo_loss(policy_chosen_logps: torch.Tensor, policy_rejected_logps: torch.Tensor,
+             ref_chosen_logps: torch.Tensor | None, ref_rejected_logps: torch.Tensor | None,
+             settings: LossSettings | None = None, chosen_lengths: torch.Tensor | None = None,
+             rejected_lengths: torch.Tensor | None = None, chosen_nll: torch.Tensor | None = None,
+             pair_weights: torch.Tensor | None = None,
+             **options: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-pair preference loss and implicit rewards.
 
     Args:
-        policy_chosen_logps: [B] summed log-probs of the chosen completions under the policy.
-        policy_rejected_logps: [B] the same for the rejected completions.
-        ref_chosen_logps: [B] summed log-probs of the chosen completions under the reference; None (or
-            `reference_free`) takes them as 0, the reference of cpo, simpo and sft alone.
-        ref_rejected_logps: [B] the same for the rejected completions.
-        settings: the loss types, weights and hyperparameters (`DPOMinConfig.loss_settings`). Without it, the
-            keyword `options` build one, with a config's field names: `beta=0.1, loss_type=["sigmoid", "sft"],
-            label_smoothing=0.1, ...` (see `DPOMinConfig` for each). Its `ld_alpha` and `use_weighting` shape the
-            inputs, not this function: the summed log-probs and `pair_weights` (`DPOMinTrainer.compute_loss`).
-        chosen_lengths: [B] completion tokens of each chosen completion; needed by the losses with `needs_lengths`
-            and by cpo_alpha.
-        rejected_lengths: [B] the same for the rejected completions.
+        policy_chosen_logps, policy_rejected_logps: [B] summed log-probs of each completion under the policy.
+        ref_chosen_logps, ref_rejected_logps: [B] the same under the reference; None (or `reference_free`) takes
+            them as 0, the reference of cpo, simpo and sft alone.
+        settings: the loss types, weights and hyperparameters (`DPOMinConfig.loss_settings`); without it, keyword
+            `options` with a config's field names build one (`beta=0.1, loss_type=["sigmoid", "sft"], ...`). Its
+            `ld_alpha` and `use_weighting` shape the inputs: the log-probs and `pair_weights` (`compute_loss`).
+        chosen_lengths, rejected_lengths: [B] completion tokens of each completion; needed by the losses with
+            `needs_lengths` and by cpo_alpha.
         chosen_nll: [B] summed negative log-likelihood of each chosen completion under the policy, for sft and
             cpo_alpha (default -policy_chosen_logps; pass it when those are length-desensitised).
         pair_weights: [B] per-pair weights multiplying every loss term (WPO), or None.
@@ -402,45 +387,41 @@ def dpo_loss(
         (losses [B], chosen_rewards [B], rejected_rewards [B]), rewards detached: beta * (policy - reference), or
         for a first loss type with rewards of its own (cpo, simpo), beta times those.
     """
-    settings = _settings_of(settings, options)
-    if settings.needs_lengths and (chosen_lengths is None or rejected_lengths is None):
-        raise ValueError(f"loss types {[name for name, entry in LOSSES.items() if entry.needs_lengths]} and "
-                         "cpo_alpha need chosen_lengths and rejected_lengths")
-    terms = _pair_terms(policy_chosen_logps, policy_rejected_logps, ref_chosen_logps, ref_rejected_logps, settings,
-                        chosen_lengths, rejected_lengths, chosen_nll)
+    settings = _settings_of(settings, options, chosen_lengths is not None and rejected_lengths is not None)
+    if settings.reference_free or ref_chosen_logps is None:  # log pi_ref taken as 0
+        ref_chosen_logps, ref_rejected_logps = (torch.zeros_like(policy_chosen_logps),
+                                                torch.zeros_like(policy_rejected_logps))
+    chosen_logratios = policy_chosen_logps - ref_chosen_logps
+    rejected_logratios = policy_rejected_logps - ref_rejected_logps
+    # f-DPO (arXiv 2309.16240) takes f'(pi / pi_ref) of each ratio; reverse KL, DPO's own, the log-ratio itself.
+    f_prime, coef = F_DIVERGENCES[settings.f_divergence_type], settings.f_alpha_divergence_coef
+    chosen_scores, rejected_scores = f_prime(chosen_logratios, coef), f_prime(rejected_logratios, coef)
+    terms = PairTerms(policy_chosen_logps, policy_rejected_logps, ref_chosen_logps, ref_rejected_logps,
+                      chosen_logratios, rejected_logratios, chosen_scores, rejected_scores,
+                      delta=chosen_scores - rejected_scores, chosen_lengths=chosen_lengths,
+                      rejected_lengths=rejected_lengths, chosen_nll=chosen_nll, beta=settings.beta,
+                      label_smoothing=settings.hyperparameters["label_smoothing"],
+                      hyperparameters=settings.hyperparameters)
     losses = sum(weight * LOSSES[name].loss(terms) for name, weight in zip(settings.loss_types, settings.weights))
     if pair_weights is not None:
         losses = losses * pair_weights
     if settings.cpo_alpha:  # added after the pair weights, as CPOTrainer adds it to the mean loss
         losses = losses + settings.cpo_alpha * _sft(terms)
     reward_of = LOSSES[settings.loss_types[0]].rewards
-    chosen_rewards, rejected_rewards = (terms.chosen_logratios, terms.rejected_logratios) if reward_of is None \
-        else reward_of(terms)
+    chosen_rewards, rejected_rewards = (chosen_logratios, rejected_logratios) if reward_of is None else reward_of(terms)
     return losses, settings.beta * chosen_rewards.detach(), settings.beta * rejected_rewards.detach()
 
 
-def _settings_of(settings: LossSettings | None, options: dict[str, Any]) -> LossSettings:
+def _settings_of(settings: LossSettings | None, options: dict[str, Any], with_lengths: bool) -> LossSettings:
+    """The settings given, or built from the keyword options; checked against what dpo_loss was given."""
     shaping = sorted({"ld_alpha", "use_weighting"} & set(options))
     if shaping:  # they act on the inputs; taken here they would change nothing, silently
-        raise TypeError(f"dpo_loss does not apply {shaping}: pass LD-DPO's log-probs (SequenceLogps.ld_dpo_logps) "
+        raise TypeError(f"dpo_loss does not apply {shaping}: pass LD-DPO's log-probs (SequenceLogps.summed_logps) "
                         "and WPO's pair_weights (SequenceLogps.wpo_weights) instead")
-    if settings is None:
-        return LossSettings.of(**options)
-    if options:
+    if settings is not None and options:
         raise TypeError(f"pass either settings or keyword options, not both (got {sorted(options)})")
+    settings = LossSettings.of(**options) if settings is None else settings
+    if settings.needs_lengths and not with_lengths:
+        raise ValueError(f"loss types {[name for name, entry in LOSSES.items() if entry.needs_lengths]} and "
+                         "cpo_alpha need chosen_lengths and rejected_lengths")
     return settings
-
-
-def _pair_terms(chosen: torch.Tensor, rejected: torch.Tensor, ref_chosen: torch.Tensor | None,
-                ref_rejected: torch.Tensor | None, settings: LossSettings, chosen_lengths: torch.Tensor | None,
-                rejected_lengths: torch.Tensor | None, chosen_nll: torch.Tensor | None) -> PairTerms:
-    if settings.reference_free or ref_chosen is None:  # log pi_ref taken as 0
-        ref_chosen, ref_rejected = torch.zeros_like(chosen), torch.zeros_like(rejected)
-    chosen_logratios, rejected_logratios = chosen - ref_chosen, rejected - ref_rejected
-    score = F_DIVERGENCES[settings.f_divergence_type]
-    coef = settings.f_alpha_divergence_coef
-    return PairTerms(chosen_logps=chosen, rejected_logps=rejected, ref_chosen_logps=ref_chosen,
-                     ref_rejected_logps=ref_rejected, chosen_logratios=chosen_logratios,
-                     rejected_logratios=rejected_logratios, chosen_scores=score(chosen_logratios, coef),
-                     rejected_scores=score(rejected_logratios, coef), chosen_lengths=chosen_lengths,
-                     rejected_lengths=rejected_lengths, chosen_nll=chosen_nll, settings=settings)

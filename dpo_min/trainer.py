@@ -8,7 +8,6 @@ from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
 
-import datasets
 import torch
 from accelerate.utils import broadcast_object_list
 from datasets import Dataset, IterableDataset
@@ -19,7 +18,7 @@ from transformers.trainer_utils import rotate_checkpoints
 
 from . import ref_cache, trainer_setup
 from .collator import NON_MODEL_KEYS
-from .compat import TRLAttributes, trl_hub_tags
+from .compat import trl_hub_tags
 from .config import DPOMinConfig
 from .data.loading import REFERENCE_COLUMNS, is_tokenized, tokenize_dataset
 from .logps import SequenceLogps, computed_tokens, sequence_logps
@@ -39,26 +38,27 @@ def _tokenized(dataset: Any, tokenizer: Any, args: DPOMinConfig) -> Any:
         return dataset
     # The main process tokenizes first; the others then read its datasets cache instead of tokenizing again.
     with args.main_process_first(desc="tokenizing the pairs"), \
-            _datasets_progress_bars(not args.disable_tqdm and args.local_process_index == 0):
+            trainer_setup.datasets_progress_bars(not args.disable_tqdm and args.local_process_index == 0):
         return tokenize_dataset(dataset, tokenizer, args.max_length, args.max_prompt_length, args.truncation_mode,
                                 num_proc=args.dataset_num_proc, chat_template_kwargs=args.chat_template_kwargs)
 
 
-@contextlib.contextmanager
-def _datasets_progress_bars(show: bool):
-    """datasets' bars (tokenizing a large set takes a while) follow disable_tqdm, then return to how they were."""
-    were_shown = datasets.is_progress_bar_enabled()
-    (datasets.enable_progress_bars if show else datasets.disable_progress_bars)()
-    try:
-        yield
-    finally:
-        (datasets.enable_progress_bars if were_shown else datasets.disable_progress_bars)()
-
-
-class DPOMinTrainer(TRLAttributes, Trainer):  # TRLAttributes: TRL's public attributes, compat.TRL_ATTRIBUTES
+class DPOMinTrainer(Trainer):
     """Direct Preference Optimization on `transformers.Trainer`; the constructor is TRL 1.16 `DPOTrainer`'s (see
     README, "Coming from TRL"). Which reference applies is decided once, in `reference.choose_reference`;
     `precompute_ref_log_probs=True` computes its log-probs once, up front (cached on disk)."""
+
+    # TRL DPOTrainer's public attributes that scripts read, with TRL's meaning: read from args each time, not copied.
+    beta = property(lambda self: self.args.beta)
+    loss_types = property(lambda self: self.args.loss_type)
+    loss_weights = property(lambda self: self.args.loss_weights or [1.0] * len(self.args.loss_type))
+    label_smoothing = property(lambda self: self.args.label_smoothing)
+    ld_alpha = property(lambda self: self.args.ld_alpha)
+    use_weighting = property(lambda self: self.args.use_weighting)
+    f_divergence_type = property(lambda self: self.args.f_divergence_type)
+    f_alpha_divergence_coef = property(lambda self: self.args.f_alpha_divergence_coef)
+    precompute_ref_logps = property(lambda self: self.args.precompute_ref_log_probs)
+    padding_free = property(lambda self: self.args.padding_free)
 
     def __init__(
         self,
@@ -90,7 +90,7 @@ class DPOMinTrainer(TRLAttributes, Trainer):  # TRLAttributes: TRL's public attr
         logger.info("reference: %s", self.reference.description)
         trainer_setup.prepare_models([model, *self.reference.modules()], args)
         tokenizer = getattr(processing_class, "tokenizer", processing_class)
-        collator = data_collator or trainer_setup.collator(model, tokenizer, args)
+        collator = data_collator or trainer_setup.default_collator(model, tokenizer, args)
         super().__init__(model=model, args=args, data_collator=collator,
                          train_dataset=_tokenized(train_dataset, tokenizer, args),
                          eval_dataset=_tokenized(eval_dataset, tokenizer, args), processing_class=processing_class,
@@ -229,7 +229,7 @@ class DPOMinTrainer(TRLAttributes, Trainer):  # TRLAttributes: TRL's public attr
             policy = sequence_logps(model, inputs, with_sum_sq_probs=settings.use_weighting,
                                     with_aux_loss=self.aux_loss_enabled)
         # Each [2B] per-sequence value holds the B chosen completions, then the B rejected ones: chunk(2) splits it.
-        chosen_logps, rejected_logps = policy.ld_dpo_logps(settings.ld_alpha).chunk(2)
+        chosen_logps, rejected_logps = policy.summed_logps(settings.ld_alpha).chunk(2)
         ref_chosen_logps, ref_rejected_logps = self._reference_sequence_logps(inputs).chunk(2) \
             if settings.reads_reference else (None, None)
         chosen_lengths, rejected_lengths = policy.lengths.chunk(2)
@@ -253,7 +253,7 @@ class DPOMinTrainer(TRLAttributes, Trainer):  # TRLAttributes: TRL's public attr
         weighted as the policy's."""
         if REFERENCE_COLUMNS[0] in inputs:
             return torch.cat([inputs[name] for name in REFERENCE_COLUMNS])
-        return self.reference_logps(inputs).ld_dpo_logps(self.args.ld_alpha)
+        return self.reference_logps(inputs).summed_logps(self.args.ld_alpha)
 
     def _record_metrics(self, policy: SequenceLogps, logps: tuple, rewards: tuple, reference: tuple,
                         inputs: dict[str, torch.Tensor]) -> None:

@@ -2,13 +2,16 @@
 the config checked itself when built), load the models and the tokenizer as TRL does, make the tokenizer and the
 model agree on the pad token, check what needs the model before any data is tokenized, and prepare the models
 (packed attention, no dropout, FSDP2 sharding). The reference is chosen between the last two
-(`reference.choose_reference`); the trainer tokenizes the data itself.
+(`reference.choose_reference`); the trainer tokenizes the data itself, with datasets' progress bars as
+`datasets_progress_bars` sets them.
 """
 
+import contextlib
 import logging
 from collections.abc import Callable
 from typing import Any
 
+import datasets
 import torch
 from datasets import IterableDataset
 from transformers import TrainingArguments
@@ -152,8 +155,20 @@ def prepare_models(modules: list[torch.nn.Module], args: DPOMinConfig) -> None:
             sharding.shard_model(module, args.device.type)
 
 
-def collator(model: Any, tokenizer: Any, args: DPOMinConfig) -> Callable:
+def default_collator(model: Any, tokenizer: Any, args: DPOMinConfig) -> Callable:
+    """The collator for the config's layout, when none is given (as TRL makes its own)."""
     dense_mask = not args.packed or packed_attention(
         model.config._attn_implementation).dense_mask
     return make_collator(tokenizer.pad_token_id, args.padding_free, args.share_prompt, dense_mask,
                          args.pad_to_multiple_of)
+
+
+@contextlib.contextmanager
+def datasets_progress_bars(show: bool):
+    """datasets' bars (tokenizing a large set takes a while) follow disable_tqdm, then return to how they were."""
+    were_shown = datasets.is_progress_bar_enabled()
+    (datasets.enable_progress_bars if show else datasets.disable_progress_bars)()
+    try:
+        yield
+    finally:
+        (datasets.enable_progress_bars if were_shown else datasets.disable_progress_bars)()

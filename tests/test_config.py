@@ -1,7 +1,13 @@
-import pytest
-from transformers import HfArgumentParser
+import dataclasses
+import re
 
-from dpo_min import DPOMinConfig
+import pytest
+import torch
+from transformers import HfArgumentParser, Trainer, TrainingArguments
+
+from dpo_min import DPOMinConfig, DPOMinTrainer, dpo_loss
+from dpo_min.compat import TRL_FIELDS, TRL_NEGATIONS
+from dpo_min.losses import LOSS_TYPES
 
 
 def make(tmp_path, **overrides):
@@ -42,3 +48,28 @@ def test_python_string_loss_type_becomes_a_list(tmp_path):
 def test_bad_settings_fail_when_the_config_is_built(tmp_path, overrides, message):
     with pytest.raises(ValueError, match=message):
         make(tmp_path, **overrides)
+
+
+def test_label_smoothing_help_names_every_loss_that_reads_it():
+    # Which losses read it, found by running each with two values (not from the table the help is written from).
+    def loss(name, smoothing):
+        lengths = torch.tensor([3.0, 5.0], dtype=torch.float64)
+        logps = [torch.tensor(values, dtype=torch.float64) for values in ([-4.0, -9.0], [-6.0, -5.0], [-5.0, -7.0],
+                                                                          [-5.5, -6.5])]
+        return dpo_loss(*logps, loss_type=name, label_smoothing=smoothing, chosen_lengths=lengths,
+                        rejected_lengths=lengths)[0]
+
+    readers = {name for name in LOSS_TYPES if not torch.equal(loss(name, 0.1), loss(name, 0.2))}
+    help_text = next(f for f in dataclasses.fields(DPOMinConfig) if f.name == "label_smoothing").metadata["help"]
+    assert {name for name in LOSS_TYPES if re.search(rf"\b{name}\b", help_text)} == readers
+    assert readers >= {"aot_unpaired", "cpo", "simpo"}
+
+
+def test_trl_only_fields_and_attributes_are_written_in_the_class_bodies():
+    # A reader finds them in DPOMinConfig's and DPOMinTrainer's bodies, not in classes generated at import.
+    assert DPOMinConfig.__bases__ == (TrainingArguments,) and DPOMinTrainer.__bases__ == (Trainer,)
+    own_fields = DPOMinConfig.__annotations__
+    assert set(TRL_FIELDS) | {f"no_{name}" for name in TRL_NEGATIONS} <= set(own_fields)
+    attributes = ("beta", "loss_types", "loss_weights", "label_smoothing", "ld_alpha", "use_weighting",
+                  "f_divergence_type", "f_alpha_divergence_coef", "precompute_ref_logps", "padding_free")
+    assert all(isinstance(vars(DPOMinTrainer).get(name), property) for name in attributes)

@@ -135,5 +135,5 @@ def test_ld_alpha_weights_the_tokens_beyond_the_shorter_completion():
     chosen0, chosen1, rejected0, rejected1 = per_token
     expected = torch.stack([chosen0[:2].sum() + 0.25 * chosen0[2:].sum(), chosen1.sum(), rejected0.sum(),
                             rejected1[:2].sum() + 0.25 * rejected1[2:].sum()])
-    torch.testing.assert_close(lean.ld_dpo_logps(0.25), expected)
-    torch.testing.assert_close(lean.ld_dpo_logps(None), lean.logps)
+    torch.testing.assert_close(lean.summed_logps(0.25), expected)
+    torch.testing.assert_close(lean.summed_logps(None), lean.logps)

@@ -1,4 +1,5 @@
 import dataclasses
+import inspect
 import math
 
 import pytest
@@ -6,7 +7,7 @@ import torch
 from conftest import tiny_llama
 
 from dpo_min import DPOMinConfig, DPOMinTrainer, dpo_loss
-from dpo_min.losses import LOSSES, Knob, LossEntry, LossSettings
+from dpo_min.losses import LOSSES, READS_LABEL_SMOOTHING, Knob, LossEntry, LossSettings, PairTerms
 from dpo_min.train.run_dir import OutputDirError, RunFolder, check_same_run, resume_settings
 
 
@@ -152,3 +153,34 @@ def test_a_loss_type_with_a_new_hyperparameter_is_one_entry_and_one_field(monkey
 def test_every_hyperparameter_default_is_the_config_default(tmp_path):
     config = DPOMinConfig(output_dir=str(tmp_path), report_to="none", use_cpu=True)
     assert LossSettings.of() == config.loss_settings
+
+
+def test_the_sigmoid_entry_reads_plain_values_three_hops_from_compute_loss():
+    # compute_loss -> dpo_loss (the log-ratios and DPO's logits from the four log-probs) -> LOSSES["sigmoid"].
+    assert "dpo_loss(" in inspect.getsource(DPOMinTrainer.compute_loss)
+    source = inspect.getsource(dpo_loss)
+    assert "policy_chosen_logps - ref_chosen_logps" in source and "policy_rejected_logps - ref_rejected_logps" in source
+    assert "LOSSES[name].loss(terms)" in source
+    assert "-F.logsigmoid(beta * logits)" in inspect.getsource(LOSSES["sigmoid"].loss)
+    # Its hyperparameters are plain values of PairTerms, not properties resolved through the settings.
+    assert [name for name, value in vars(PairTerms).items() if isinstance(value, property)] == []
+    zero = t(0.0, 0.0)
+    terms = PairTerms(zero, zero, zero, zero, zero, zero, zero, zero, delta=t(2.0, -1.0), chosen_lengths=None,
+                      rejected_lengths=None, chosen_nll=None, beta=0.5, label_smoothing=0.25, hyperparameters={})
+    expected = [0.75 * math.log1p(math.exp(-0.5 * d)) + 0.25 * math.log1p(math.exp(0.5 * d)) for d in (2.0, -1.0)]
+    torch.testing.assert_close(LOSSES["sigmoid"].loss(terms), t(*expected), rtol=0, atol=1e-12)
+
+
+def test_reads_reference_says_whether_each_loss_reads_the_reference():
+    # Found by running each loss type with two references (not from the table).
+    lengths, policy = t(3.0, 5.0), (t(-4.0, -9.0), t(-6.0, -5.0))
+
+    def loss(name, reference):
+        return dpo_loss(*policy, *reference, loss_type=name, label_smoothing=0.1, chosen_lengths=lengths,
+                        rejected_lengths=lengths)[0]
+
+    for name, entry in LOSSES.items():
+        assert isinstance(entry.reads_reference, bool), name
+        reads = not torch.equal(loss(name, (t(-5.0, -7.0), t(-5.5, -6.5))), loss(name, (t(-1.0, -2.0), t(-8.0, -3.0))))
+        assert entry.reads_reference == reads, name
+    assert LOSSES["sigmoid"].reads["label_smoothing"] is READS_LABEL_SMOOTHING["label_smoothing"]
