@@ -88,19 +88,20 @@ def _generate(run: _Run, model: Any, round_index: int) -> list[dict[str, Any]]:
 
 
 def _score(run: _Run, generated: list[dict[str, Any]], round_index: int, steps: int) -> list[dict[str, Any]]:
-    """round-K/samples.jsonl: every sample with its reward per function and the weighted sum."""
-    def work(rows: list[dict[str, Any]]) -> list[tuple[dict, float | None]]:
+    """round-K/samples.jsonl: every sample with its reward per function and the weighted sum. Each process scores
+    its share of the prompts, all their samples in one call to each function, as TRL's batches."""
+    def work(groups: list[list[dict[str, Any]]]) -> list[list[tuple[dict, float | None]]]:
+        rows = [row for group in groups for row in group]
         if not rows:
-            return []
+            return [[] for _ in groups]
         completions = [Completion(row["completion"], row["completion_ids"], row["truncated"]) for row in rows]
         indices = [row["prompt_index"] for row in rows]
         scores = run.rewards.score([run.rows[i]["prompt"] for i in indices], completions,
-                                   _columns(run, indices, 1), round_index,
-                                   TrainerState(global_step=steps))
-        return list(zip(scores.per_function, scores.total))
-    # Whole prompts to each process, so a reward function sees a prompt's samples together, as under TRL.
+                                   _columns(run, indices, 1), round_index, TrainerState(global_step=steps))
+        results = list(zip(scores.per_function, scores.total))
+        return [results[sum(map(len, groups[:g])):][:len(group)] for g, group in enumerate(groups)]
     by_prompt = [[row for row in generated if row["prompt_index"] == i] for i in run.train_rows]
-    scored = _shared(by_prompt, lambda groups: [work(group) for group in groups], run.state)
+    scored = _shared(by_prompt, work, run.state)
     return [{**row, "prompt": run.rows[row["prompt_index"]]["prompt"], "rewards": per_function, "total": total}
             for group, results in zip(by_prompt, scored) for row, (per_function, total) in zip(group, results)]
 
