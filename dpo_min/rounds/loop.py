@@ -164,7 +164,8 @@ def _train(run: _Run, policy: Policy, made: list[dict[str, Any]], folder: Path,
     steps = [entry for entry in trainer.state.log_history if "loss" in entry and "train_loss" not in entry]
     keys = sorted({key for entry in steps for key in entry if key not in ("epoch", "step")})
     metrics = {key: sum(e[key] for e in steps if key in e) / sum(key in e for e in steps) for key in keys}
-    return {**metrics, "steps": output.global_step, "train_loss": output.training_loss}, trainer
+    # Not Trainer's training_loss: after a resume it averages only the steps that call ran.
+    return {**metrics, "steps": output.global_step}, trainer
 
 
 def _round(run: _Run, policy: Policy, round_index: int, steps: int) -> tuple[dict[str, Any], Any]:
