@@ -1,5 +1,5 @@
-"""The folders show the design: the DPO core at dpo_min's top, the data, the command (dpo_min.train) and scale-out as
-folders, and imports that point one way. Every import is read from the source (those inside functions too), so a
+"""The folders show the design: the DPO core at dpo_min's top, the data, the command (dpo_min.train), scale-out and
+the rounds (dpo_min.rounds, above the core) as folders, and imports that point one way. Every import is read from the source (those inside functions too), so a
 lazy import cannot hide a wrong direction."""
 
 import ast
@@ -13,14 +13,15 @@ MAY_IMPORT = {
     "core": {"core", "data", "scale"},
     "data": {"data"},
     "scale": {"scale"},
-    "command": {"core", "data", "scale", "command"},
+    "command": {"core", "data", "scale", "command", "rounds"},
+    "rounds": {"core", "rounds"},  # the core's public API only: DPOMinTrainer and DPOMinConfig, as a user has them
 }
 
 
 def part_of(module: str) -> str:
     """'dpo_min.data.mixtures' -> 'data'; 'dpo_min.train.card' -> 'command'; a top-level module -> 'core'."""
     parts = module.split(".")
-    if len(parts) > 1 and parts[1] in ("data", "scale"):
+    if len(parts) > 1 and parts[1] in ("data", "scale", "rounds"):
         return parts[1]
     return "command" if len(parts) > 1 and parts[1] == "train" else "core"
 
@@ -88,4 +89,20 @@ def test_the_core_is_the_files_at_the_top():
     top = {path.stem for path in PACKAGE.glob("*.py")} - {"__init__"}
     assert {"config", "collator", "logps", "losses", "reference", "trainer", "models"} <= top
     assert {path.name for path in PACKAGE.iterdir() if path.is_dir() and (path / "__init__.py").exists()} == {
-        "data", "train", "scale"}
+        "data", "train", "scale", "rounds"}
+
+
+def test_the_rule_catches_the_rounds_reaching_into_the_command_or_the_data(tmp_path, monkeypatch):
+    fake = tmp_path / "dpo_min"
+    for folder in ("train", "data", "rounds"):
+        (fake / folder).mkdir(parents=True)
+        (fake / folder / "__init__.py").write_text("")
+    (fake / "__init__.py").write_text("")
+    (fake / "train" / "args.py").write_text("")
+    (fake / "data" / "loading.py").write_text("")
+    (fake / "trainer.py").write_text("")
+    (fake / "rounds" / "loop.py").write_text("from dpo_min import trainer\nfrom ..train import args\n"
+                                             "from ..data.loading import f\n")
+    monkeypatch.setattr(sys.modules[__name__], "PACKAGE", fake)
+    assert wrong_imports() == ["dpo_min.rounds.loop (rounds) imports dpo_min.data.loading (data)",
+                               "dpo_min.rounds.loop (rounds) imports dpo_min.train.args (command)"]

@@ -1,0 +1,77 @@
+"""RoundsConfig: what a run of DPO rounds does, as a plain dataclass. The sampling options keep TRL GRPOConfig's
+names (num_generations, max_completion_length, temperature, top_p, reward_weights) and TRL's missing_eos_penalty."""
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+REFERENCES = ("initial", "previous")
+NO_PAIR_CHOICES = ("stop", "skip")
+
+
+class RoundsError(ValueError):
+    """One line naming what went wrong: the round, the reward function, the setting."""
+
+
+@dataclass
+class RoundsConfig:
+    """`training` holds DPOMinConfig's keyword arguments for each round's DPO pass (output_dir is set per round);
+    `peft_config` trains a LoRA adapter across the rounds instead of every weight."""
+
+    output_dir: str
+    rounds: int = 3
+    num_generations: int = 4
+    max_completion_length: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    reward_weights: list[float] | None = None
+    missing_eos_penalty: float | None = None
+    min_margin: float = 0.0
+    reference: str = "initial"
+    on_no_pairs: str = "stop"
+    held_out_share: float = 0.0
+    generation_batch_size: int = 8  # prompts per generate() call, each with its num_generations samples
+    seed: int = 42
+    training: dict[str, Any] = field(default_factory=dict)
+    peft_config: Any = None
+
+    def __post_init__(self):
+        for name in ("rounds", "num_generations", "max_completion_length", "generation_batch_size"):
+            if getattr(self, name) < 1:
+                raise RoundsError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_generations < 2:
+            raise RoundsError(f"num_generations must be >= 2 to make a pair, got {self.num_generations}")
+        if not self.temperature > 0:
+            raise RoundsError(f"temperature must be > 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise RoundsError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0 <= self.held_out_share < 1:
+            raise RoundsError(f"held_out_share must be in [0, 1), got {self.held_out_share}")
+        if not (math.isfinite(self.min_margin) and self.min_margin >= 0):
+            raise RoundsError(f"min_margin must be a finite number >= 0, got {self.min_margin}")
+        if self.reference not in REFERENCES:
+            raise RoundsError(f"reference must be one of {REFERENCES}, got {self.reference!r}")
+        if self.on_no_pairs not in NO_PAIR_CHOICES:
+            raise RoundsError(f"on_no_pairs must be one of {NO_PAIR_CHOICES}, got {self.on_no_pairs!r}")
+        if "output_dir" in self.training:
+            raise RoundsError("training: drop output_dir, each round trains under output_dir/round-K/train")
+
+    def settings(self) -> dict[str, Any]:
+        """What a resume must share with the run it continues: everything but the number of rounds (a run may be
+        extended) and the output folder itself."""
+        values = {name: value for name, value in asdict(self).items()
+                  if name not in ("rounds", "output_dir", "peft_config")}
+        values["peft_config"] = None if self.peft_config is None else _plain(self.peft_config.to_dict())
+        return values
+
+
+def _plain(value: Any) -> Any:
+    """A peft config's dict as JSON holds it (sets as sorted lists, enums as their values)."""
+    if isinstance(value, dict):
+        return {str(key): _plain(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple, set)):
+        items = [_plain(item) for item in value]
+        return sorted(items, key=str) if isinstance(value, set) else items
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        return value
+    return str(getattr(value, "value", value))

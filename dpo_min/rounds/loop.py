@@ -1,0 +1,276 @@
+"""run_rounds: sample -> score -> pair -> one DPO pass, round after round, each phase's result on disk before the
+next starts, so a run killed anywhere resumes where it stopped (store.py lists the files)."""
+
+import json
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from accelerate import PartialState
+from datasets import Dataset
+from transformers import TrainerState
+
+from dpo_min import DPOMinConfig, DPOMinTrainer
+
+from . import held_out, pairs, store
+from .config import RoundsConfig, RoundsError
+from .policy import Policy
+from .prompts import fingerprint, prompt_rows, split_held_out
+from .rewards import Rewards, RewardFunc
+from .sampling import Completion, GenerateFn, GenerationSettings, sample
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class RoundsResult:
+    rounds: list[dict[str, Any]]  # rounds.jsonl, one line per finished round
+    held_out: list[dict[str, Any]]  # held_out.jsonl: round 0 (pi_0), then after each round
+    policy: Policy  # the model as trained (with LoRA: policy.current() gives it with its adapter)
+    trainer: DPOMinTrainer | None = None  # the last round's, when this call trained one
+    stopped: str | None = None  # why the run stopped before config.rounds, if it did
+
+
+@dataclass
+class _Run:
+    """What every phase of every round reads: fixed for the call."""
+
+    config: RoundsConfig
+    tokenizer: Any
+    rows: list[dict[str, Any]]
+    train_rows: list[int]
+    held_rows: list[int]
+    rewards: Rewards
+    folder: store.RunFolder
+    generate_fn: GenerateFn | None
+    state: PartialState = field(default_factory=PartialState)
+
+    def say(self, message: str) -> None:
+        if self.state.is_main_process:
+            print(message, flush=True)
+
+
+def _shared(items: list[Any], work: Callable[[list[Any]], list[Any]], state: PartialState) -> list[Any]:
+    """`work` on this process's share of `items` (every num_processes-th), the results gathered back in order."""
+    if state.num_processes == 1:
+        return work(items)
+    mine = work(items[state.process_index::state.num_processes])
+    everyone = [None] * state.num_processes
+    torch.distributed.all_gather_object(everyone, mine)
+    ordered = [None] * len(items)
+    for rank, results in enumerate(everyone):
+        ordered[rank::state.num_processes] = results
+    return ordered
+
+
+def _columns(run: _Run, row_indices: Sequence[int], per_row: int) -> dict[str, list]:
+    """The prompt rows' other columns, each value repeated once per sample (TRL's reward kwargs)."""
+    names = [name for name in run.rows[row_indices[0]] if name not in ("prompt", "completion", "completion_ids")]
+    return {name: [run.rows[i].get(name) for i in row_indices for _ in range(per_row)] for name in names}
+
+
+def _generate(run: _Run, model: Any, round_index: int) -> list[dict[str, Any]]:
+    """round-K/generated.jsonl: num_generations samples of every training prompt, by the current policy."""
+    config = run.config
+    settings = GenerationSettings(config.num_generations, config.max_completion_length, True, config.temperature,
+                                  config.top_p, seed=config.seed + 1000 * round_index + 100 * run.state.process_index)
+
+    def work(indices: list[int]) -> list[list[Completion]]:
+        return sample(model, run.tokenizer, [run.rows[i]["prompt"] for i in indices], settings,
+                      config.generation_batch_size, run.generate_fn) if indices else []
+    groups = _shared(run.train_rows, work, run.state)
+    return [{"prompt_index": i, "sample": s, "completion": c.text, "completion_ids": c.ids, "truncated": c.truncated}
+            for i, group in zip(run.train_rows, groups) for s, c in enumerate(group)]
+
+
+def _score(run: _Run, generated: list[dict[str, Any]], round_index: int, steps: int) -> list[dict[str, Any]]:
+    """round-K/samples.jsonl: every sample with its reward per function and the weighted sum. Each process scores
+    its share of the prompts, all their samples in one call to each function, as TRL's batches."""
+    def work(groups: list[list[dict[str, Any]]]) -> list[list[tuple[dict, float | None]]]:
+        rows = [row for group in groups for row in group]
+        if not rows:
+            return [[] for _ in groups]
+        completions = [Completion(row["completion"], row["completion_ids"], row["truncated"]) for row in rows]
+        indices = [row["prompt_index"] for row in rows]
+        scores = run.rewards.score([run.rows[i]["prompt"] for i in indices], completions,
+                                   _columns(run, indices, 1), round_index, TrainerState(global_step=steps))
+        results = list(zip(scores.per_function, scores.total))
+        return [results[sum(map(len, groups[:g])):][:len(group)] for g, group in enumerate(groups)]
+    by_prompt = [[row for row in generated if row["prompt_index"] == i] for i in run.train_rows]
+    scored = _shared(by_prompt, work, run.state)
+    return [{**row, "prompt": run.rows[row["prompt_index"]]["prompt"], "rewards": per_function, "total": total}
+            for group, results in zip(by_prompt, scored) for row, (per_function, total) in zip(group, results)]
+
+
+def _pairs(run: _Run, samples: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[str, int]]:
+    groups = [{"prompt_index": i, "prompt": run.rows[i]["prompt"],
+               "samples": [row for row in samples if row["prompt_index"] == i]} for i in run.train_rows]
+    made, dropped = pairs.make_pairs(groups, run.config.min_margin)
+    return made, dict(dropped)
+
+
+def _evaluate(run: _Run, model: Any, round_index: int) -> None:
+    """held_out.jsonl: a greedy completion of each held-out prompt, scored; printed and plotted."""
+    if not run.held_rows or any(line["round"] == round_index for line in run.folder.held_out()):
+        return
+    settings = GenerationSettings(1, run.config.max_completion_length, False)
+
+    def work(indices: list[int]) -> list[float | None]:
+        if not indices:
+            return []
+        completions = [group[0] for group in sample(model, run.tokenizer, [run.rows[i]["prompt"] for i in indices],
+                                                    settings, run.config.generation_batch_size, run.generate_fn)]
+        return run.rewards.score([run.rows[i]["prompt"] for i in indices], completions, _columns(run, indices, 1),
+                                 round_index).total
+    totals = _shared(run.held_rows, work, run.state)
+    line = {"round": round_index, **held_out.mean_with_interval([t for t in totals if t is not None]),
+            "unscorable": sum(t is None for t in totals)}
+    if run.state.is_main_process:
+        run.folder.append("held_out.jsonl", line)
+        held_out.plot(run.folder.held_out(), run.folder.root / "held_out.png")
+    run.state.wait_for_everyone()
+    run.say(held_out.describe(line))
+
+
+def _phase(run: _Run, path: Path, times: dict[str, float], name: str, make: Callable[[], list[dict]]) -> list[dict]:
+    """A phase's rows: read back when an earlier call wrote them, else made (timed) and written whole."""
+    if path.exists():
+        return store.read_jsonl(path)
+    start = time.perf_counter()
+    rows = make()
+    times[name] = round(time.perf_counter() - start, 3)
+    if run.state.is_main_process:
+        store.write_jsonl(path, rows)
+    run.state.wait_for_everyone()
+    return rows
+
+
+def _train(run: _Run, policy: Policy, made: list[dict[str, Any]], folder: Path,
+           round_index: int) -> tuple[dict[str, Any], DPOMinTrainer]:
+    """One DPO pass on the round's pairs, warm-started from the last round; a half-trained round resumes from its
+    latest checkpoint-N. Returns the mean of the round's logged step metrics, and the trainer."""
+    args = DPOMinConfig(**{"report_to": "none", "logging_steps": 1, "num_train_epochs": 1,  # one pass a round
+                           "seed": run.config.seed + round_index,
+                           **run.config.training, "output_dir": str(folder / "train")})
+    data = Dataset.from_list([{key: pair[key] for key in ("prompt", "chosen", "rejected")} for pair in made])
+    trainer = DPOMinTrainer(**policy.trainer_models(), args=args, train_dataset=data, processing_class=run.tokenizer)
+    policy.warm_start(trainer)
+    resume = any((folder / "train").glob("checkpoint-*"))
+    output = trainer.train(resume_from_checkpoint=True if resume else None)
+    steps = [entry for entry in trainer.state.log_history if "loss" in entry and "train_loss" not in entry]
+    keys = sorted({key for entry in steps for key in entry if key not in ("epoch", "step")})
+    metrics = {key: sum(e[key] for e in steps if key in e) / sum(key in e for e in steps) for key in keys}
+    # Not Trainer's training_loss: after a resume it averages only the steps that call ran.
+    return {**metrics, "steps": output.global_step}, trainer
+
+
+def _round(run: _Run, policy: Policy, round_index: int, steps: int) -> tuple[dict[str, Any], Any]:
+    folder = run.folder.round_dir(round_index)
+    times_path = folder / "phase_seconds.json"
+    times = json.loads(times_path.read_text()) if times_path.exists() else {}
+    with policy.current() as model:
+        generated = _phase(run, folder / "generated.jsonl", times, "sampling",
+                           lambda: _generate(run, model, round_index))
+    samples = _phase(run, folder / "samples.jsonl", times, "scoring",
+                     lambda: _score(run, generated, round_index, steps))
+    made, dropped = _pairs(run, samples)
+    _phase(run, folder / "pairs.jsonl", {}, "pairing", lambda: made)
+    if run.state.is_main_process:
+        times_path.write_text(json.dumps(times))
+    totals = [row["total"] for row in samples if row["total"] is not None]
+    line = {"round": round_index, "prompts": len(run.train_rows), "samples": len(samples), "pairs": len(made),
+            "dropped": dropped, "unscorable_samples": len(samples) - len(totals),
+            "reward_mean": sum(totals) / len(totals) if totals else None,
+            "reward_best": max(totals, default=None), "reward_worst": min(totals, default=None)}
+    if not made:
+        return {**line, "status": f"no pair: {run.config.on_no_pairs}", "seconds": times}, None
+    trainer = None
+    if (folder / "checkpoint").is_dir():  # trained before a kill: the round's weights are on disk
+        policy.restore(folder / "checkpoint")
+        metrics = json.loads((folder / "train_metrics.json").read_text())
+    else:
+        start = time.perf_counter()
+        metrics, trainer = _train(run, policy, made, folder, round_index)
+        times["training"] = round(time.perf_counter() - start, 3)
+        if run.state.is_main_process:  # before the checkpoint: a checkpoint on disk means both are there
+            (folder / "train_metrics.json").write_text(json.dumps(metrics))
+            times_path.write_text(json.dumps(times))
+        policy.finish(trainer, folder / "checkpoint")
+    with policy.current() as model:
+        _evaluate(run, model, round_index)
+    return {**line, "status": "trained", "dpo": metrics, "seconds": times}, trainer
+
+
+def _open(model: Any, tokenizer: Any, prompts: Any, reward_funcs: Any, config: RoundsConfig,
+          generate_fn: GenerateFn | None) -> tuple[_Run, Policy, list[dict[str, Any]]]:
+    """Validate, claim the output folder (or check a resume's settings), and load what finished rounds left."""
+    rows = prompt_rows(prompts)
+    rewards = Rewards(reward_funcs, config.reward_weights, config.missing_eos_penalty)
+    train_rows, held_rows = split_held_out(len(rows), config.held_out_share, config.seed)
+    state = PartialState()
+    run = _Run(config, tokenizer, rows, train_rows, held_rows, rewards, store.RunFolder(config.output_dir),
+               generate_fn, state)
+    settings = {**config.settings(), "prompts": fingerprint(rows), "reward_funcs": rewards.names,
+                "processes": state.num_processes}
+    if state.is_main_process:
+        run.folder.claim(settings)
+    state.wait_for_everyone()
+    if not state.is_main_process:
+        run.folder.claim(settings)  # the main process wrote it, or refused: each process refuses alike
+    policy = Policy(model, config.peft_config, config.reference)
+    done = run.folder.finished_rounds()
+    checkpoint = run.folder.last_checkpoint()
+    if checkpoint is not None:
+        policy.restore(checkpoint)
+    if done:
+        run.say(f"resuming {config.output_dir}: {len(done)} round(s) finished")
+    return run, policy, done
+
+
+def run_rounds(model: torch.nn.Module, tokenizer: Any, prompts: Any, reward_funcs: RewardFunc | list[RewardFunc],
+               config: RoundsConfig, generate_fn: GenerateFn | None = None) -> RoundsResult:
+    """DPO in rounds: each round samples config.num_generations completions of every training prompt from the
+    current policy, scores them with `reward_funcs` (TRL GRPOTrainer's contract), pairs the best against the worst
+    and trains one DPO pass on those pairs. Called again on the same output_dir, it resumes.
+
+    model: pi_0, as loaded (on a resume too: the finished rounds' weights are loaded into it). prompts: rows with
+    a `prompt` column (text or messages), other columns passed to the reward functions. Raises RoundsError (one
+    line) on bad input, a bad reward, or a resume with other settings."""
+    run, policy, done = _open(model, tokenizer, prompts, reward_funcs, config, generate_fn)
+    if done and done[-1]["status"] == "no pair: stop":
+        return RoundsResult(done, run.folder.held_out(), policy, stopped=_no_pair_message(done[-1]))
+    with policy.current() as current:
+        _evaluate(run, current, 0)
+    trainer, steps = None, sum(line.get("dpo", {}).get("steps", 0) for line in done)
+    for round_index in range(len(done) + 1, config.rounds + 1):
+        line, round_trainer = _round(run, policy, round_index, steps)
+        trainer = round_trainer or trainer
+        steps += line.get("dpo", {}).get("steps", 0)
+        if run.state.is_main_process:
+            run.folder.append("rounds.jsonl", line)
+        run.state.wait_for_everyone()
+        done.append(line)
+        run.say(_summary(line))
+        if line["status"] == "no pair: stop":
+            return RoundsResult(done, run.folder.held_out(), policy, trainer, stopped=_no_pair_message(line))
+    return RoundsResult(done, run.folder.held_out(), policy, trainer)
+
+
+def _no_pair_message(line: dict[str, Any]) -> str:
+    reasons = ", ".join(f"{count} {reason}" for reason, count in line["dropped"].items() if count)
+    return f"round {line['round']}: no prompt gave a pair ({reasons}); stopped (on_no_pairs='skip' goes on)"
+
+
+def _summary(line: dict[str, Any]) -> str:
+    dropped = ", ".join(f"{count} {reason}" for reason, count in line["dropped"].items() if count) or "none"
+    text = f"round {line['round']}: {line['samples']} samples, {line['pairs']} pairs (dropped: {dropped})"
+    if line["reward_mean"] is not None:
+        text += f", reward mean {line['reward_mean']:.3f} (best {line['reward_best']:.3f}, worst " \
+                f"{line['reward_worst']:.3f})"
+    if line["status"] == "no pair: stop":
+        return f"{text}; {_no_pair_message(line)}"
+    return text if line["status"] == "trained" else f"{text}; no pair, round skipped (on_no_pairs='skip')"

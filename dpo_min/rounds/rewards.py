@@ -1,0 +1,135 @@
+"""Reward functions with TRL GRPOTrainer's contract, so reward code written for TRL runs unchanged.
+
+A reward function is a callable `f(prompts=..., completions=..., completion_ids=..., **columns) -> list[float |
+None]` (completions as text, or for conversational prompts as one-message lists [{"role": "assistant", "content":
+...}], as TRL gives them; the prompt rows' other columns repeated per completion, plus TRL's trainer_state,
+log_extra and log_metric), or a path to a sequence-classification model whose first logit is the reward. A None
+is "this function does not judge this sample" (TRL: NaN, left out of the weighted sum); a sample no function judges
+is unscorable. TRL's missing_eos_penalty is taken off a completion that max_completion_length cut.
+"""
+
+import math
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from transformers import AutoModelForSequenceClassification, AutoTokenizer, TrainerState
+
+from .config import RoundsError
+from .sampling import Completion, is_conversational
+
+RewardFunc = Callable[..., list] | str | torch.nn.Module
+
+
+@dataclass
+class Scores:
+    """Per sample: each function's reward (None where it gave none) and the weighted sum (None: unscorable)."""
+
+    per_function: list[dict[str, float | None]]
+    total: list[float | None]
+    metrics: dict[str, float] = field(default_factory=dict)  # what the functions passed to log_metric, averaged
+
+
+def function_name(func: Any) -> str:
+    """TRL's names: a model by its path's last part, a callable by its __name__ (a partial by its function's)."""
+    if isinstance(func, torch.nn.Module):
+        return str(getattr(func.config, "_name_or_path", "") or type(func).__name__).rstrip("/").split("/")[-1]
+    inner = getattr(func, "func", func)
+    return getattr(inner, "__name__", type(inner).__name__)
+
+
+class RewardModel:
+    """A sequence-classification model used as a reward function, TRL's way: prompt + completion (a conversation
+    through the chat template), padded on the right, the first logit."""
+
+    def __init__(self, model: torch.nn.Module, tokenizer: Any):
+        self.model, self.tokenizer = model.eval(), tokenizer
+        if tokenizer.pad_token_id is None:
+            tokenizer.pad_token = tokenizer.eos_token
+        model.config.pad_token_id = tokenizer.pad_token_id
+        self.__name__ = function_name(model)
+
+    @torch.no_grad()
+    def __call__(self, prompts: list, completions: list, **_: Any) -> list[float]:
+        if is_conversational(prompts[0]):
+            texts = [self.tokenizer.apply_chat_template(p + c, tokenize=False) for p, c in zip(prompts, completions)]
+        else:
+            texts = [p + c for p, c in zip(prompts, completions)]
+        inputs = self.tokenizer(text=texts, return_tensors="pt", padding=True, padding_side="right",
+                                add_special_tokens=False).to(next(self.model.parameters()).device)
+        return self.model(**inputs).logits[:, 0].float().tolist()
+
+
+def as_callables(reward_funcs: RewardFunc | Sequence[RewardFunc]) -> list[Callable[..., list]]:
+    funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
+    if not funcs:
+        raise RoundsError("reward_funcs: give at least one reward function")
+    loaded = []
+    for func in funcs:
+        if isinstance(func, str):
+            model = AutoModelForSequenceClassification.from_pretrained(func, num_labels=1)
+            func = RewardModel(model, AutoTokenizer.from_pretrained(func))
+        elif isinstance(func, torch.nn.Module):
+            raise RoundsError(f"reward_funcs: pass the reward model {function_name(func)} as its path, or as "
+                              "RewardModel(model, tokenizer)")
+        loaded.append(func)
+    return loaded
+
+
+def _checked(output: Any, name: str, expected: int, round_index: int) -> list[float | None]:
+    where = f"round {round_index}: reward function {name!r}"
+    if not isinstance(output, (list, tuple)) and not hasattr(output, "tolist"):
+        raise RoundsError(f"{where} returned {type(output).__name__}, not a list of rewards")
+    values = list(output.tolist() if hasattr(output, "tolist") else output)
+    if len(values) != expected:
+        raise RoundsError(f"{where} returned {len(values)} rewards for {expected} completions")
+    for i, value in enumerate(values):
+        if value is not None and not (isinstance(value, (int, float)) and math.isfinite(value)):
+            raise RoundsError(f"{where} returned {value!r} for completion {i}: a reward is a finite number or None")
+    if all(value is None for value in values):
+        raise RoundsError(f"{where} returned only None ({expected} completions): it judged none of them")
+    return [None if value is None else float(value) for value in values]
+
+
+class Rewards:
+    """The reward functions of a run, their weights and the length guard; `score` judges one round's samples."""
+
+    def __init__(self, reward_funcs: RewardFunc | Sequence[RewardFunc], weights: Sequence[float] | None = None,
+                 missing_eos_penalty: float | None = None):
+        self.funcs = as_callables(reward_funcs)
+        self.names = [function_name(func) for func in self.funcs]
+        if weights is not None and len(weights) != len(self.funcs):
+            raise RoundsError(f"reward_weights has {len(weights)} weights for {len(self.funcs)} reward functions")
+        self.weights = list(weights) if weights is not None else [1.0] * len(self.funcs)
+        self.missing_eos_penalty = missing_eos_penalty
+
+    def score(self, prompts: list, completions: list[Completion], columns: dict[str, list], round_index: int,
+              state: TrainerState | None = None) -> Scores:
+        """`prompts`, `completions` and each column: one entry per sample."""
+        texts = [[{"role": "assistant", "content": c.text}] for c in completions] \
+            if is_conversational(prompts[0]) else [c.text for c in completions]
+        logged = defaultdict(list)
+        extra = {"trainer_state": state or TrainerState(), "log_extra": lambda column, values: None,
+                 "log_metric": lambda name, value: logged[name].append(value)}
+        by_function = []
+        for func, name in zip(self.funcs, self.names):
+            try:
+                output = func(prompts=prompts, completions=texts, completion_ids=[c.ids for c in completions],
+                              **columns, **extra)
+            except Exception as error:
+                raise RoundsError(f"round {round_index}: reward function {name!r} raised "
+                                  f"{type(error).__name__}: {error}") from error
+            by_function.append(_checked(output, name, len(completions), round_index))
+        per_sample = [dict(zip(self.names, values)) for values in zip(*by_function)]
+        return Scores(per_sample, [self._total(values, c) for values, c in zip(zip(*by_function), completions)],
+                      {name: sum(values) / len(values) for name, values in logged.items()})
+
+    def _total(self, values: Sequence[float | None], completion: Completion) -> float | None:
+        if all(value is None for value in values):
+            return None
+        total = sum(w * v for w, v in zip(self.weights, values) if v is not None)
+        if completion.truncated and self.missing_eos_penalty is not None:
+            total -= self.missing_eos_penalty
+        return total

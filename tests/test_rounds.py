@@ -1,0 +1,202 @@
+"""run_rounds end to end on a tiny random Llama with the SmolLM2 tokenizer: what each round leaves, the reference
+`initial` kept fixed, every loss type, resume at each phase, bad rewards and rounds with no pair."""
+
+import copy
+import json
+
+import pytest
+import torch
+from conftest import tiny_llama
+from peft import LoraConfig
+
+from dpo_min import load_preference_dataset, sequence_logps
+from dpo_min.losses import LOSS_TYPES
+from dpo_min.rounds import RoundsConfig, RoundsError, run_rounds
+from dpo_min.rounds import loop as rounds_loop
+
+PROMPTS = [{"prompt": [{"role": "user", "content": f"What is {i} + {i}?"}], "solution": str(2 * i)}
+           for i in range(5)]
+LORA = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+
+
+def letters(completions, solution, **_):
+    """A reward that varies between random samples: how many of the completion's characters are letters, plus
+    whether the solution's digit appears."""
+    return [sum(ch.isalpha() for ch in c[0]["content"]) + float(s in c[0]["content"])
+            for c, s in zip(completions, solution)]
+
+
+def constant(completions, **_):
+    return [1.0] * len(completions)
+
+
+def settings(tmp_path, name="run", **overrides):
+    training = {"per_device_train_batch_size": 2, "learning_rate": 5e-3, "save_strategy": "no",
+                "disable_tqdm": True, **overrides.pop("training", {})}
+    return RoundsConfig(**{"output_dir": str(tmp_path / name), "rounds": 2, "num_generations": 3,
+                           "max_completion_length": 8, "held_out_share": 0.4, "seed": 7, "training": training,
+                           "peft_config": LORA, **overrides})
+
+
+def pair_batch(trainer):
+    return {name: value for name, value in trainer.data_collator([trainer.train_dataset[0]]).items()}
+
+
+def reference_logps(result, batch):
+    """The log-probs of the reference the last round's trainer chose, computed on the policy as it stands."""
+    with torch.no_grad(), result.policy.current() as policy, result.trainer.reference.computing(policy) as model:
+        return sequence_logps(model.eval(), batch).logps
+
+
+@pytest.mark.parametrize("lora", [True, False], ids=["lora", "full"])
+def test_three_rounds_with_reference_initial_keep_pi_0s_log_probs(tmp_path, tokenizer, lora):
+    model = tiny_llama()
+    pi_0 = copy.deepcopy(model).eval()
+    config = settings(tmp_path, rounds=3, peft_config=LORA if lora else None)
+    result = run_rounds(model, tokenizer, PROMPTS, letters, config)
+    assert [line["status"] for line in result.rounds] == ["trained"] * 3
+    batch = pair_batch(result.trainer)
+    with torch.no_grad():
+        expected = sequence_logps(pi_0, batch).logps
+    assert torch.equal(reference_logps(result, batch), expected)
+    with torch.no_grad(), result.policy.current() as policy:  # and the policy did move away from it
+        assert not torch.allclose(sequence_logps(policy.eval(), batch).logps, expected, atol=1e-4)
+
+
+@pytest.mark.parametrize("reference", ["previous", "initial"])
+def test_reference_previous_is_the_last_rounds_policy(tmp_path, tokenizer, reference):
+    result = run_rounds(tiny_llama(), tokenizer, PROMPTS, letters, settings(tmp_path, reference=reference))
+    # Round 2's first step: against the last round's policy the implicit rewards start at exactly 0; against pi_0
+    # they hold what round 1 learned.
+    first = result.trainer.state.log_history[0]
+    assert (first["rewards/chosen"] == 0.0 and first["rewards/rejected"] == 0.0) == (reference == "previous")
+
+
+def test_each_round_leaves_samples_pairs_the_command_reads_a_checkpoint_and_a_line(tmp_path, tokenizer):
+    result = run_rounds(tiny_llama(), tokenizer, PROMPTS, letters, settings(tmp_path))
+    run = tmp_path / "run"
+    lines = [json.loads(line) for line in (run / "rounds.jsonl").read_text().splitlines()]
+    assert lines == result.rounds and [line["round"] for line in lines] == [1, 2]
+    held = [json.loads(line) for line in (run / "held_out.jsonl").read_text().splitlines()]
+    assert [line["round"] for line in held] == [0, 1, 2] and all(line["n"] == 2 for line in held)
+    assert (run / "held_out.png").stat().st_size > 0
+    for line in lines:
+        folder = run / f"round-{line['round']}"
+        samples = [json.loads(row) for row in (folder / "samples.jsonl").read_text().splitlines()]
+        assert len(samples) == line["samples"] == 3 * 3  # 3 training prompts (2 of 5 held out), 3 samples each
+        assert {row["prompt_index"] for row in samples}.isdisjoint(json.loads(json.dumps(held_indices(run))))
+        assert all(row["total"] == row["rewards"]["letters"] for row in samples)
+        assert line["pairs"] + sum(line["dropped"].values()) == line["prompts"] == 3
+        pairs = load_preference_dataset(str(folder / "pairs.jsonl"))
+        assert len(pairs) == line["pairs"] and pairs[0]["prompt"] == PROMPTS[samples[0]["prompt_index"]]["prompt"]
+        assert (folder / "checkpoint" / "adapter_model.safetensors").is_file()
+        assert set(line["seconds"]) == {"sampling", "scoring", "training"}
+        assert {"loss", "rewards/margins", "steps"} <= set(line["dpo"])
+
+
+def held_indices(run):
+    return sorted(set(range(len(PROMPTS))) - {row["prompt_index"] for row in
+                                              map(json.loads, (run / "round-1/samples.jsonl").read_text().splitlines())})
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_every_loss_type_trains_a_round(tmp_path, tokenizer, loss_type):
+    needs = {"label_smoothing": 1e-3} if loss_type == "exo_pair" else {}  # EXO's eps must be in (0, 1)
+    config = settings(tmp_path, rounds=1, held_out_share=0.0, training={"loss_type": [loss_type], **needs})
+    result = run_rounds(tiny_llama(), tokenizer, PROMPTS[:2], letters, config)
+    assert result.rounds[0]["status"] == "trained" and result.rounds[0]["dpo"]["steps"] == 1
+
+
+def test_a_round_with_no_pair_stops_or_skips_as_chosen(tmp_path, tokenizer):
+    stopped = run_rounds(tiny_llama(), tokenizer, PROMPTS, constant, settings(tmp_path, name="stop"))
+    assert stopped.stopped == "round 1: no prompt gave a pair (3 all_tied); stopped (on_no_pairs='skip' goes on)"
+    assert len(stopped.rounds) == 1
+    skipped = run_rounds(tiny_llama(), tokenizer, PROMPTS, constant, settings(tmp_path, name="skip",
+                                                                              on_no_pairs="skip"))
+    assert [line["status"] for line in skipped.rounds] == ["no pair: skip"] * 2 and skipped.stopped is None
+    assert not (tmp_path / "skip/round-1/checkpoint").exists()
+
+
+def test_a_resume_with_other_settings_is_refused_in_one_line(tmp_path, tokenizer):
+    run_rounds(tiny_llama(), tokenizer, PROMPTS, letters, settings(tmp_path, rounds=1))
+    with pytest.raises(RoundsError) as error:
+        run_rounds(tiny_llama(), tokenizer, PROMPTS, letters, settings(tmp_path, rounds=2, temperature=0.5))
+    assert str(error.value) == (f"{tmp_path / 'run'} holds a run with other settings (temperature 1.0 there, 0.5 "
+                                "now): resume it with the same ones, or give another output_dir")
+
+
+def test_a_reward_that_fails_in_round_2_keeps_round_1_and_the_round_resumes_unsampled(tmp_path, tokenizer,
+                                                                                      monkeypatch):
+    calls = []
+
+    def flaky(completions, **_):
+        calls.append(len(completions))
+        if len(calls) == 2:  # round 1 scores once (held-out prompts are off here); round 2 is the second call
+            raise KeyError("answer")
+        return [float(len(c[0]["content"])) for c in completions]
+    config = settings(tmp_path, held_out_share=0.0)
+    with pytest.raises(RoundsError, match=r"^round 2: reward function 'flaky' raised KeyError: 'answer'$"):
+        run_rounds(tiny_llama(), tokenizer, PROMPTS, flaky, config)
+    assert len((tmp_path / "run/rounds.jsonl").read_text().splitlines()) == 1
+    assert (tmp_path / "run/round-1/checkpoint").is_dir() and (tmp_path / "run/round-2/generated.jsonl").is_file()
+    monkeypatch.setattr(rounds_loop, "_generate", lambda *a: pytest.fail("round 2's samples were generated again"))
+    result = run_rounds(tiny_llama(), tokenizer, PROMPTS, flaky, config)
+    assert [line["round"] for line in result.rounds] == [1, 2]
+
+
+class Killed(BaseException):
+    """A kill: not an Exception, so nothing on the way catches it."""
+
+
+def kill_in(monkeypatch, target, name, round_to_kill=2):
+    original = getattr(target, name)
+
+    def killed(*args, **kwargs):
+        if any(arg == round_to_kill for arg in args if isinstance(arg, int)) or \
+                kwargs.get("round_index") == round_to_kill:
+            raise Killed(name)
+        return original(*args, **kwargs)
+    monkeypatch.setattr(target, name, killed)
+
+
+def same_rounds(resumed, whole):
+    """The same lines but for the time taken; the DPO metrics to float tolerance. num_tokens is left out: the
+    trainer's running token count starts again at 0 in a resumed DPO pass (its own trainer_state has no such count)."""
+    assert len(resumed) == len(whole)
+    for mine, theirs in zip(resumed, whole):
+        assert {k: v for k, v in mine.items() if k not in ("seconds", "dpo")} == \
+            {k: v for k, v in theirs.items() if k not in ("seconds", "dpo")}
+        assert {k: v for k, v in mine["dpo"].items() if k != "num_tokens"} == \
+            pytest.approx({k: v for k, v in theirs["dpo"].items() if k != "num_tokens"}, rel=1e-5)
+
+
+@pytest.mark.parametrize("phase", ["_generate", "_score", "_train", "_evaluate", "mid_training"])
+def test_a_run_killed_at_any_phase_resumes_where_it_stopped_to_the_same_result(tmp_path, tokenizer, monkeypatch,
+                                                                               phase):
+    checkpoints = {"training": {"save_strategy": "steps", "save_steps": 1}}
+    whole = run_rounds(tiny_llama(), tokenizer, PROMPTS, letters, settings(tmp_path, name="whole", **checkpoints))
+    with monkeypatch.context() as patch:
+        if phase == "mid_training":
+            from dpo_min import DPOMinTrainer
+            original = DPOMinTrainer._save_checkpoint
+
+            def save_then_die(self, model, trial):
+                original(self, model, trial)
+                if "round-2" in self.args.output_dir:
+                    raise Killed("after checkpoint-1 of round 2")
+            patch.setattr(DPOMinTrainer, "_save_checkpoint", save_then_die)
+        else:
+            kill_in(patch, rounds_loop, phase)
+        with pytest.raises(Killed):
+            run_rounds(tiny_llama(), tokenizer, PROMPTS, letters, settings(tmp_path, name="killed", **checkpoints))
+    done_before = {path.name for path in (tmp_path / "killed/round-2").iterdir()}
+    if phase in ("_score", "_train", "_evaluate", "mid_training"):  # sampled before the kill: not sampled again
+        monkeypatch.setattr(rounds_loop, "_generate", lambda *a: pytest.fail("sampled again"))
+    if phase in ("_train", "_evaluate", "mid_training"):
+        monkeypatch.setattr(rounds_loop, "_score", lambda *a: pytest.fail("scored again"))
+    if phase == "_evaluate":
+        assert "checkpoint" in done_before
+        monkeypatch.setattr(rounds_loop, "_train", lambda *a: pytest.fail("trained again"))
+    resumed = run_rounds(tiny_llama(), tokenizer, PROMPTS, letters, settings(tmp_path, name="killed", **checkpoints))
+    same_rounds(resumed.rounds, whole.rounds)
+    assert resumed.held_out == whole.held_out

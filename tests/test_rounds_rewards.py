@@ -1,0 +1,123 @@
+"""The rounds' reward contract (TRL GRPOTrainer's: TRL's own reward functions run unmodified) and the pair rule."""
+
+import math
+
+import pytest
+from trl.rewards import accuracy_reward, think_format_reward
+
+from dpo_min.rounds import RoundsError, make_pairs
+from dpo_min.rounds.rewards import Rewards
+from dpo_min.rounds.sampling import Completion
+
+PROMPT = [{"role": "user", "content": "What is 1/3 + 0?"}]
+
+
+def completions(*texts, truncated=False):
+    return [Completion(text, [1, 2], truncated) for text in texts]
+
+
+def test_trl_accuracy_and_think_format_rewards_run_unmodified_on_conversational_samples():
+    samples = completions(r"<think>easy</think>The answer is $\boxed{\frac{1}{3}}$",
+                          r"The answer is $\boxed{\frac{1}{2}}$")
+    rewards = Rewards([accuracy_reward, think_format_reward], weights=[1.0, 0.5])
+    scores = rewards.score([PROMPT, PROMPT], samples, {"solution": [r"$\frac{1}{3}$"] * 2}, round_index=1)
+    # TRL's own functions on the same one-message completions are the oracle.
+    as_trl = [[{"role": "assistant", "content": c.text}] for c in samples]
+    accuracy = accuracy_reward(as_trl, [r"$\frac{1}{3}$"] * 2)
+    think = think_format_reward(as_trl)
+    assert accuracy == [1.0, 0.0] and think == [1.0, 0.0]
+    assert scores.per_function == [{"accuracy_reward": a, "think_format_reward": t} for a, t in zip(accuracy, think)]
+    assert scores.total == [a + 0.5 * t for a, t in zip(accuracy, think)]
+
+
+def test_a_none_is_left_out_of_the_sum_and_a_sample_no_function_judges_is_unscorable():
+    def sometimes(completions, **_):
+        return [None, 2.0, None]
+
+    def other(completions, **_):
+        return [1.0, None, None]
+    scores = Rewards([sometimes, other], weights=[3.0, 1.0]).score(["p"] * 3, completions("a", "b", "c"), {}, 1)
+    assert scores.total == [1.0, 6.0, None]
+
+
+def test_missing_eos_penalty_is_taken_off_a_cut_completion_only():
+    def one(completions, **_):
+        return [1.0] * len(completions)
+    rewards = Rewards(one, missing_eos_penalty=0.75)
+    cut, ended = completions("x", truncated=True), completions("y")
+    assert rewards.score(["p", "p"], cut + ended, {}, 1).total == [0.25, 1.0]
+
+
+def test_columns_text_completions_and_ids_reach_the_function_as_trl_passes_them():
+    seen = {}
+
+    def spy(prompts, completions, completion_ids, solution, trainer_state, log_extra, log_metric, **_):
+        seen.update(prompts=prompts, completions=completions, ids=completion_ids, solution=solution)
+        log_metric("spy", 2.0)
+        return [0.0] * len(completions)
+    scores = Rewards(spy).score(["p1", "p2"], completions("a", "b"), {"solution": ["1", "2"]}, 1)
+    assert seen == {"prompts": ["p1", "p2"], "completions": ["a", "b"], "ids": [[1, 2], [1, 2]],
+                    "solution": ["1", "2"]}
+    assert scores.metrics == {"spy": 2.0}
+
+
+def raises(completions, **_):
+    raise ZeroDivisionError("division by zero")
+
+
+def too_few(completions, **_):
+    return [1.0]
+
+
+def gives_nan(completions, **_):
+    return [1.0, math.nan]
+
+
+def only_none(completions, **_):
+    return [None, None]
+
+
+@pytest.mark.parametrize(("func", "message"), [
+    (raises, "round 3: reward function 'raises' raised ZeroDivisionError: division by zero"),
+    (too_few, "round 3: reward function 'too_few' returned 1 rewards for 2 completions"),
+    (gives_nan, "round 3: reward function 'gives_nan' returned nan for completion 1: a reward is a finite number or "
+                "None"),
+    (only_none, "round 3: reward function 'only_none' returned only None (2 completions): it judged none of them"),
+])
+def test_a_bad_reward_is_one_line_naming_the_function_and_the_round(func, message):
+    with pytest.raises(RoundsError) as error:
+        Rewards(func).score(["p", "p"], completions("a", "b"), {}, round_index=3)
+    assert str(error.value) == message
+
+
+def test_reward_weights_must_match_the_functions():
+    with pytest.raises(RoundsError, match="reward_weights has 2 weights for 1 reward functions"):
+        Rewards(too_few, weights=[1.0, 2.0])
+
+
+def group(index, *totals, prompt="p"):
+    return {"prompt_index": index, "prompt": prompt,
+            "samples": [{"completion": f"c{i}", "total": total} for i, total in enumerate(totals)]}
+
+
+def test_the_pair_is_the_best_against_the_worst_the_first_of_equals():
+    made, dropped = make_pairs([group(0, 0.5, 2.0, -1.0, 2.0, -1.0)], min_margin=0.0)
+    assert [(p["chosen"], p["rejected"], p["chosen_reward"], p["rejected_reward"]) for p in made] == [
+        ("c1", "c2", 2.0, -1.0)]
+    assert dropped == {"unscorable": 0, "all_tied": 0, "below_min_margin": 0}
+
+
+def test_ties_margins_and_unscorable_prompts_are_dropped_and_counted_by_reason():
+    groups = [group(0, 1.0, 1.0, 1.0), group(1, 0.0, 0.4), group(2, 0.0, 0.5), group(3, None, 1.0),
+              group(4, None, None), group(5, 1.0, None, 1.0), group(6, -2.0, None, 3.0)]
+    made, dropped = make_pairs(groups, min_margin=0.5)
+    # 0.5 is kept: the rule drops a margin *under* min_margin.
+    assert [p["prompt_index"] for p in made] == [2, 6]
+    assert dropped == {"unscorable": 2, "all_tied": 2, "below_min_margin": 1}
+    assert sum(dropped.values()) + len(made) == len(groups)
+
+
+def test_a_conversational_pair_holds_its_completions_as_one_assistant_message():
+    made, _ = make_pairs([group(0, 1.0, 0.0, prompt=PROMPT)], min_margin=0.0)
+    assert made[0]["chosen"] == [{"role": "assistant", "content": "c0"}]
+    assert made[0]["rejected"] == [{"role": "assistant", "content": "c1"}]
