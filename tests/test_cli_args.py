@@ -204,8 +204,9 @@ HANDBOOK_KEYS = [
 def test_every_handbook_recipe_key_is_accepted_with_its_meaning(tmp_path, key, value, means):
     recipe = tmp_path / "recipe.yaml"
     # lr_scheduler_kwargs are checked against the schedule they reach: the handbook gives min_lr_rate beside
-    # cosine_with_min_lr (linear, the default, takes no min_lr_rate).
-    beside = {"lr_scheduler_type": "cosine_with_min_lr"} if key == "lr_scheduler_kwargs" else {}
+    # cosine_with_min_lr (linear, the default, takes no min_lr_rate; cosine_with_min_lr needs it or min_lr).
+    beside = {"lr_scheduler_type": "cosine_with_min_lr"} if key == "lr_scheduler_kwargs" else {
+        "lr_scheduler_kwargs": {"min_lr_rate": 0.1}} if key == "lr_scheduler_type" else {}
     recipe.write_text(yaml.safe_dump({"model_name_or_path": "org/model", key: value, **beside}))
     # bf16 on this CPU parses only beside use_cpu; push_to_hub needs a hub_model_id or an output_dir name.
     model_args, data_args, args = parse_args(["--config", str(recipe), "--use_cpu", "true"])

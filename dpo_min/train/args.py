@@ -590,7 +590,7 @@ def _read_recipe(path: str) -> dict[str, Any]:
 
 def _recipe_value(where: str, option: str, value: Any, hint: Any) -> Any:
     """A recipe's value (`where`: "recipe.yaml: key") as the option takes it. argparse converts a flag's text, not a
-    recipe's values: 2.5, [1, 2], null, YAML 1.1's `no` (false) or 2024 would reach an option unchanged."""
+    recipe's values: 2.5, [1, 2], null or YAML 1.1's `no` (false) would reach an option unchanged."""
     kinds, key = _kinds(hint), where.rpartition(": ")[2]
     if hint in (int, int | None) and isinstance(value, (float, bool)):
         raise UsageError(f"{where} must be an integer, got {_shown(option, value)}")
@@ -602,8 +602,7 @@ def _recipe_value(where: str, option: str, value: Any, hint: Any) -> Any:
         raise UsageError(f"{where} is not true/false, got {value} (YAML reads no, off and false as false; quote "
                          f"the word: {key}: \"no\")")
     if type(value) in (int, float) and str in kinds and not kinds & {int, float, dict, list, Any}:
-        raise UsageError(f"{where} takes text, got the number {_shown(option, value)} (quote it: {key}: "
-                         f"\"{_shown(option, value)}\")")
+        return str(value)  # text, as the flag's (--split 2024, --test_split_size 0.1): not a number str methods fail on
     if list in kinds and str not in kinds and value is not None and not isinstance(value, (list, dict)):
         return [value]  # a one-item list, as the flag form (--lora_target_modules q_proj) gives; not its characters
     return value
