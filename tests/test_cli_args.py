@@ -555,8 +555,12 @@ def _recipe(tmp_path, text: str) -> list[str]:
     return ["--config", str(tmp_path / "r.yaml")]
 
 
-def _one_line_error(argv: list[str], tmp_path, capsys) -> str:
-    """The command's only stderr line for argv, refused with exit code 2 before any folder is written."""
+def _one_line_error(argv: list[str], tmp_path, capsys, monkeypatch) -> str:
+    """The command's only stderr line for argv, refused with exit code 2 before the model loads or any folder is
+    written."""
+    import dpo_min.train
+
+    monkeypatch.setattr(dpo_min.train, "load_model", lambda *a: pytest.fail("the model was loaded"))
     assert main([*argv, "--output_dir", str(tmp_path / "run")]) == 2
     [line] = capsys.readouterr().err.strip().splitlines()
     assert not (tmp_path / "run").exists()
@@ -587,9 +591,9 @@ def test_a_dtype_flag_beats_the_recipes_model_init_kwargs_and_two_in_one_place_a
     (["--dataset_mixer", "null"], None, "--dataset_mixer null names no data"),
     ([], "dataset_name: null\nbeta: 0.2\n", "dataset null names no data"),
 ], ids=["empty-dataset", "null-datasets", "null-mixer", "recipe-null-dataset"])
-def test_empty_or_null_data_is_a_usage_error_not_the_demo_pairs(tmp_path, capsys, argv, recipe, message):
+def test_empty_or_null_data_is_a_usage_error_not_the_demo_pairs(tmp_path, capsys, monkeypatch, argv, recipe, message):
     argv = [*(_recipe(tmp_path, recipe) if recipe else []), *argv]
-    assert _one_line_error(argv, tmp_path, capsys).endswith(
+    assert _one_line_error(argv, tmp_path, capsys, monkeypatch).endswith(
         f"{message}: give a data file, folder or datasets name (or leave the option out for the demo's pairs)")
     # null beside data of another form is the key's default written out, as in a dumped TRL config
     _, data_args, _ = parse_args(_recipe(tmp_path, "dataset_name: null\ndatasets: [{path: a.jsonl}]\n"))
@@ -640,16 +644,17 @@ SECRET = "hf_SeCrEt0123456789abcdef"
     (["--dataset", "x.jsonl", "--model_init_kwargs", json.dumps({"token": [SECRET]})], None,
      "model_init_kwargs: token must be str or bool or null, got a list (not shown)"),
 ], ids=["typo-flag", "typo-flag-inline", "recipe-list", "model-init-kwargs"])
-def test_no_message_shows_a_token(tmp_path, capsys, argv, recipe, message):
+def test_no_message_shows_a_token(tmp_path, capsys, monkeypatch, argv, recipe, message):
     argv = [*(_recipe(tmp_path, recipe) if recipe else []), *argv]
-    line = _one_line_error(argv, tmp_path, capsys)
+    line = _one_line_error(argv, tmp_path, capsys, monkeypatch)
     assert message in line and SECRET not in line and SECRET[3:] not in line, line
 
 
 @pytest.mark.parametrize("count", [0, -1])
-def test_max_eval_samples_below_one_is_one_line(tmp_path, capsys, count):
+def test_max_eval_samples_below_one_is_one_line(tmp_path, capsys, monkeypatch, count):
     data_file = write_hh_rows(tmp_path / "pairs.jsonl", 10)
-    line = _one_line_error(["--dataset", str(data_file), "--max_eval_samples", str(count)], tmp_path, capsys)
+    line = _one_line_error(["--dataset", str(data_file), "--max_eval_samples", str(count)], tmp_path, capsys,
+                           monkeypatch)
     assert line.endswith(f"--max_eval_samples must be >= 1, got {count} (to hold out nothing: --eval_fraction 0)")
 
 
@@ -683,9 +688,9 @@ def test_from_pretrained_keywords_it_drops_are_accepted_and_the_list_holds_every
     (["--config", "second.yaml"], "dataset_name: x.jsonl\n", "one recipe per run: "),
     (["--dataset", "x.jsonl", "--learning_rate", "inf"], None, "--learning_rate must be a finite number, got inf"),
 ], ids=["yaml-no", "split-spaces", "second-config", "learning-rate-inf"])
-def test_messages_name_what_was_written(tmp_path, capsys, argv, recipe, message):
+def test_messages_name_what_was_written(tmp_path, capsys, monkeypatch, argv, recipe, message):
     argv = [*(_recipe(tmp_path, recipe) if recipe else []), *argv]
-    line = _one_line_error(argv, tmp_path, capsys)
+    line = _one_line_error(argv, tmp_path, capsys, monkeypatch)
     assert message in line and "fsdp_config" not in line, line
 
 
