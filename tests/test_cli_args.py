@@ -209,8 +209,8 @@ def test_every_handbook_recipe_key_is_accepted_with_its_meaning(tmp_path, key, v
     beside = {"lr_scheduler_type": "cosine_with_min_lr"} if key == "lr_scheduler_kwargs" else {
         "lr_scheduler_kwargs": {"min_lr_rate": 0.1}} if key == "lr_scheduler_type" else {}
     recipe.write_text(yaml.safe_dump({"model_name_or_path": "org/model", key: value, **beside}))
-    # bf16 on this CPU parses only beside use_cpu; push_to_hub needs a hub_model_id or an output_dir name.
-    model_args, data_args, args = parse_args(["--config", str(recipe), "--use_cpu", "true"])
+    # push_to_hub needs a hub_model_id or an output_dir name.
+    model_args, data_args, args = parse_args(["--config", str(recipe)])  # bf16: use_cpu is set on a CPU
     assert means(model_args, data_args, args), (key, value)
 
 
@@ -718,5 +718,6 @@ def test_bf16_on_a_machine_without_an_accelerator_gets_use_cpu(monkeypatch):
 
     monkeypatch.setattr(args_module, "_has_accelerator", lambda: False)
     monkeypatch.delenv("WORLD_SIZE", raising=False)
-    _, _, args = parse_args(["--dataset", "x.jsonl", "--bf16", "true"])  # was transformers' "You need to assign use_cpu"
+    # was transformers' "Your setup doesn't support bf16/gpu. You need to assign use_cpu"
+    _, _, args = parse_args(["--dataset", "x.jsonl", "--bf16", "true"])
     assert args.bf16 and args.use_cpu and args.device.type == "cpu"

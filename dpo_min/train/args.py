@@ -5,6 +5,7 @@ then `parse_args`, which turns a command line (and optionally a YAML recipe) int
 for the options are tables of `compat`.
 """
 
+import collections.abc
 import difflib
 import inspect
 import json
@@ -12,7 +13,6 @@ import math
 import os
 import re
 import sys
-import collections.abc
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
