@@ -9,6 +9,7 @@ from dataclasses import fields
 from types import SimpleNamespace
 
 import pytest
+import torch
 import trl  # the independent reference for which names are TRL's
 import yaml
 from conftest import write_hh_rows
@@ -204,11 +205,12 @@ HANDBOOK_KEYS = [
 def test_every_handbook_recipe_key_is_accepted_with_its_meaning(tmp_path, key, value, means):
     recipe = tmp_path / "recipe.yaml"
     # lr_scheduler_kwargs are checked against the schedule they reach: the handbook gives min_lr_rate beside
-    # cosine_with_min_lr (linear, the default, takes no min_lr_rate).
-    beside = {"lr_scheduler_type": "cosine_with_min_lr"} if key == "lr_scheduler_kwargs" else {}
+    # cosine_with_min_lr (linear, the default, takes no min_lr_rate; cosine_with_min_lr needs it or min_lr).
+    beside = {"lr_scheduler_type": "cosine_with_min_lr"} if key == "lr_scheduler_kwargs" else {
+        "lr_scheduler_kwargs": {"min_lr_rate": 0.1}} if key == "lr_scheduler_type" else {}
     recipe.write_text(yaml.safe_dump({"model_name_or_path": "org/model", key: value, **beside}))
-    # bf16 on this CPU parses only beside use_cpu; push_to_hub needs a hub_model_id or an output_dir name.
-    model_args, data_args, args = parse_args(["--config", str(recipe), "--use_cpu", "true"])
+    # push_to_hub needs a hub_model_id or an output_dir name.
+    model_args, data_args, args = parse_args(["--config", str(recipe)])  # bf16: use_cpu is set on a CPU
     assert means(model_args, data_args, args), (key, value)
 
 
@@ -443,8 +445,20 @@ def test_an_unknown_model_init_kwarg_of_the_default_model_is_refused_before_it_l
      "gradient_checkpointing_kwargs: unknown key 'use_reentrnt' (did you mean 'use_reentrant'?)"),
     ({"model_init_kwargs": {"bogus": 1}}, "model_init_kwargs: unknown key 'bogus' (not a keyword of from_pretrained"),
     ({"model_init_kwargs": {"local_files_only": "yes"}}, "model_init_kwargs: local_files_only must be bool, got 'yes'"),
+    # what the schedule function itself checks, and the keywords its signature requires
+    ({"lr_scheduler_type": "cosine_with_min_lr"}, "lr_scheduler_kwargs (lr_scheduler_type cosine_with_min_lr): One "
+     "of min_lr or min_lr_rate should be set"),
+    ({"lr_scheduler_type": "cosine_with_min_lr", "lr_scheduler_kwargs": {"min_lr": 1e-6, "min_lr_rate": 0.1}},
+     "lr_scheduler_kwargs (lr_scheduler_type cosine_with_min_lr): Only one of min_lr or min_lr_rate should be set"),
+    ({"lr_scheduler_type": "warmup_stable_decay"},
+     "lr_scheduler_kwargs (lr_scheduler_type warmup_stable_decay): needs num_decay_steps"),
+    ({"lr_scheduler_type": "warmup_stable_decay", "lr_scheduler_kwargs": {"num_decay_steps": 2, "decay_type": "x"}},
+     "lr_scheduler_kwargs (lr_scheduler_type warmup_stable_decay): Unknown decay type: x"),
+    ({"gradient_checkpointing": True, "gradient_checkpointing_kwargs": {"context_fn": None}},
+     "gradient_checkpointing_kwargs: context_fn must be Callable, got None"),
 ], ids=["scheduler-key", "constant-takes-none", "scheduler-type", "plateau-int", "reentrant-string",
-        "checkpoint-typo", "init-key", "init-type"])
+        "checkpoint-typo", "init-key", "init-type", "min-lr-neither", "min-lr-both", "wsd-required", "wsd-checks",
+        "context-fn-null"])
 def test_bad_nested_options_are_one_line_before_the_model_loads(tmp_path, tiny_model_dir, monkeypatch, capsys,
                                                                 recipe, message):
     import dpo_min.train
@@ -533,3 +547,177 @@ def test_a_trl_recipes_env_block_is_applied_as_trl_applies_it(tmp_path, monkeypa
     path.write_text("env: [A=1]\n")
     with pytest.raises(UsageError, match="env must be a mapping of variable: value"):
         parse_args(["--config", str(path)])
+
+
+# ---- issue 30: no option silently outvoted, no secret printed, one line where a traceback was -------------------
+def _recipe(tmp_path, text: str) -> list[str]:
+    (tmp_path / "r.yaml").write_text(text)
+    return ["--config", str(tmp_path / "r.yaml")]
+
+
+def _one_line_error(argv: list[str], tmp_path, capsys, monkeypatch) -> str:
+    """The command's only stderr line for argv, refused with exit code 2 before the model loads or any folder is
+    written."""
+    import dpo_min.train
+
+    monkeypatch.setattr(dpo_min.train, "load_model", lambda *a: pytest.fail("the model was loaded"))
+    assert main([*argv, "--output_dir", str(tmp_path / "run")]) == 2
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert not (tmp_path / "run").exists()
+    return line
+
+
+def test_a_dtype_flag_beats_the_recipes_model_init_kwargs_and_two_in_one_place_are_refused(tmp_path, tiny_model_dir):
+    from dpo_min.train import load_model
+
+    recipe = _recipe(tmp_path, f"model_name_or_path: {tiny_model_dir}\ndataset_name: x.jsonl\n"
+                               "model_init_kwargs: {torch_dtype: bfloat16}\n")
+    out = ["--output_dir", str(tmp_path / "run")]
+    for flags, dtype in ([], torch.bfloat16), (["--dtype", "float32"], torch.float32), (
+            ["--torch_dtype", "float32"], torch.float32):
+        plan = resolve([*recipe, *flags, *out])
+        model = load_model(plan)[0]  # the weights as loaded, against the option the card reports
+        assert (model.dtype, plan.model.dtype) == (dtype, str(dtype).removeprefix("torch.")), flags
+    with pytest.raises(UsageError, match=r"^model_init_kwargs's torch_dtype bfloat16 and dtype float32 both set"):
+        parse_args(_recipe(tmp_path, "dataset_name: x.jsonl\ndtype: float32\nmodel_init_kwargs: {torch_dtype: "
+                                     "bfloat16}\n"))
+    with pytest.raises(UsageError, match=r"^--model_init_kwargs's dtype bfloat16 and --dtype float32 both set"):
+        parse_args(["--dataset", "x.jsonl", "--dtype", "float32", "--model_init_kwargs", '{"dtype": "bfloat16"}'])
+
+
+@pytest.mark.parametrize(("argv", "recipe", "message"), [
+    (["--dataset", ""], None, "--dataset '' names no data"),
+    (["--datasets", "null"], None, "--datasets null names no data"),
+    (["--dataset_mixer", "null"], None, "--dataset_mixer null names no data"),
+    ([], "dataset_name: null\nbeta: 0.2\n", "dataset null names no data"),
+], ids=["empty-dataset", "null-datasets", "null-mixer", "recipe-null-dataset"])
+def test_empty_or_null_data_is_a_usage_error_not_the_demo_pairs(tmp_path, capsys, monkeypatch, argv, recipe, message):
+    argv = [*(_recipe(tmp_path, recipe) if recipe else []), *argv]
+    assert _one_line_error(argv, tmp_path, capsys, monkeypatch).endswith(
+        f"{message}: give a data file, folder or datasets name (or leave the option out for the demo's pairs)")
+    # null beside data of another form is the key's default written out, as in a dumped TRL config
+    _, data_args, _ = parse_args(_recipe(tmp_path, "dataset_name: null\ndatasets: [{path: a.jsonl}]\n"))
+    assert data_args.datasets == [{"path": "a.jsonl"}]
+
+
+def test_a_recipes_null_model_is_no_model_the_demo_model_with_lora(tmp_path):
+    without = parse_args(_recipe(tmp_path, "dataset_name: x.jsonl\n"))
+    model_args, data_args, args = parse_args(_recipe(tmp_path, "model_name_or_path: null\ndataset_name: x.jsonl\n"))
+    assert (model_args.model, model_args.use_peft) == (None, True)  # was full fine-tuning of the demo's model
+    assert (model_args, data_args, args.learning_rate) == (without[0], without[1], without[2].learning_rate)
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("beta: 0.1\nlearning_rate: 1.0e-5\nbeta: 0.2\n", "key 'beta' is given twice, on lines 1 and 3: give it once"),
+    ("dataset_name: x.jsonl\nmodel_init_kwargs:\n  use_cache: false\n  use_cache: true\n",
+     "key 'use_cache' is given twice, on lines 3 and 4"),
+    ("dataset_name: x.jsonl\nlr_scheduler_kwargs: {min_lr: 1, min_lr: 2}\n", "key 'min_lr' is given twice, on lines 2 "
+     "and 2"),
+], ids=["top-level", "nested", "flow"])
+def test_a_key_given_twice_in_a_recipe_is_refused_naming_it_and_both_lines(tmp_path, text, message):
+    assert yaml.safe_load(text)  # PyYAML (and so TRL's parser) keeps the last, silently
+    with pytest.raises(UsageError) as error:
+        parse_args(_recipe(tmp_path, text))
+    assert str(error.value).startswith(f"{tmp_path / 'r.yaml'} is not valid YAML: {message}"), error.value
+    # a merge key's values may be overridden: YAML's meaning, not a key given twice
+    _, _, args = parse_args(_recipe(tmp_path, "dataset_name: x.jsonl\nmodel_init_kwargs:\n  <<: {use_cache: true}\n"
+                                              "  use_cache: false\n"))
+    assert args.model_init_kwargs == {"use_cache": False}
+
+
+def test_a_recipe_scalar_for_a_list_option_is_a_one_item_list_as_the_flag_gives(tmp_path):
+    recipe = parse_args(_recipe(tmp_path, "dataset_mixer: {x.jsonl: 1.0}\nlora_target_modules: q_proj\n"
+                                          "dataset_splits: train\nlora_modules_to_save: lm_head\n"))
+    flags = parse_args(["--dataset_mixer", '{"x.jsonl": 1.0}', "--lora_target_modules", "q_proj",
+                        "--dataset_splits", "train", "--lora_modules_to_save", "lm_head"])
+    assert recipe[0] == flags[0] and recipe[0].lora_target_modules == ["q_proj"]  # was ['q', '_', 'p', ...]
+    assert recipe[1].dataset_splits == flags[1].dataset_splits == ["train"]
+
+
+SECRET = "hf_SeCrEt0123456789abcdef"
+
+
+@pytest.mark.parametrize(("argv", "recipe", "message"), [
+    (["--hub_tokn", SECRET], None, "unknown argument(s): --hub_tokn <hidden> (did you mean --hub_token?)"),
+    ([f"--hub-tokn={SECRET}"], None, "unknown argument(s): --hub-tokn=<hidden>"),
+    ([], f"hub_token: [{SECRET}]\n", "hub_token takes a single value, got a list (not shown)"),
+    (["--dataset", "x.jsonl", "--model_init_kwargs", json.dumps({"token": [SECRET]})], None,
+     "model_init_kwargs: token must be str or bool or null, got a list (not shown)"),
+], ids=["typo-flag", "typo-flag-inline", "recipe-list", "model-init-kwargs"])
+def test_no_message_shows_a_token(tmp_path, capsys, monkeypatch, argv, recipe, message):
+    argv = [*(_recipe(tmp_path, recipe) if recipe else []), *argv]
+    line = _one_line_error(argv, tmp_path, capsys, monkeypatch)
+    assert message in line and SECRET not in line and SECRET[3:] not in line, line
+
+
+@pytest.mark.parametrize("count", [0, -1])
+def test_max_eval_samples_below_one_is_one_line(tmp_path, capsys, monkeypatch, count):
+    data_file = write_hh_rows(tmp_path / "pairs.jsonl", 10)
+    line = _one_line_error(["--dataset", str(data_file), "--max_eval_samples", str(count)], tmp_path, capsys,
+                           monkeypatch)
+    assert line.endswith(f"--max_eval_samples must be >= 1, got {count} (to hold out nothing: --eval_fraction 0)")
+
+
+def test_from_pretrained_keywords_it_drops_are_accepted_and_the_list_holds_every_one_it_pops(tmp_path, tiny_model_dir):
+    import inspect
+    import re
+
+    from transformers import PreTrainedModel
+
+    from dpo_min.train import load_model
+    from dpo_min.train.args import FROM_PRETRAINED_KWARGS
+
+    # Every keyword from_pretrained takes from **kwargs, read off transformers' own source; a recipe cannot give
+    # objects (a state_dict of tensors, a tqdm class).
+    source = inspect.getsource(PreTrainedModel.from_pretrained)
+    popped = set(re.findall(r'kwargs\.pop\("(\w+)"', source))
+    for names in re.findall(r"for name in \[([^\]]*)\]:\s*_ = kwargs\.pop\(name", source):
+        popped |= set(re.findall(r'"(\w+)"', names))
+    assert {name for name in popped if not name.startswith("_")} - {"state_dict", "tqdm_class"} <= set(
+        FROM_PRETRAINED_KWARGS)
+    plan = resolve(["--model", str(tiny_model_dir), "--dataset", "x.jsonl", "--output_dir", str(tmp_path / "run"),
+                    "--model_init_kwargs", '{"low_cpu_mem_usage": true, "allow_all_kernels": false}'])
+    assert load_model(plan)[0].config.model_type == "llama"  # from_pretrained took and dropped them
+
+
+@pytest.mark.parametrize(("argv", "recipe", "message"), [
+    ([], "dataset_name: x.jsonl\nsave_strategy: no\n", 'r.yaml: save_strategy is not true/false, got False (YAML '
+     'reads no, off and false as false; quote the word: save_strategy: "no")'),
+    (["--dataset", "x.jsonl", "--split", " train"], None,
+     "--split ' train': a split's name has no spaces around it ('train')"),
+    (["--config", "second.yaml"], "dataset_name: x.jsonl\n", "one recipe per run: "),
+    (["--dataset", "x.jsonl", "--learning_rate", "inf"], None, "--learning_rate must be a finite number, got inf"),
+], ids=["yaml-no", "split-spaces", "second-config", "learning-rate-inf"])
+def test_messages_name_what_was_written(tmp_path, capsys, monkeypatch, argv, recipe, message):
+    argv = [*(_recipe(tmp_path, recipe) if recipe else []), *argv]
+    line = _one_line_error(argv, tmp_path, capsys, monkeypatch)
+    assert message in line and "fsdp_config" not in line, line
+
+
+def test_a_recipes_number_for_a_text_option_is_its_text_as_the_flags(tmp_path):
+    recipe = parse_args(_recipe(tmp_path, "dataset_name: x.jsonl\ndataset_train_split: 2024\n"))[1]
+    assert recipe.split == parse_args(["--dataset", "x.jsonl", "--dataset_train_split", "2024"])[1].split == "2024"
+
+
+def test_offline_with_a_hub_token_does_not_ask_for_one(monkeypatch):
+    from huggingface_hub import constants
+
+    from dpo_min.train.card import check_hub_access
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(OSError) as error:
+        check_hub_access("me/model", token=SECRET)
+    assert "offline mode is enabled" in str(error.value) and "pass --hub_token" not in str(error.value)
+    assert "check --hub_token and that the Hub can be reached" in str(error.value) and SECRET not in str(error.value)
+    with pytest.raises(OSError, match="log in with `hf auth login` or pass --hub_token"):
+        check_hub_access("me/model")
+
+
+def test_bf16_on_a_machine_without_an_accelerator_gets_use_cpu(monkeypatch):
+    from dpo_min.train import args as args_module
+
+    monkeypatch.setattr(args_module, "_has_accelerator", lambda: False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    # was transformers' "Your setup doesn't support bf16/gpu. You need to assign use_cpu"
+    _, _, args = parse_args(["--dataset", "x.jsonl", "--bf16", "true"])
+    assert args.bf16 and args.use_cpu and args.device.type == "cpu"

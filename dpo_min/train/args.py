@@ -5,11 +5,15 @@ then `parse_args`, which turns a command line (and optionally a YAML recipe) int
 for the options are tables of `compat`.
 """
 
+import collections.abc
 import difflib
 import inspect
 import json
+import math
 import os
+import re
 import sys
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from types import UnionType
@@ -19,7 +23,7 @@ import torch
 import yaml
 from huggingface_hub import try_to_load_from_cache
 from transformers import HfArgumentParser, PretrainedConfig, PreTrainedModel
-from transformers.optimization import TYPE_TO_SCHEDULER_FUNCTION, GreedyLR, SchedulerType
+from transformers.optimization import TYPE_TO_SCHEDULER_FUNCTION, GreedyLR, SchedulerType, get_scheduler
 
 from ..compat import TRL_NAMES, TRL_WITHOUT_COUNTERPART, check_trl_option
 from ..config import DPOMinConfig
@@ -263,9 +267,9 @@ def build_parser(demo: bool = False) -> HfArgumentParser:
         epilog="Options marked 'demo:' take that default in the demo only; with --model or data (--dataset, "
                "datasets, dataset_mixture, dataset_mixer), DPOMinConfig's (TRL's) defaults apply.")
     parser.set_defaults(**{**COMMAND_DEFAULTS, **(DEMO_DEFAULTS if demo else {})})  # the demo's win
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not _has_accelerator():
-        # One of several processes on a CPU-only machine: without use_cpu, accelerate would leave each process
-        # training alone instead of joining them over gloo.
+    if not _has_accelerator():
+        # A CPU-only machine: without use_cpu, transformers refuses --bf16 ("You need to assign use_cpu") and, for
+        # one of several processes, accelerate would leave each training alone instead of joining them over gloo.
         parser.set_defaults(use_cpu=True)
     for action in parser._actions:
         if action.dest in DEMO_DEFAULTS and action.option_strings[0] == f"--{action.dest}":
@@ -311,7 +315,7 @@ def parse_command_line(argv: list[str] | None = None) -> tuple[ModelArguments, D
         raise UsageError(str(error).strip().splitlines()[0]) from None
     if remaining:
         flag = next((token for token in remaining if token.startswith("--")), "")
-        raise UsageError(f"unknown argument(s): {' '.join(remaining)}{_did_you_mean(flag[2:].split('=')[0])}")
+        raise UsageError(f"unknown argument(s): {_shown_argv(remaining)}{_did_you_mean(flag[2:].split('=')[0])}")
     _check_combinations(model_args, data_args, args, named, lambda name: f"--{name}" if name in flags else name)
     return model_args, data_args, args, demo
 
@@ -319,8 +323,10 @@ def parse_command_line(argv: list[str] | None = None) -> tuple[ModelArguments, D
 def _recipe_and_flags(argv: list[str]) -> tuple[dict[str, Any], list[str], dict[str, Any]]:
     """(the recipe's options, the tokens for argparse, the flags parsed here); a flag overrides the recipe's key,
     and data on the command line replaces the recipe's: --dataset X trains X alone, a mixture flag drops dataset."""
-    recipe_path = argv.pop(0) if argv and argv[0].endswith((".yaml", ".yml")) else _pop_config(argv)
+    recipe_path = _one_recipe(argv.pop(0), argv) if argv and argv[0].endswith((".yaml", ".yml")) else _pop_config(argv)
     recipe = _read_recipe(recipe_path) if recipe_path else {}
+    if "model" in recipe and recipe["model"] is None:  # TRL's default written out: no model, as the key left out
+        del recipe["model"]
     argv, parsed_flags = _translate_argv(argv)
     flags = {token[2:].split("=")[0] for token in argv if token.startswith("--")} | set(parsed_flags)
     if "dataset" in flags and not flags & set(MIXTURE_KEYS):
@@ -337,6 +343,16 @@ def _check_combinations(model_args: ModelArguments, data_args: DataArguments, ar
     key)."""
     if data_args.eval_fraction is not None and not 0 <= data_args.eval_fraction < 1:
         raise UsageError(f"--eval_fraction must be in [0, 1), got {data_args.eval_fraction}")
+    if data_args.max_eval_samples is not None and data_args.max_eval_samples < 1:
+        raise UsageError(f"--max_eval_samples must be >= 1, got {data_args.max_eval_samples} (to hold out nothing: "
+                         "--eval_fraction 0)")
+    if not math.isfinite(args.learning_rate):
+        raise UsageError(f"--learning_rate must be a finite number, got {args.learning_rate}")
+    for name in ("split", "eval_split"):
+        split = getattr(data_args, name)
+        if isinstance(split, str) and split != split.strip():
+            raise UsageError(f"{written(name)} {split!r}: a split's name has no spaces around it ({split.strip()!r})")
+    _check_data_given(data_args, named, written)
     if data_args.num_samples > 0 and data_args.max_new_tokens < 1:
         raise UsageError(f"--max_new_tokens must be >= 1 to sample completions, got {data_args.max_new_tokens} "
                          "(--num_samples 0 samples none)")
@@ -352,6 +368,38 @@ def _check_combinations(model_args: ModelArguments, data_args: DataArguments, ar
     elif "eval_fraction" in named and test_size:
         raise UsageError(f"{written('eval_fraction')} and {test_size} both hold out pairs of the mixture: give one")
     check_nested_kwargs(model_args, args, named)
+    _one_dtype(model_args, args, named, written)
+
+
+def _check_data_given(data_args: DataArguments, named: set[str], written: Callable[[str], str]) -> None:
+    """Data named, but as nothing (--dataset "", --datasets null, a recipe's dataset_name: null) and no other: a
+    mistake, not the demo's pairs (which a run without any data option trains on)."""
+    given = [name for name in ("dataset", *MIXTURE_KEYS) if name in named]
+    values = [getattr(data_args, name) for name in given]
+    if given and all(value is None or not (value.strip() if isinstance(value, str) else value) for value in values):
+        shown = "null" if values[0] is None else repr(values[0])
+        raise UsageError(f"{written(given[0])} {shown} names no data: give a data file, folder or datasets name (or "
+                         "leave the option out for the demo's pairs)")
+
+
+def _one_dtype(model_args: ModelArguments, args: DPOMinConfig, named: set[str], written: Callable[[str], str]) -> None:
+    """--dtype and model_init_kwargs' dtype (or torch_dtype) set one thing, the weights' dtype: the command line's
+    wins over the recipe's, two in one place that differ are refused; model_args.dtype then holds it alone."""
+    kwargs = args.model_init_kwargs
+    keys = [key for key in ("dtype", "torch_dtype") if isinstance(kwargs, dict) and key in kwargs]
+    if not keys:
+        return
+    on_line = written("model_init_kwargs").startswith("--")
+    given = [(f"{written('model_init_kwargs')}'s {key}", kwargs[key], on_line) for key in keys]
+    if "dtype" in named:
+        given.append((written("dtype"), model_args.dtype, written("dtype").startswith("--")))
+    first = max(level for _, _, level in given)
+    winners = [(where, value) for where, value, level in given if level == first]
+    if len({value for _, value in winners}) > 1:
+        raise UsageError(f"{' and '.join(f'{where} {value}' for where, value in winners)} both set the weights' "
+                         "dtype: give one")
+    model_args.dtype = winners[0][1]
+    args.model_init_kwargs = {key: value for key, value in kwargs.items() if key not in keys} or None
 
 
 def _mixture_test_size(data_args: DataArguments) -> str | None:
@@ -389,11 +437,44 @@ def _pop_config(argv: list[str]) -> str | None:
                 raise UsageError("--config needs a YAML file")
             path = argv[index + 1]
             del argv[index:index + 2]
-            return path
+            return _one_recipe(path, argv)
         if token.startswith("--config="):
             del argv[index]
-            return token.split("=", 1)[1]
+            return _one_recipe(token.split("=", 1)[1], argv)
     return None
+
+
+def _one_recipe(path: str, argv: list[str]) -> str:
+    if any(token == "--config" or token.startswith("--config=") for token in argv):
+        raise UsageError(f"one recipe per run: {path} and a second --config are given (merge them into one file)")
+    return path
+
+
+def _secret(name: str) -> bool:
+    """Whether an option or key is named like a credential (hub_token, token, a typo such as hub_tokn; not
+    max_new_tokens or tokenizer): no message shows its value."""
+    return re.search(r"tok(?!ens|eniz)|tkn|secret|passw", name.lower()) is not None
+
+
+def _shown(name: str, value: Any) -> str:
+    """A value as a message shows it: repr, or its type only for a secret (named like one, or a hub token's hf_)."""
+    secret = _secret(name) or "hf_" in str(value)
+    return f"a {type(value).__name__} (not shown)" if secret else repr(value)
+
+
+def _shown_argv(tokens: list[str]) -> str:
+    """Command-line tokens as a message shows them: a secret flag's value (and any hf_ token) as <hidden>."""
+    shown, hide_next = [], False
+    for token in tokens:
+        name, equals, value = token.partition("=")
+        flag = token.startswith("--")
+        if flag and equals and (_secret(name) or "hf_" in value):
+            token = f"{name}=<hidden>"
+        elif (hide_next and not flag) or "hf_" in token:
+            token = "<hidden>"
+        shown.append(token)
+        hide_next = flag and not equals and _secret(name)
+    return " ".join(shown)
 
 
 def _did_you_mean(name: str) -> str:
@@ -497,7 +578,7 @@ def _option_types() -> dict[str, Any]:
 def _read_recipe(path: str) -> dict[str, Any]:
     try:
         with open(path, encoding="utf-8") as file:
-            values = yaml.safe_load(file) or {}
+            values = yaml.load(file, Loader=_RecipeLoader) or {}
     except OSError as error:
         raise UsageError(f"cannot read {path}: {error.strerror}") from None
     except UnicodeDecodeError as error:  # a binary file (--config model.safetensors) or another encoding
@@ -508,24 +589,49 @@ def _read_recipe(path: str) -> dict[str, Any]:
         raise UsageError(f"{path} must hold a mapping of option: value")
     if "env" in values:
         _apply_env(values.pop("env"), path)
-    recipe, spelled = {}, _SpelledOnce(path)
+    recipe, spelled, types = {}, _SpelledOnce(path), _option_types()
     for name, value in values.items():
         for option, option_value in _translate(str(name), value, path).items():
             if option not in known_options():
                 raise UsageError(f"{path}: unknown option {name!r}{_did_you_mean(str(name))}")
             spelled.check(str(name), option)
-            recipe[option] = option_value
-    # argparse converts a flag's text, not a recipe's values: 2.5, [1, 2] or null would reach an option unchanged.
-    types = _option_types()
-    for name, value in recipe.items():
-        if types[name] in (int, int | None) and isinstance(value, (float, bool)):
-            raise UsageError(f"{path}: {name} must be an integer, got {value!r}")
-        kinds = _kinds(types[name])
-        if value is None and not kinds & {type(None), Any}:
-            raise UsageError(f"{path}: {name} cannot be null; give a value, or leave the key out for the default")
-        if isinstance(value, (list, dict)) and not kinds & {list, dict, Any} and name not in MIXTURE_KEYS:
-            raise UsageError(f"{path}: {name} takes a single value, got {value!r}")
+            recipe[option] = _recipe_value(f"{path}: {name}", option, option_value, types[option])
     return recipe
+
+
+def _recipe_value(where: str, option: str, value: Any, hint: Any) -> Any:
+    """A recipe's value (`where`: "recipe.yaml: key") as the option takes it. argparse converts a flag's text, not a
+    recipe's values: 2.5, [1, 2], null or YAML 1.1's `no` (false) would reach an option unchanged."""
+    kinds, key = _kinds(hint), where.rpartition(": ")[2]
+    if hint in (int, int | None) and isinstance(value, (float, bool)):
+        raise UsageError(f"{where} must be an integer, got {_shown(option, value)}")
+    if value is None and not kinds & {type(None), Any}:
+        raise UsageError(f"{where} cannot be null; give a value, or leave the key out for the default")
+    if isinstance(value, (list, dict)) and not kinds & {list, dict, Any} and option not in MIXTURE_KEYS:
+        raise UsageError(f"{where} takes a single value, got {_shown(option, value)}")
+    if isinstance(value, bool) and not kinds & {bool, Any}:
+        raise UsageError(f"{where} is not true/false, got {value} (YAML reads no, off and false as false; quote "
+                         f"the word: {key}: \"no\")")
+    if type(value) in (int, float) and str in kinds and not kinds & {int, float, dict, list, Any}:
+        return str(value)  # text, as the flag's (--split 2024, --test_split_size 0.1): not a number str methods fail on
+    if list in kinds and str not in kinds and value is not None and not isinstance(value, (list, dict)):
+        return [value]  # a one-item list, as the flag form (--lora_target_modules q_proj) gives; not its characters
+    return value
+
+
+class _RecipeLoader(yaml.SafeLoader):
+    """yaml.safe_load that refuses a key given twice in one mapping (PyYAML, and so TRL, keep the last silently)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        lines: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *base`: its keys may be overridden, as YAML means
+                continue
+            key, line = self.construct_object(key_node, deep=True), key_node.start_mark.line + 1
+            if isinstance(key, str | int | float | bool) and key in lines:
+                raise yaml.YAMLError(f"key {key!r} is given twice, on lines {lines[key]} and {line}: give it once")
+            lines[key] = line
+        return super().construct_mapping(node, deep=deep)
 
 
 def _apply_env(env: Any, path: str) -> None:
@@ -560,8 +666,13 @@ def check_nested_kwargs(model_args: ModelArguments, args: DPOMinConfig, named: s
     target = {SchedulerType.CONSTANT: None, SchedulerType.CONSTANT_WITH_WARMUP: None,
               SchedulerType.REDUCE_ON_PLATEAU: torch.optim.lr_scheduler.ReduceLROnPlateau.__init__,
               SchedulerType.GREEDY: GreedyLR.__init__}.get(schedule, TYPE_TO_SCHEDULER_FUNCTION.get(schedule))
-    _check_keywords(f"lr_scheduler_kwargs (lr_scheduler_type {schedule.value})", args.lr_scheduler_kwargs,
-                    _keywords(target, skip={"self", "optimizer", "num_warmup_steps", "num_training_steps"}))
+    option, passed = f"lr_scheduler_kwargs (lr_scheduler_type {schedule.value})", {
+        "self", "optimizer", "num_warmup_steps", "num_training_steps"}
+    _check_keywords(option, args.lr_scheduler_kwargs, _keywords(target, skip=passed))
+    missing = [name for name in _required(target, skip=passed) if name not in (args.lr_scheduler_kwargs or {})]
+    if missing:
+        raise UsageError(f"{option}: needs {', '.join(missing)}")
+    _try_schedule(option, schedule, args)
     # transformers binds these into torch.utils.checkpoint.checkpoint; preserve_rng_state is read from its **kwargs
     # (the others reach the checkpointed layer, which takes none).
     checkpoint = _keywords(torch.utils.checkpoint.checkpoint, skip={"function"})
@@ -573,6 +684,27 @@ def check_nested_kwargs(model_args: ModelArguments, args: DPOMinConfig, named: s
     if args.model_init_kwargs:
         keywords, config_known = _from_pretrained_keywords(model_args)
         _check_keywords("model_init_kwargs", args.model_init_kwargs, keywords, others_pass=not config_known)
+
+
+def _required(function: Any, skip: set[str]) -> list[str]:
+    """The named parameters of `function` without a default (warmup_stable_decay's num_decay_steps), less `skip`."""
+    parameters = inspect.signature(function).parameters.values() if function is not None else ()
+    return [parameter.name for parameter in parameters if parameter.name not in skip and parameter.default is
+            parameter.empty and parameter.kind not in (parameter.VAR_POSITIONAL, parameter.VAR_KEYWORD)]
+
+
+def _try_schedule(option: str, schedule: SchedulerType, args: DPOMinConfig) -> None:
+    """The schedule built once, as Trainer builds it, on a stand-in optimizer: what the schedule itself checks
+    (cosine_with_min_lr takes one of min_lr and min_lr_rate) is refused here, not after the model loads."""
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    steps = args.max_steps if args.max_steps > 0 else 100  # the schedules check their keywords, not the steps
+    try:
+        with warnings.catch_warnings():  # the real run warns, once
+            warnings.simplefilter("ignore")
+            get_scheduler(schedule, optimizer, num_warmup_steps=0, num_training_steps=steps,
+                          scheduler_specific_kwargs=dict(args.lr_scheduler_kwargs or {}))
+    except (TypeError, ValueError) as error:
+        raise UsageError(f"{option}: {str(error).strip().splitlines()[0]}") from None
 
 
 def _keywords(function: Any, skip: set[str]) -> dict[str, Any]:
@@ -589,13 +721,15 @@ def _keywords(function: Any, skip: set[str]) -> dict[str, Any]:
             annotation = type(parameter.default).__name__ if parameter.default is not parameter.empty else ""
         if not isinstance(annotation, str):
             annotation = getattr(annotation, "__name__", str(annotation))
-        names = [part.strip() for part in annotation.split("|")]
-        known = all(part in _PLAIN_TYPES for part in names)  # Literal[...], Callable, list[float]: not checked
+        names = [part.strip().split("[")[0] for part in annotation.split("|")]
+        known = all(part in _PLAIN_TYPES for part in names)  # Literal[...], list[float]: not checked
         keywords[name] = tuple(_PLAIN_TYPES[part] for part in names) if known else None
     return keywords
 
 
-_PLAIN_TYPES = {"bool": bool, "int": int, "float": float, "str": str, "None": type(None), "NoneType": type(None)}
+# Callable: what a recipe cannot give (checkpoint's context_fn: null would fail inside the first step).
+_PLAIN_TYPES = {"bool": bool, "int": int, "float": float, "str": str, "None": type(None), "NoneType": type(None),
+                "Callable": collections.abc.Callable}
 
 
 def _check_keywords(option: str, given: Any, keywords: dict[str, Any], others_pass: bool = False) -> None:
@@ -603,7 +737,7 @@ def _check_keywords(option: str, given: Any, keywords: dict[str, Any], others_pa
     if given is None:
         return
     if not isinstance(given, dict):
-        raise UsageError(f"{option} must be a mapping of keyword: value, got {given!r}")
+        raise UsageError(f"{option} must be a mapping of keyword: value, got {_shown(option, given)}")
     for key, value in given.items():
         if key not in keywords and others_pass:
             continue
@@ -622,16 +756,18 @@ def _check_keywords(option: str, given: Any, keywords: dict[str, Any], others_pa
             isinstance(value, types) or (isinstance(value, int) and float in types)))
         if not fits:
             expected = " or ".join("null" if kind is type(None) else kind.__name__ for kind in types)
-            raise UsageError(f"{option}: {key} must be {expected}, got {value!r}")
+            raise UsageError(f"{option}: {key} must be {expected}, got {_shown(str(key), value)}")
 
 
-# from_pretrained's keyword arguments beyond its named parameters: those it pops from **kwargs in transformers 5.
+# from_pretrained's keyword arguments beyond its named parameters: those it pops from **kwargs in transformers 5,
+# and those it pops and drops ("not used anymore": older recipes carry low_cpu_mem_usage).
 FROM_PRETRAINED_KWARGS = (
-    "adapter_kwargs", "adapter_name", "attn_implementation", "device_map", "device_mesh", "distributed_config",
-    "dtype", "experts_implementation", "generation_config", "gguf_file", "kernel_config", "key_mapping",
-    "max_memory", "offload_buffers", "offload_folder", "output_loading_info", "proxies",
+    "adapter_kwargs", "adapter_name", "allow_all_kernels", "attn_implementation", "device_map", "device_mesh",
+    "distributed_config", "dtype", "experts_implementation", "generation_config", "gguf_file", "kernel_config",
+    "key_mapping", "max_memory", "offload_buffers", "offload_folder", "output_loading_info", "proxies",
     "quantization_config", "subfolder", "torch_dtype", "tp_plan", "tp_size", "trust_remote_code", "use_kernels",
     "variant",
+    "from_flax", "from_tf", "low_cpu_mem_usage", "mirror", "offload_state_dict",
 )
 
 

@@ -159,8 +159,11 @@ def check_hub_access(repo_id: str, token: str | None = None) -> None:
         HfApi(token=token).whoami()
     except Exception as error:  # no token, an offline machine, a refused token: all the same to the run
         reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise OSError(f"--push_to_hub: cannot reach the Hub as a logged-in user ({reason}); log in with `hf auth "
-                      "login` or pass --hub_token, or train without --push_to_hub and upload later") from None
+        # A token given is not the fix when it was refused or never sent (offline): the message says what is.
+        fix = ("check --hub_token and that the Hub can be reached" if token is not None else
+               "log in with `hf auth login` or pass --hub_token")
+        raise OSError(f"--push_to_hub: cannot reach the Hub as a logged-in user ({reason}); {fix}, or train "
+                      "without --push_to_hub and upload later") from None
 
 
 def push_to_hub(folder: Path, repo_id: str, token: str | None = None, private: bool | None = None,
