@@ -7,13 +7,9 @@ import pytest
 from conftest import HH_PATH, ROOT, tiny_llama
 from datasets import Dataset
 
-from dpo_min.data.loading import (
-    load_preference_dataset,
-    to_preference_rows,
-    tokenize_dataset,
-    tokenize_row,
-    truncate_pair,
-)
+from dpo_min.data.loading import load_preference_dataset
+from dpo_min.data.pairs import to_preference_rows
+from dpo_min.tokenizing import tokenize_dataset, tokenize_row, truncate_pair
 
 STANDARD = {"prompt": "The sky is", "chosen": " blue.", "rejected": " green."}
 CONVERSATIONAL = {
@@ -312,7 +308,7 @@ def test_a_streamed_dataset_gives_the_same_token_ids_on_the_fly(tmp_path, tokeni
 
 
 def test_a_stream_counts_what_it_drops_as_it_is_read(tmp_path, tokenizer):
-    from dpo_min.data.loading import describe_stream_counts, stream_counts
+    from dpo_min.data.streams import describe_stream_counts, stream_counts
 
     haiku, long = [{"role": "user", "content": "Write a haiku."}], [{"role": "user", "content": "word " * 60}]
     opening = "the same opening words, " * 8
@@ -458,7 +454,7 @@ def test_the_legacy_mixer_on_a_file_holds_out_nothing_and_says_so(tmp_path, capl
 
 
 def test_a_stream_holds_out_its_first_pairs_and_counts_train_pairs_also_held_out(tmp_path):
-    from dpo_min.data.loading import ALSO_HELD_OUT, stream_counts
+    from dpo_min.data.streams import ALSO_HELD_OUT, stream_counts
 
     for rows, expected in ((unique_pairs(12), 0), (unique_pairs(12) + unique_pairs(3) + unique_pairs(2), 5)):
         path = write_jsonl(tmp_path / "stream.jsonl", rows)
@@ -608,7 +604,8 @@ def upstream_unpaired_rows():
 def test_the_embedded_hh_file_is_the_upstream_file_and_loads_with_its_9_unpaired_rows_dropped_by_reason(caplog):
     from hashlib import sha256
 
-    from dpo_min.data.loading import NO_ANSWER, NO_COMMON_PROMPT, StreamCounts
+    from dpo_min.data.streams import StreamCounts
+    from dpo_min.data.unpaired import NO_ANSWER, NO_COMMON_PROMPT
 
     digest = sha256(HH_PATH.read_bytes()).hexdigest()
     assert digest == "ebfaaed21162a4de120ae85366075b34425e2a6303fac59b99555002f7016f03"
@@ -628,7 +625,8 @@ def test_the_embedded_hh_file_is_the_upstream_file_and_loads_with_its_9_unpaired
 
 
 def test_a_stream_drops_and_counts_the_upstream_unpaired_rows_naming_them(caplog):
-    from dpo_min.data.loading import NO_ANSWER, NO_COMMON_PROMPT, stream_counts
+    from dpo_min.data.streams import stream_counts
+    from dpo_min.data.unpaired import NO_ANSWER, NO_COMMON_PROMPT
 
     stream = load_preference_dataset(str(HH_PATH), streaming=True)
     assert sum(1 for _ in stream) == 2303
@@ -647,7 +645,7 @@ def test_most_rows_unpaired_is_refused_as_a_wrong_layout_naming_the_first(tmp_pa
 
 def test_the_command_counts_unpaired_rows_in_its_metrics_and_strict_pairs_refuses_in_one_line(tmp_path, capsys,
                                                                                            tiny_model_dir):
-    from dpo_min.data.loading import NO_ANSWER, NO_COMMON_PROMPT
+    from dpo_min.data.unpaired import NO_ANSWER, NO_COMMON_PROMPT
     from dpo_min.train import main
 
     rows, empty, apart = upstream_unpaired_rows()
