@@ -110,6 +110,49 @@ def test_a_row_that_cannot_be_a_pair_is_dropped_and_counted_or_refused_when_stri
         to_preference_rows([rows[0], row, row])
 
 
+def test_a_malformed_row_whose_message_reads_like_an_unpaired_one_is_refused_not_dropped(tmp_path, caplog):
+    # A row is unpaired by the layout's typed `Unpaired`, not by its message's words: a label whose value reads like
+    # such a message is a malformed row, refused in one line naming it, in a list and in a file alike.
+    from dpo_min.data.layouts import LayoutOptions
+
+    rows = [dict(STANDARD, label="a"), dict(STANDARD, label="b"), dict(STANDARD, label="a"),
+            dict(STANDARD, label="x is identical to 'chosen'")]
+    options = {"label_column": "label", "label_chosen": "a", "label_rejected": "b"}
+    message = r"row 3: field 'label' is \"x is identical to 'chosen'\", neither --label_chosen 'a'"
+    with pytest.raises(ValueError, match="^" + message):
+        to_preference_rows(rows, options=LayoutOptions(**options))
+    path = tmp_path / "labelled.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    with pytest.raises(ValueError, match=message):
+        load_preference_dataset(str(path), **options)
+    assert "dropped" not in caplog.text
+
+
+def test_an_unpaired_row_pickles_with_its_reason():
+    # Raised in a datasets worker (num_proc) with strict_pairs, it travels back to the main process by pickle.
+    import pickle
+
+    from dpo_min.data.unpaired import NO_ANSWER, Unpaired
+
+    message = "row 3: field 'chosen' is an empty completion"
+    error = pickle.loads(pickle.dumps(Unpaired(NO_ANSWER, message)))
+    assert (type(error), error.reason, str(error)) == (Unpaired, NO_ANSWER, message)
+
+
+def test_rows_in_a_list_and_in_a_dataset_become_the_same_pairs_with_the_same_drops(caplog):
+    # One loop turns rows into pairs, whether they come as a list or as a dataset's map batches.
+    from dpo_min.data.pairs import to_preference_dataset
+
+    rows = [STANDARD, {"prompt": "p", "chosen": " ", "rejected": "r"}, dict(STANDARD, prompt="The sea is"),
+            {"prompt": "q", "chosen": "same", "rejected": "same"}, dict(STANDARD, chosen=" grey.")]
+    listed = to_preference_rows(rows)
+    mapped = to_preference_dataset(Dataset.from_list(rows))
+    assert [{name: pair[name] for name in ("prompt", "chosen", "rejected")} for pair in mapped] == listed
+    assert mapped["source_row"] == [0, 2, 4] and listed == [rows[0], rows[2], rows[4]]
+    assert "dropped 2 of 5 rows: 1 with an empty answer, 1 with chosen identical to rejected" in caplog.text
+    assert "data: dropped 1 of 5 rows with an empty answer; first source rows: 1" in caplog.text
+
+
 def test_bad_file_says_which_file(tmp_path):
     path = tmp_path / "broken.json"
     path.write_text("{not json")
