@@ -74,7 +74,8 @@ def child(kind: str, rows_file: str, num_proc: int) -> dict:
         trainer_like = SimpleNamespace(_tokenizer=tokenizer)
         tokenized = DPOTrainer._prepare_dataset(trainer_like, raw, tokenizer, args, "train")
     else:
-        from dpo_min.data.loading import load_preference_dataset, tokenize_dataset
+        from dpo_min.data.loading import load_preference_dataset
+        from dpo_min.tokenizing import tokenize_dataset
 
         pairs = load_preference_dataset(rows_file, num_proc=num_proc)
         tokenized = tokenize_dataset(pairs, tokenizer, max_length=None, num_proc=num_proc)

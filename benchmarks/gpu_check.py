@@ -108,7 +108,7 @@ def check_layouts(device: str) -> list[str]:
     from datasets import Dataset
 
     from dpo_min.collator import make_collator
-    from dpo_min.data.loading import tokenize_dataset
+    from dpo_min.tokenizing import tokenize_dataset
     from dpo_min.logps import sequence_logps
     from dpo_min.scale.attention import use_packed_attention
 
@@ -154,7 +154,7 @@ def run_config(name: str, model_name: str, args, pairs, tokenizer) -> dict:
     from transformers import TrainerCallback
 
     from dpo_min import DPOMinConfig, DPOMinTrainer
-    from dpo_min.data.loading import tokenize_dataset
+    from dpo_min.tokenizing import tokenize_dataset
 
     trainer_kind, attention, overrides = CONFIGS[name]
     class_name, shape = SHAPES[model_name]

@@ -2,11 +2,12 @@
 
 from .collator import DPODataCollator, PackedDPODataCollator
 from .config import DPOMinConfig
-from .data.loading import load_preference_dataset, tokenize_dataset
+from .data.loading import load_preference_dataset
 from .data.mixtures import load_mixture
 from .logps import sequence_logps
 from .losses import dpo_loss
 from .models import load_model_and_tokenizer
+from .tokenizing import tokenize_dataset
 from .trainer import DPOMinTrainer
 
 __all__ = [

@@ -22,8 +22,8 @@ from typing import Any
 
 import torch
 
-from .data.loading import REFERENCE_COLUMNS
-
+TOKEN_COLUMNS = ("prompt_ids", "chosen_ids", "rejected_ids")  # a tokenized pair, as the collators read it
+REFERENCE_COLUMNS = ("ref_chosen_logps", "ref_rejected_logps")  # a pair's precomputed reference log-probs, if any
 IGNORE_INDEX = -100
 # Keys of a batch that are not model inputs.
 NON_MODEL_KEYS = ("labels", "sequence_index", "segment_bounds", "segment_ids", "branch_ids", *REFERENCE_COLUMNS)

@@ -17,15 +17,15 @@ from transformers import EvalPrediction, PreTrainedModel, Trainer, TrainerCallba
 from transformers.trainer_utils import rotate_checkpoints
 
 from . import ref_cache, trainer_setup
-from .collator import NON_MODEL_KEYS
+from .collator import NON_MODEL_KEYS, REFERENCE_COLUMNS
 from .compat import trl_hub_tags
 from .config import DPOMinConfig
-from .data.loading import REFERENCE_COLUMNS, is_tokenized, tokenize_dataset
 from .logps import SequenceLogps, computed_tokens, sequence_logps
 from .losses import dpo_loss
 from .reference import ModelReference, NoReference, SyncReferenceCallback, choose_reference
 from .scale import sharding, zero
 from .scale.offload import OffloadActivations
+from .tokenizing import is_tokenized, tokenize_dataset
 
 logger = logging.getLogger(__name__)
 

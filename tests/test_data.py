@@ -7,13 +7,9 @@ import pytest
 from conftest import HH_PATH, ROOT, tiny_llama
 from datasets import Dataset
 
-from dpo_min.data.loading import (
-    load_preference_dataset,
-    to_preference_rows,
-    tokenize_dataset,
-    tokenize_row,
-    truncate_pair,
-)
+from dpo_min.data.loading import load_preference_dataset
+from dpo_min.data.pairs import to_preference_rows
+from dpo_min.tokenizing import tokenize_dataset, tokenize_row, truncate_pair
 
 STANDARD = {"prompt": "The sky is", "chosen": " blue.", "rejected": " green."}
 CONVERSATIONAL = {
@@ -112,6 +108,49 @@ def test_a_row_that_cannot_be_a_pair_is_dropped_and_counted_or_refused_when_stri
     # Most rows unpaired is a wrong layout, not a few bad pairs: refused, naming the first.
     with pytest.raises(ValueError, match=rf"^row 1: field '{field}' .*; 2 of 3 rows cannot be preference pairs"):
         to_preference_rows([rows[0], row, row])
+
+
+def test_a_malformed_row_whose_message_reads_like_an_unpaired_one_is_refused_not_dropped(tmp_path, caplog):
+    # A row is unpaired by the layout's typed `Unpaired`, not by its message's words: a label whose value reads like
+    # such a message is a malformed row, refused in one line naming it, in a list and in a file alike.
+    from dpo_min.data.layouts import LayoutOptions
+
+    rows = [dict(STANDARD, label="a"), dict(STANDARD, label="b"), dict(STANDARD, label="a"),
+            dict(STANDARD, label="x is identical to 'chosen'")]
+    options = {"label_column": "label", "label_chosen": "a", "label_rejected": "b"}
+    message = r"row 3: field 'label' is \"x is identical to 'chosen'\", neither --label_chosen 'a'"
+    with pytest.raises(ValueError, match="^" + message):
+        to_preference_rows(rows, options=LayoutOptions(**options))
+    path = tmp_path / "labelled.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    with pytest.raises(ValueError, match=message):
+        load_preference_dataset(str(path), **options)
+    assert "dropped" not in caplog.text
+
+
+def test_an_unpaired_row_pickles_with_its_reason():
+    # Raised in a datasets worker (num_proc) with strict_pairs, it travels back to the main process by pickle.
+    import pickle
+
+    from dpo_min.data.unpaired import NO_ANSWER, Unpaired
+
+    message = "row 3: field 'chosen' is an empty completion"
+    error = pickle.loads(pickle.dumps(Unpaired(NO_ANSWER, message)))
+    assert (type(error), error.reason, str(error)) == (Unpaired, NO_ANSWER, message)
+
+
+def test_rows_in_a_list_and_in_a_dataset_become_the_same_pairs_with_the_same_drops(caplog):
+    # One loop turns rows into pairs, whether they come as a list or as a dataset's map batches.
+    from dpo_min.data.pairs import to_preference_dataset
+
+    rows = [STANDARD, {"prompt": "p", "chosen": " ", "rejected": "r"}, dict(STANDARD, prompt="The sea is"),
+            {"prompt": "q", "chosen": "same", "rejected": "same"}, dict(STANDARD, chosen=" grey.")]
+    listed = to_preference_rows(rows)
+    mapped = to_preference_dataset(Dataset.from_list(rows))
+    assert [{name: pair[name] for name in ("prompt", "chosen", "rejected")} for pair in mapped] == listed
+    assert mapped["source_row"] == [0, 2, 4] and listed == [rows[0], rows[2], rows[4]]
+    assert "dropped 2 of 5 rows: 1 with an empty answer, 1 with chosen identical to rejected" in caplog.text
+    assert "data: dropped 1 of 5 rows with an empty answer; first source rows: 1" in caplog.text
 
 
 def test_bad_file_says_which_file(tmp_path):
@@ -312,7 +351,7 @@ def test_a_streamed_dataset_gives_the_same_token_ids_on_the_fly(tmp_path, tokeni
 
 
 def test_a_stream_counts_what_it_drops_as_it_is_read(tmp_path, tokenizer):
-    from dpo_min.data.loading import describe_stream_counts, stream_counts
+    from dpo_min.data.streams import describe_stream_counts, stream_counts
 
     haiku, long = [{"role": "user", "content": "Write a haiku."}], [{"role": "user", "content": "word " * 60}]
     opening = "the same opening words, " * 8
@@ -458,7 +497,7 @@ def test_the_legacy_mixer_on_a_file_holds_out_nothing_and_says_so(tmp_path, capl
 
 
 def test_a_stream_holds_out_its_first_pairs_and_counts_train_pairs_also_held_out(tmp_path):
-    from dpo_min.data.loading import ALSO_HELD_OUT, stream_counts
+    from dpo_min.data.streams import ALSO_HELD_OUT, stream_counts
 
     for rows, expected in ((unique_pairs(12), 0), (unique_pairs(12) + unique_pairs(3) + unique_pairs(2), 5)):
         path = write_jsonl(tmp_path / "stream.jsonl", rows)
@@ -608,7 +647,8 @@ def upstream_unpaired_rows():
 def test_the_embedded_hh_file_is_the_upstream_file_and_loads_with_its_9_unpaired_rows_dropped_by_reason(caplog):
     from hashlib import sha256
 
-    from dpo_min.data.loading import NO_ANSWER, NO_COMMON_PROMPT, StreamCounts
+    from dpo_min.data.streams import StreamCounts
+    from dpo_min.data.unpaired import NO_ANSWER, NO_COMMON_PROMPT
 
     digest = sha256(HH_PATH.read_bytes()).hexdigest()
     assert digest == "ebfaaed21162a4de120ae85366075b34425e2a6303fac59b99555002f7016f03"
@@ -628,7 +668,8 @@ def test_the_embedded_hh_file_is_the_upstream_file_and_loads_with_its_9_unpaired
 
 
 def test_a_stream_drops_and_counts_the_upstream_unpaired_rows_naming_them(caplog):
-    from dpo_min.data.loading import NO_ANSWER, NO_COMMON_PROMPT, stream_counts
+    from dpo_min.data.streams import stream_counts
+    from dpo_min.data.unpaired import NO_ANSWER, NO_COMMON_PROMPT
 
     stream = load_preference_dataset(str(HH_PATH), streaming=True)
     assert sum(1 for _ in stream) == 2303
@@ -647,7 +688,7 @@ def test_most_rows_unpaired_is_refused_as_a_wrong_layout_naming_the_first(tmp_pa
 
 def test_the_command_counts_unpaired_rows_in_its_metrics_and_strict_pairs_refuses_in_one_line(tmp_path, capsys,
                                                                                            tiny_model_dir):
-    from dpo_min.data.loading import NO_ANSWER, NO_COMMON_PROMPT
+    from dpo_min.data.unpaired import NO_ANSWER, NO_COMMON_PROMPT
     from dpo_min.train import main
 
     rows, empty, apart = upstream_unpaired_rows()

@@ -11,7 +11,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dpo_min import DPODataCollator
-from dpo_min.data.loading import load_preference_dataset, tokenize_dataset
+from dpo_min.data.loading import load_preference_dataset
+from dpo_min.tokenizing import tokenize_dataset
 
 MAX_LENGTH = 48
 ROW_FIELD_ERROR = re.compile(r"^(row 0: field '(prompt|chosen|rejected|conversations)'|no known preference layout)")

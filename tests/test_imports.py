@@ -106,3 +106,19 @@ def test_the_rule_catches_the_rounds_reaching_into_the_command_or_the_data(tmp_p
     monkeypatch.setattr(sys.modules[__name__], "PACKAGE", fake)
     assert wrong_imports() == ["dpo_min.rounds.loop (rounds) imports dpo_min.data.loading (data)",
                                "dpo_min.rounds.loop (rounds) imports dpo_min.train.args (command)"]
+
+
+def test_the_core_reads_the_data_through_tokenizing_alone():
+    # The trainer, the collator and the reference cache import no data module (the collator owns the batch's column
+    # names); `tokenizing` is the core's one door into data/, and the package's __init__ re-exports the loaders.
+    reaching = {path.stem: sorted(name for name in imported_modules(path) if part_of(name) == "data")
+                for path in PACKAGE.glob("*.py") if path.stem not in ("__init__", "tokenizing")}
+    assert {stem: names for stem, names in reaching.items() if names} == {}
+
+
+def test_no_module_defines_what_pytest_would_collect_where_it_is_imported():
+    # pytest collects a top-level `test*` function (or `Test*` class) in every test module that imports it.
+    found = [f"{module_name(path)}.{node.name}" for path in sorted(PACKAGE.rglob("*.py"))
+             for node in ast.parse(path.read_text()).body
+             if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and node.name.lower().startswith("test")]
+    assert found == []

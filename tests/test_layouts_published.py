@@ -8,7 +8,8 @@ import re
 import pytest
 from datasets import Dataset
 
-from dpo_min.data.loading import load_preference_dataset, tokenize_dataset
+from dpo_min.data.loading import load_preference_dataset
+from dpo_min.tokenizing import tokenize_dataset
 
 
 def load(tmp_path, rows, **options):

@@ -13,7 +13,7 @@ from test_train import held_out_pairs, sequence_logp, tiny_run_args
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from dpo_min.config import DPOMinConfig
-from dpo_min.data.loading import tokenize_dataset
+from dpo_min.tokenizing import tokenize_dataset
 from dpo_min.train import main
 from dpo_min.train.report import describe_held_out, describe_ties, mean_interval, plot_training, smoothed, tie_figures
 

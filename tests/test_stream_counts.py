@@ -6,17 +6,10 @@ from collections import Counter
 from datasets import Dataset
 from torch.utils.data import DataLoader
 
-from dpo_min.data.loading import (
-    ALSO_HELD_OUT,
-    NO_COMPLETION,
-    SAME_COMPLETIONS,
-    SKIPPED,
-    StreamCounts,
-    count_shared_in_stream,
-    load_preference_dataset,
-    stream_counts,
-    tokenize_dataset,
-)
+from dpo_min.data.loading import load_preference_dataset
+from dpo_min.data.overlap import count_shared_in_stream
+from dpo_min.data.streams import ALSO_HELD_OUT, NO_COMPLETION, SAME_COMPLETIONS, SKIPPED, StreamCounts, stream_counts
+from dpo_min.tokenizing import tokenize_dataset
 
 HAIKU = [{"role": "user", "content": "Write a haiku."}]
 LONG = [{"role": "user", "content": "word " * 60}]  # fills max_length=48: no completion token is left

@@ -16,7 +16,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from dpo_min import DPOMinTrainer, models
 from dpo_min.config import DPOMinConfig
-from dpo_min.data.loading import load_preference_dataset, to_preference_rows, tokenize_dataset
+from dpo_min.data.loading import load_preference_dataset
+from dpo_min.data.pairs import to_preference_rows
+from dpo_min.tokenizing import tokenize_dataset
 from dpo_min.train import DEMO_DEFAULTS, DataArguments, ModelArguments, UsageError, main, parse_args
 from dpo_min.train.report import collapse_warnings, is_empty_completion
 

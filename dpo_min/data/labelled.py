@@ -9,10 +9,9 @@ that no one reads is refused (`check_labels_read`): a label silently ignored tra
 import random
 import re
 from collections.abc import Iterable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from .layouts import LayoutOptions
+from .options import LayoutOptions
 
 # winner, label(s), choice, rank, *preference*, *_response_id, score_*: a column that says which response is better.
 # One named after the chosen or the rejected reply (score_chosen, chosen_rating) describes a pair already in order.
@@ -55,7 +54,7 @@ def check_labels_read(layout_name: str, columns: Iterable[str], read: tuple[str,
 
 
 def check_label_option(layout_name: str, labels: tuple[str, ...], kinds: Mapping[str, str],
-                       options: "LayoutOptions") -> None:
+                       options: LayoutOptions) -> None:
     if options.label_column is None:
         return
     if labels:
@@ -65,7 +64,7 @@ def check_label_option(layout_name: str, labels: tuple[str, ...], kinds: Mapping
         raise ValueError(f"--label_column: no column named {options.label_column!r} in [{', '.join(kinds)}]")
 
 
-def apply_label(pair: dict[str, Any], row: Mapping[str, Any], index: int | str, options: "LayoutOptions") -> dict:
+def apply_label(pair: dict[str, Any], row: Mapping[str, Any], index: int | str, options: LayoutOptions) -> dict:
     """The user's label (--label_column) over a pair of mapped columns: kept, or swapped when it prefers rejected."""
     column = options.label_column
     value = row.get(column)
@@ -94,7 +93,7 @@ def _user(text: str) -> list[dict[str, str]]:
 
 
 # ---- the adapters -------------------------------------------------------------------------------------------------
-def pku_saferlhf(row: Mapping[str, Any], index: int | str, options: "LayoutOptions") -> dict:
+def pku_saferlhf(row: Mapping[str, Any], index: int | str, options: LayoutOptions) -> dict:
     label = options.preference_label
     require(row, index, "prompt", "response_0", "response_1", label)
     if row[label] not in (0, 1):
@@ -103,7 +102,7 @@ def pku_saferlhf(row: Mapping[str, Any], index: int | str, options: "LayoutOptio
     return {"prompt": row["prompt"], "chosen": row[f"response_{better}"], "rejected": row[f"response_{1 - better}"]}
 
 
-def pku_saferlhf_single(row: Mapping[str, Any], index: int | str, options: "LayoutOptions") -> dict:
+def pku_saferlhf_single(row: Mapping[str, Any], index: int | str, options: LayoutOptions) -> dict:
     # PKU-Alignment/PKU-SafeRLHF-single-dimension: one label, better_response_id; there is no safer one to pick.
     if options.preference_label != "better_response_id":
         raise ValueError(f"--preference_label {options.preference_label}: this data (PKU-SafeRLHF-single-dimension) "
@@ -111,7 +110,7 @@ def pku_saferlhf_single(row: Mapping[str, Any], index: int | str, options: "Layo
     return pku_saferlhf(row, index, options)
 
 
-def shp(row: Mapping[str, Any], index: int | str, options: "LayoutOptions") -> dict:
+def shp(row: Mapping[str, Any], index: int | str, options: LayoutOptions) -> dict:
     require(row, index, "history", "human_ref_A", "human_ref_B", "labels")
     if row["labels"] not in (0, 1):
         raise ValueError(f"row {index}: field 'labels' must be 0 or 1 (1: human_ref_A preferred), "
@@ -131,13 +130,13 @@ def _by_strength(row: Mapping[str, Any], index: int | str, field: str, first: st
     return (row[first], row[second]) if strength < 0 else (row[second], row[first])
 
 
-def helpsteer3(row: Mapping[str, Any], index: int | str, options: "LayoutOptions") -> dict | None:
+def helpsteer3(row: Mapping[str, Any], index: int | str, options: LayoutOptions) -> dict | None:
     require(row, index, "context", "response1", "response2", "overall_preference")
     ordered = _by_strength(row, index, "overall_preference", "response1", "response2")
     return None if ordered is None else _turns(row["context"], *ordered)
 
 
-def helpsteer2(row: Mapping[str, Any], index: int | str, options: "LayoutOptions") -> dict | None:
+def helpsteer2(row: Mapping[str, Any], index: int | str, options: LayoutOptions) -> dict | None:
     # nvidia/HelpSteer2 preference/preference.jsonl.gz (arXiv 2410.01257): one file of train and val rows, told
     # apart by `split`; preference_strength -3..3, negative: response_1 better.
     require(row, index, "split", "prompt", "response_1", "response_2", "preference_strength")
@@ -147,7 +146,7 @@ def helpsteer2(row: Mapping[str, Any], index: int | str, options: "LayoutOptions
     return None if ordered is None else {"prompt": row["prompt"], "chosen": ordered[0], "rejected": ordered[1]}
 
 
-def ultrafeedback_raw(row: Mapping[str, Any], index: int | str, options: "LayoutOptions") -> dict | None:
+def ultrafeedback_raw(row: Mapping[str, Any], index: int | str, options: LayoutOptions) -> dict | None:
     # openbmb/UltraFeedback binarized as HuggingFaceH4/ultrafeedback_binarized's card says: chosen = the highest
     # overall_score (the first of equals), rejected = one of the other completions at random.
     require(row, index, "instruction", "completions")
@@ -169,7 +168,7 @@ def _last_answer(conversation: Any, index: int | str, field: str) -> tuple[list,
     return conversation[:-1], conversation[-1]
 
 
-def chatbot_arena(row: Mapping[str, Any], index: int | str, options: "LayoutOptions") -> dict | None:
+def chatbot_arena(row: Mapping[str, Any], index: int | str, options: LayoutOptions) -> dict | None:
     # lmsys/chatbot_arena_conversations: winner is model_a, model_b, tie or tie (bothbad). The two models answered
     # each turn apart, so a multi-turn row is a pair only where both conversations share every turn but the last.
     require(row, index, "conversation_a", "conversation_b", "winner")
@@ -184,7 +183,7 @@ def chatbot_arena(row: Mapping[str, Any], index: int | str, options: "LayoutOpti
     return {"prompt": prompt_a, "chosen": [better], "rejected": [worse]}
 
 
-def summarize_from_feedback(row: Mapping[str, Any], index: int | str, options: "LayoutOptions") -> dict:
+def summarize_from_feedback(row: Mapping[str, Any], index: int | str, options: LayoutOptions) -> dict:
     # openai/summarize_from_feedback `comparisons`, as TRL's examples/datasets/tldr_preference.py: the prompt is the
     # post (or CNN/DM article) in TRL's TL;DR format; chosen = summaries[choice], stripped of its leading space.
     require(row, index, "info", "summaries", "choice")
@@ -201,7 +200,7 @@ def summarize_from_feedback(row: Mapping[str, Any], index: int | str, options: "
     return _turns(_user(prompt), summaries[choice]["text"].strip(), summaries[1 - choice]["text"].strip())
 
 
-def webgpt_comparisons(row: Mapping[str, Any], index: int | str, options: "LayoutOptions") -> dict | None:
+def webgpt_comparisons(row: Mapping[str, Any], index: int | str, options: LayoutOptions) -> dict | None:
     # openai/webgpt_comparisons: the higher score is better, equal scores a tie (dropped, as open-instruct's
     # scripts/data/preferences/webgpt.py). The prompt is the question: each answer cites its own quotes.
     require(row, index, "question", "answer_0", "answer_1", "score_0", "score_1")
@@ -214,7 +213,7 @@ def webgpt_comparisons(row: Mapping[str, Any], index: int | str, options: "Layou
     return {"prompt": question, "chosen": row[f"answer_{better}"], "rejected": row[f"answer_{1 - better}"]}
 
 
-def nectar(row: Mapping[str, Any], index: int | str, options: "LayoutOptions") -> dict:
+def nectar(row: Mapping[str, Any], index: int | str, options: LayoutOptions) -> dict:
     # berkeley-nest/Nectar: `prompt` is an HH transcript ("Human: ...\n\nAssistant:"), `answers` seven
     # {answer, model, rank}. Rank 1 against one lower-ranked answer drawn at random (seeded by the prompt);
     # open-instruct's scripts/data/preferences/nectar.py draws chosen among the top 4 instead.

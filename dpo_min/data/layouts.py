@@ -3,9 +3,9 @@
 A dataset's layout is detected once, from its columns and their kinds (text, message list, ...), never row by row.
 Adding a published layout is adding one `Layout` entry to `LAYOUTS`; the first entry whose `recognise` accepts
 the columns wins, so the more specific layouts come first. A row that does not fit the detected layout raises
-`ValueError("row N: field 'F' ...")`; nothing is guessed and no text is dropped. A `system` column is the system
-message of every layout (`to_pair` applies it, after the layout's adapter). The layouts whose preference is a label
-or a score (and the check that no label column goes unread) are in `labelled.py`; their entries are here.
+`ValueError("row N: field 'F' ...")` (an `Unpaired` if it cannot be a pair); nothing is guessed, no text dropped. A
+`system` column is the system message of every layout (`to_pair` applies it, after the layout's adapter). Layouts of
+a label or of scores (and the check that no label column goes unread) are in `labelled.py`; their entries are here.
 """
 
 from collections.abc import Callable, Mapping
@@ -14,39 +14,16 @@ from typing import Any
 
 from . import labelled
 from .labelled import check_label_option, check_labels_read, hh_messages, require
+from .options import PREFERENCE_LABELS, LayoutOptions
+from .unpaired import NO_ANSWER, NO_COMMON_PROMPT, SAME_ANSWERS, Unpaired
 
 # Columns carried from the source row to the pair: TRL hands both to the chat template.
 CARRIED_COLUMNS = ("tools", "chat_template_kwargs")
 MAPPABLE = ("prompt", "chosen", "rejected", "system")
-PREFERENCE_LABELS = ("better_response_id", "safer_response_id")
 _ROLES = ("system", "user", "assistant", "tool")
 _SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
 MAPPING_HINT = ("name the columns with --prompt_column/--chosen_column/--rejected_column [--system_column] "
                 "(columns={'prompt': ..., 'chosen': ..., 'rejected': ...} in load_preference_dataset)")
-
-
-@dataclass(frozen=True)
-class LayoutOptions:
-    """What the data cannot say about itself: which label decides (PKU-SafeRLHF), whether string pairs have no
-    prompt, whether string pairs become one user and one assistant turn, which rows of a file that holds several
-    splits in a `split` column are read (HelpSteer2's preference file: train, val), and how to read a label column
-    of mapped data (label_column, and its values that mean the chosen or the rejected column is the better one)."""
-
-    preference_label: str = "better_response_id"
-    no_prompt: bool = False
-    as_messages: bool = False
-    row_split: str = "train"
-    label_column: str | None = None
-    label_chosen: str | None = None
-    label_rejected: str | None = None
-
-    def __post_init__(self):
-        if self.preference_label not in PREFERENCE_LABELS:
-            raise ValueError(f"preference_label must be one of {PREFERENCE_LABELS}, got {self.preference_label!r}")
-        given = [self.label_column, self.label_chosen, self.label_rejected]
-        if any(value is not None for value in given) and (None in given or self.label_chosen == self.label_rejected):
-            raise ValueError("label_column, label_chosen and label_rejected go together (two different values), got "
-                             f"{self.label_column!r}, {self.label_chosen!r}, {self.label_rejected!r}")
 
 
 @dataclass(frozen=True)
@@ -164,9 +141,9 @@ def _implicit(row: Mapping[str, Any], index: int, options: LayoutOptions) -> dic
         return {"prompt": "", "chosen": row["chosen"], "rejected": row["rejected"]}
     pair = _shared_prefix(row["chosen"], row["rejected"], index)
     if isinstance(pair["prompt"], str) and not pair["prompt"].strip():
-        raise ValueError(f"row {index}: field 'chosen' shares no prompt with 'rejected' (the implicit prompt is "
-                         f"empty): name the prompt column ({MAPPING_HINT.split(' (')[0]}), or say the data has "
-                         "no prompts (--no_prompt)")
+        raise Unpaired(NO_COMMON_PROMPT, f"row {index}: field 'chosen' shares no prompt with 'rejected' (the implicit "
+                       f"prompt is empty): name the prompt column ({MAPPING_HINT.split(' (')[0]}), or say the data "
+                       "has no prompts (--no_prompt)")
     return pair
 
 
@@ -203,7 +180,8 @@ def _hh(row: Mapping[str, Any], index: int, options: LayoutOptions) -> dict:
         if not messages or messages[-1]["role"] != "assistant":
             raise ValueError(f"row {index}: field '{name}' does not end with an '\\n\\nAssistant:' turn")
     if chosen[:-1] != rejected[:-1]:
-        raise ValueError(f"row {index}: field 'rejected' differs from 'chosen' before the last Assistant turn")
+        raise Unpaired(NO_COMMON_PROMPT, f"row {index}: field 'rejected' differs from 'chosen' before the last "
+                       "Assistant turn")
     return {"prompt": chosen[:-1], "chosen": chosen[-1:], "rejected": rejected[-1:]}
 
 
@@ -360,9 +338,9 @@ def validate_pair(pair: dict[str, Any], index: int) -> None:
         else:
             _validate_text(value, index, name)
             if name != "prompt" and not value.strip():
-                raise ValueError(f"row {index}: field '{name}' is an empty completion")
+                raise Unpaired(NO_ANSWER, f"row {index}: field '{name}' is an empty completion")
     if pair["chosen"] == pair["rejected"]:
-        raise ValueError(f"row {index}: field 'rejected' is identical to 'chosen'")
+        raise Unpaired(SAME_ANSWERS, f"row {index}: field 'rejected' is identical to 'chosen'")
 
 
 def _validate_text(text: str, index: int, name: str) -> None:
@@ -392,6 +370,6 @@ def _validate_messages(messages: Any, index: int, name: str, need_assistant: boo
                              f"not {messages[0]['role']!r}")
         if not any((turn["content"] or "").strip() or turn.get("tool_calls")
                    for turn in messages if turn["role"] == "assistant"):
-            raise ValueError(f"row {index}: field '{name}' is an empty completion")
+            raise Unpaired(NO_ANSWER, f"row {index}: field '{name}' is an empty completion")
     elif messages[-1]["role"] == "assistant":
         raise ValueError(f"row {index}: field 'prompt' ends with an assistant turn; the completion goes in chosen")

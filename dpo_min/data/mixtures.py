@@ -24,20 +24,12 @@ from typing import Any
 import yaml
 from datasets import Dataset, DatasetDict, IterableDataset, concatenate_datasets
 
-from .layouts import LayoutOptions, feature_kind
-from .loading import (
-    DEFAULT_OPTIONS,
-    FILE_SPLIT,
-    SOURCE_DATASET,
-    SOURCE_ROW,
-    AnyDataset,
-    StreamCounts,
-    _carrying,
-    _load_raw,
-    data_file_type,
-    to_preference_dataset,
-    warn_shared_pairs,
-)
+from .layouts import feature_kind
+from .options import LayoutOptions
+from .overlap import warn_shared_pairs
+from .pairs import DEFAULT_OPTIONS, SOURCE_DATASET, SOURCE_ROW, to_preference_dataset
+from .sources import FILE_SPLIT, AnyDataset, data_file_type, load_raw
+from .streams import StreamCounts, carrying
 
 logger = logging.getLogger("dpo_min.data")  # the command shows this logger's lines
 
@@ -181,10 +173,10 @@ def _trl_shares(raws: list[AnyDataset], fractions: list[Any], streaming: bool) -
         raise ValueError("datasets: every fraction is 0; give one a share > 0")
     weights = [fraction / sum(fractions) for fraction in fractions]
     total = min(len(raw) / weight for raw, weight in zip(raws, weights) if weight > 0)
-    counts = [round(weight * total) for weight in weights]
+    taken = [round(weight * total) for weight in weights]  # rows of each dataset
     reasons = [f"fraction {fraction} (share {weight:.3g}) of a {total:g}-row mixture: its first {count} of "
-               f"{len(raw)} rows" for raw, fraction, weight, count in zip(raws, fractions, weights, counts)]
-    return [raw.select(range(count)) for raw, count in zip(raws, counts)], reasons
+               f"{len(raw)} rows" for raw, fraction, weight, count in zip(raws, fractions, weights, taken)]
+    return [raw.select(range(count)) for raw, count in zip(raws, taken)], reasons
 
 
 def _finish(sources: list[Source], raws: list[AnyDataset], reasons: list[str], test_split_size: Any, seed: int,
@@ -212,8 +204,8 @@ def _finish(sources: list[Source], raws: list[AnyDataset], reasons: list[str], t
     if shuffle_seed is not None:
         combined = combined.shuffle(seed=shuffle_seed)
     if counts is not None:
-        combined = _carrying(combined, counts)
-    size = test_size(test_split_size)
+        combined = carrying(combined, counts)
+    size = held_out_size(test_split_size)
     if size is None:
         return Mixture(combined, None, lines)
     if isinstance(combined, IterableDataset):
@@ -227,7 +219,7 @@ def _finish(sources: list[Source], raws: list[AnyDataset], reasons: list[str], t
     return Mixture(split["train"], split["test"], lines)
 
 
-def test_size(value: Any) -> int | float | None:
+def held_out_size(value: Any) -> int | float | None:
     """A count (an integer) or a fraction, as `train_test_split(test_size=...)` takes it; the flag's text parsed."""
     if isinstance(value, str):
         value = yaml.safe_load(value)
@@ -238,7 +230,7 @@ def test_size(value: Any) -> int | float | None:
 
 def _load_source(source: Source, streaming: bool) -> AnyDataset:
     try:
-        raw = _load_raw(source.path, source.split, source.config, streaming, dict(source.load_kwargs))
+        raw = load_raw(source.path, source.split, source.config, streaming, dict(source.load_kwargs))
     except ValueError as error:
         message = str(error).splitlines()[0]
         raise ValueError(message if source.path in message else f"{source.path}: {message}") from None

@@ -27,7 +27,7 @@ from transformers.optimization import TYPE_TO_SCHEDULER_FUNCTION, GreedyLR, Sche
 
 from ..compat import TRL_NAMES, TRL_WITHOUT_COUNTERPART, check_trl_option
 from ..config import DPOMinConfig
-from ..data.layouts import PREFERENCE_LABELS
+from ..data.options import PREFERENCE_LABELS
 from ..models import resolve_model_path
 
 PROG = "python -m dpo_min.train"

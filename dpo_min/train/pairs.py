@@ -15,20 +15,13 @@ from datasets import Dataset
 from transformers import TrainerCallback
 
 from ..config import DPOMinConfig
-from ..data.layouts import LayoutOptions
-from ..data.loading import (
-    DROP_REASONS,
-    SKIPPED,
-    UNPAIRED,
-    SOURCE_DATASET,
-    StreamCounts,
-    count_shared_in_stream,
-    describe_stream_counts,
-    load_preference_dataset,
-    stream_counts,
-    warn_shared_pairs,
-)
+from ..data.loading import load_preference_dataset
 from ..data.mixtures import Mixture, handbook_mixture, legacy_mixer, trl_mixture
+from ..data.options import LayoutOptions
+from ..data.overlap import count_shared_in_stream, warn_shared_pairs
+from ..data.pairs import SOURCE_DATASET
+from ..data.streams import DROP_REASONS, SKIPPED, StreamCounts, describe_stream_counts, stream_counts
+from ..data.unpaired import UNPAIRED
 from .args import MIXTURE_KEYS, MIXTURE_OPTIONS, DataArguments, InputError, UsageError, _parse_json
 from .plan import Plan
 

@@ -26,7 +26,7 @@ from itertools import zip_longest
 from pathlib import Path
 from typing import Any
 
-from ..data.mixtures import test_size
+from ..data.mixtures import held_out_size
 from ..losses import LossSettings
 
 MANIFEST = "dpo_min_run.json"
@@ -380,7 +380,7 @@ def _recorded(name: str, value: Any) -> Any:
         return os.path.abspath(value)
     if name == "test_split_size":  # text on the command line, a number in a recipe: the number either way
         with suppress(ValueError):  # one the mixture refuses is refused when it is read
-            return test_size(value)
+            return held_out_size(value)
     if name == "chat_template" and isinstance(value, str):  # pages of Jinja: the message shows 12 hex digits
         return hashlib.sha256(value.encode()).hexdigest()
     if name in ("lr_scheduler_kwargs", "chat_template_kwargs"):  # none given is none at all

@@ -1,0 +1,217 @@
+"""Validated pairs -> the token ids the collator batches (`collator.TOKEN_COLUMNS`), the same as TRL's `DPOTrainer`
+gives, truncated; a pair left unusable by truncation is dropped with a warning naming its source rows (a stream
+counts it as it is read). Tokenizing is a batched `datasets.map`: parallel with `num_proc`, and cached by the
+datasets fingerprint, so a second identical run reads the cache. The trainer tokenizes through this module alone.
+"""
+
+import json
+import logging
+from collections import Counter
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import numpy as np
+from datasets import Dataset, IterableDataset
+
+from .collator import REFERENCE_COLUMNS, TOKEN_COLUMNS
+from .data.layouts import CARRIED_COLUMNS
+from .data.pairs import PAIR_COLUMNS, SOURCE_ROW, batch_rows, column_names, row_label, to_pairs, to_preference_dataset
+from .data.sources import AnyDataset
+from .data.streams import DROP_REASONS, NO_COMPLETION, SAME_COMPLETIONS, StreamCounts, carrying, counts_for
+
+logger = logging.getLogger("dpo_min.data")  # the data folder's logger: the command shows its lines
+
+DROPPED = "dropped_because"  # a pair's reason in DROP_REASONS ('' for a kept pair), between tokenizing and dropping
+# The datasets cache keys a map by its function's own code and arguments, not by the helpers it calls: a change
+# to what tokenizing writes (the drop reasons became names, not 0/1/2) must change this, or a cached map of
+# the old form is read back.
+TOKENIZED_VERSION = 2
+
+
+def tokenize_row(row: Mapping[str, Any], tokenizer: Any,
+                 chat_template_kwargs: Mapping[str, Any] | None = None) -> dict[str, list[int]]:
+    """Token ids of one validated pair, the same as TRL's `DPOTrainer` gives.
+
+    The prompt is tokenized once; a completion's ids are those of prompt+completion after the prompt, with the EOS
+    text appended to plain-string completions (a chat template closes its own turns). Where prompt and
+    prompt+completion tokenize differently at the seam, the completion starts where they diverge. A row's `tools`
+    (a list, or JSON text) and `chat_template_kwargs` go to the chat template, after the run's own kwargs.
+    """
+    return _tokenize_pairs([row], tokenizer, chat_template_kwargs)[0]
+
+
+def _tokenize_pairs(pairs: list[Mapping[str, Any]], tokenizer: Any,
+                    chat_template_kwargs: Mapping[str, Any] | None) -> list[dict[str, list[int]]]:
+    """`tokenize_row` for pairs of one kind and one set of template arguments, in one tokenizer call per sequence
+    kind: the fast tokenizer encodes a batch far faster than one text at a time, to the same ids."""
+    if isinstance(pairs[0]["prompt"], list):
+        if tokenizer.chat_template is None:
+            raise ValueError("conversational data needs a tokenizer with a chat template; set "
+                             "tokenizer.chat_template or pass plain-string prompts")
+        tools = pairs[0].get("tools")
+        template_kwargs = {"tools": json.loads(tools) if isinstance(tools, str) else tools,
+                           **(chat_template_kwargs or {}), **(pairs[0].get("chat_template_kwargs") or {})}
+
+        def encode(conversations, field, **kwargs):
+            try:
+                ids = tokenizer.apply_chat_template(conversations, tokenize=True, return_dict=True,
+                                                    **template_kwargs, **kwargs)["input_ids"]
+            except Exception as error:  # templates raise their own errors (e.g. "roles must alternate")
+                raise ValueError(f"field '{field}': the chat template refused it: {error}") from error
+            return [list(one) for one in ids]
+        prompt_ids = encode([pair["prompt"] for pair in pairs], "prompt", add_generation_prompt=True)
+        prompt_chosen_ids = encode([pair["prompt"] + pair["chosen"] for pair in pairs], "chosen")
+        prompt_rejected_ids = encode([pair["prompt"] + pair["rejected"] for pair in pairs], "rejected")
+    else:
+        eos = tokenizer.eos_token
+
+        def with_eos(text: str) -> str:
+            return text if text.endswith(eos) else text + eos
+        prompt_ids = tokenizer(text=[pair["prompt"] for pair in pairs])["input_ids"]
+        prompt_chosen_ids = tokenizer(text=[pair["prompt"] + with_eos(pair["chosen"]) for pair in pairs])["input_ids"]
+        prompt_rejected_ids = tokenizer(text=[pair["prompt"] + with_eos(pair["rejected"])
+                                              for pair in pairs])["input_ids"]
+    examples = []
+    for prompt, chosen, rejected in zip(prompt_ids, prompt_chosen_ids, prompt_rejected_ids):
+        prompt_len = min(_common_prefix_length(prompt, chosen), _common_prefix_length(prompt, rejected))
+        examples.append({"prompt_ids": prompt[:prompt_len], "chosen_ids": chosen[prompt_len:],
+                         "rejected_ids": rejected[prompt_len:]})
+    return examples
+
+
+def _common_prefix_length(ids: list[int], other_ids: list[int]) -> int:
+    length = 0
+    for token, other in zip(ids, other_ids):
+        if token != other:
+            break
+        length += 1
+    return length
+
+
+def truncate_pair(example: dict[str, list[int]], max_length: int | None, max_prompt_length: int | None,
+                  truncation_mode: str = "keep_end") -> dict[str, list[int]]:
+    """Cut the prompt to `max_prompt_length` (keeping its end or start), then completions so each sequence fits
+    `max_length`. A completion may come out empty: the caller drops such pairs."""
+    prompt_ids = example["prompt_ids"]
+    if max_prompt_length is not None and len(prompt_ids) > max_prompt_length:
+        keep_end = truncation_mode == "keep_end"
+        prompt_ids = prompt_ids[-max_prompt_length:] if keep_end else prompt_ids[:max_prompt_length]
+    room = None if max_length is None else max(max_length - len(prompt_ids), 0)
+    return {"prompt_ids": prompt_ids, "chosen_ids": example["chosen_ids"][:room],
+            "rejected_ids": example["rejected_ids"][:room]}
+
+
+def _tokenize_batch(batch: dict[str, list], indices: list[int], tokenizer: Any, truncation: dict[str, Any],
+                    chat_template_kwargs: dict[str, Any] | None, output_version: int) -> dict[str, list]:
+    """Validated pairs -> truncated token ids, and why a pair is unusable (`DROP_REASONS`; '': it is usable).
+
+    `output_version` is not read: it is TOKENIZED_VERSION, passed so that the datasets cache key changes with it."""
+    pairs = list(batch_rows(batch))
+    labels = [row_label(batch, position, index) for position, index in enumerate(indices)]
+    # Rows with their own tools or template arguments are tokenized alone; the rest together.
+    alone = {i for i, pair in enumerate(pairs) if any(pair.get(name) is not None for name in CARRIED_COLUMNS)}
+    together = [i for i in range(len(pairs)) if i not in alone]
+    tokenized: list[Any] = [None] * len(pairs)
+    for group in [together] * bool(together) + [[i] for i in sorted(alone)]:
+        try:
+            examples = _tokenize_pairs([pairs[i] for i in group], tokenizer, chat_template_kwargs)
+        except ValueError:  # tokenize row by row to name the row that fails
+            examples = [_tokenize_one(pairs[i], labels[i], tokenizer, chat_template_kwargs) for i in group]
+        for i, example in zip(group, examples):
+            tokenized[i] = example
+    out: dict[str, list] = {name: [] for name in (*TOKEN_COLUMNS, SOURCE_ROW, DROPPED)}
+    for example, label in zip(tokenized, labels):
+        cut = truncate_pair(example, **truncation)
+        for name, ids in cut.items():
+            out[name].append(ids)
+        out[SOURCE_ROW].append(label)
+        out[DROPPED].append(_drop_reason(cut) or "")  # a string column: '' rather than None, so shards concatenate
+    return out
+
+
+def _drop_reason(example: Mapping[str, list[int]]) -> str | None:
+    """Why a truncated pair cannot be trained on (one of DROP_REASONS), or None."""
+    if not example["chosen_ids"] or not example["rejected_ids"]:
+        return NO_COMPLETION
+    # Both answers cut inside their shared opening: the same sequence twice, a loss of ln 2 and no gradient.
+    return SAME_COMPLETIONS if example["chosen_ids"] == example["rejected_ids"] else None
+
+
+def _tokenize_one(pair: Mapping[str, Any], label: int | str, tokenizer: Any,
+                  chat_template_kwargs: Mapping[str, Any] | None) -> dict[str, list[int]]:
+    try:
+        return tokenize_row(pair, tokenizer, chat_template_kwargs)
+    except ValueError as error:
+        raise ValueError(f"row {label}: {error}") from error
+
+
+def tokenize_dataset(dataset: AnyDataset | Iterable[Mapping[str, Any]], tokenizer: Any,
+                     max_length: int | None = None, max_prompt_length: int | None = None,
+                     truncation_mode: str = "keep_end", num_proc: int | None = None,
+                     chat_template_kwargs: Mapping[str, Any] | None = None,
+                     counts: StreamCounts | None = None) -> AnyDataset:
+    """Tokenize and truncate every pair (a batched, cached `datasets.map`, `num_proc` processes); pairs left without
+    a completion token, or with chosen identical to rejected, are dropped with a warning naming their source rows.
+
+    Rows that `load_preference_dataset` has not read yet (a list, or a dataset in any layout) are first brought to
+    validated pairs by it; its own pairs are not validated again. Extra columns that hold precomputed reference
+    log-probs are carried along. An `IterableDataset` is tokenized on the fly, and counts its unusable pairs as
+    it is read in `counts` (by default its own, `stream_counts(dataset)`), which the stream it returns carries.
+    """
+    if not isinstance(dataset, (Dataset, IterableDataset)):
+        dataset = Dataset.from_list(to_pairs(dataset))
+    names = column_names(dataset)
+    if not {*PAIR_COLUMNS, SOURCE_ROW} <= set(names):  # not yet read by to_preference_dataset, which marks its rows
+        dataset = to_preference_dataset(dataset, num_proc=num_proc, keep=REFERENCE_COLUMNS, counts=counts)
+        names = column_names(dataset)
+    streaming = isinstance(dataset, IterableDataset)
+    truncation = {"max_length": max_length, "max_prompt_length": max_prompt_length, "truncation_mode": truncation_mode}
+    map_kwargs: dict[str, Any] = {
+        "batched": True, "with_indices": True,
+        "remove_columns": [name for name in names if name not in REFERENCE_COLUMNS],
+        "fn_kwargs": {"tokenizer": tokenizer, "truncation": truncation, "chat_template_kwargs": (
+            dict(chat_template_kwargs) if chat_template_kwargs else None), "output_version": TOKENIZED_VERSION}}
+    if not streaming:
+        map_kwargs.update(num_proc=num_proc, desc="Tokenizing pairs")
+    tokenized = dataset.map(_tokenize_batch, **map_kwargs)
+    if streaming:
+        counts = counts_for(dataset, counts)
+        return carrying(tokenized.filter(_count_usable, input_columns=[DROPPED], batched=True,
+                                         fn_kwargs={"counts": counts}).remove_columns([SOURCE_ROW, DROPPED]), counts)
+    return _drop_unusable(tokenized, truncation, counts).remove_columns([SOURCE_ROW, DROPPED])
+
+
+def _count_usable(reasons: list[str], counts: StreamCounts) -> list[bool]:
+    counts.add(Counter(reason for reason in reasons if reason))
+    return [not reason for reason in reasons]
+
+
+def _drop_unusable(tokenized: Dataset, truncation: Mapping[str, Any], counts: StreamCounts | None = None) -> Dataset:
+    table = tokenized.with_format("arrow")[:] if tokenized._indices is not None else tokenized.data.table
+    reasons = np.asarray(table.column(DROPPED).to_pylist(), dtype=object)
+    kept = reasons == ""
+    if counts is not None:
+        counts.add(Counter(reason for reason in reasons if reason))
+    if kept.all():
+        return tokenized
+    settings = f"max_length={truncation['max_length']}, max_prompt_length={truncation['max_prompt_length']}"
+    rows = {}
+    for reason in DROP_REASONS:
+        dropped = np.flatnonzero(reasons == reason)
+        if len(dropped):
+            rows[reason] = [str(row) for row in tokenized.select(dropped[:10])[SOURCE_ROW]]
+            logger.warning("dropped %d of %d pairs %s (%s); first source rows: %s", len(dropped), len(reasons),
+                           reason, settings, ", ".join(rows[reason]))
+    if not kept.any():
+        if set(rows) == {NO_COMPLETION}:
+            raise ValueError(f"no pair left: every row's prompt fills max_length={truncation['max_length']} "
+                             f"(rows {', '.join(rows[NO_COMPLETION])})")
+        by_reason = ", ".join(f"{(reasons == reason).sum()} {reason}" for reason in rows)
+        raise ValueError(f"no pair left after truncation ({settings}): {by_reason} (rows "
+                         f"{', '.join(rows.get(NO_COMPLETION, []) + rows.get(SAME_COMPLETIONS, []))})")
+    return tokenized.select(np.flatnonzero(kept))
+
+
+def is_tokenized(dataset: Any) -> bool:
+    return isinstance(dataset, (Dataset, IterableDataset)) and dataset.column_names is not None and \
+        set(TOKEN_COLUMNS) <= set(dataset.column_names)
