@@ -20,7 +20,8 @@ from peft import LoraConfig
 import dpo_min
 from dpo_min import DPOMinConfig
 from dpo_min.train import load_pairs, resolve
-from dpo_min.train.args import DEMO_DEFAULTS, SMOLLM2_TEMPLATE_WITHOUT_SYSTEM, parse_args
+from dpo_min.train.args import DEMO_DEFAULTS, SMOLLM2_TEMPLATE_WITHOUT_SYSTEM
+from dpo_min.train.command_line import parse_args
 
 NOTEBOOK = ROOT / "notebooks" / "quickstart.ipynb"
 # What the notebook prints: the stated ties before training, the held-out block after.

@@ -52,7 +52,7 @@ def test_the_plan_owns_the_push_the_repository_and_the_resume(tmp_path, capsys):
 
 def test_zero3_full_fine_tuning_loads_the_reference_again(tmp_path, monkeypatch):
     from dpo_min.train import plan as plan_module
-    from dpo_min.train.args import parse_args
+    from dpo_min.train.command_line import parse_args
 
     model_args, data_args, args = parse_args(["--model", "m", "--dataset", "p.jsonl",
                                               "--output_dir", str(tmp_path / "o")])

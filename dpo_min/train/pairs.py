@@ -29,8 +29,9 @@ from ..data.loading import (
     warn_shared_pairs,
 )
 from ..data.mixtures import Mixture, handbook_mixture, legacy_mixer, trl_mixture
-from .args import MIXTURE_KEYS, MIXTURE_OPTIONS, DataArguments, InputError, UsageError, _parse_json
+from .args import MIXTURE_KEYS, MIXTURE_OPTIONS, DataArguments, InputError, UsageError
 from .plan import Plan
+from .recipe import _parse_json
 
 EMBEDDED_DATA = Path(__file__).resolve().parents[2] / "data" / "hh-rlhf-harmless-single-turn.jsonl.gz"
 EMBEDDED_DATASET_NAME = "Anthropic/hh-rlhf"  # its harmless-base test split, the file in data/
