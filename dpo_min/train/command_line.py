@@ -63,7 +63,6 @@ def _has_accelerator() -> bool:
     return accelerator.is_available() if accelerator is not None else torch.cuda.is_available()
 
 
-
 def parse_args(argv: list[str] | None = None) -> tuple[ModelArguments, DataArguments, DPOMinConfig]:
     """Command line (optionally a YAML recipe first, or --config FILE) -> the three argument dataclasses.
 
@@ -95,7 +94,6 @@ def parse_command_line(argv: list[str] | None = None) -> tuple[ModelArguments, D
         raise UsageError(f"unknown argument(s): {shown_argv(remaining)}{did_you_mean(flag[2:].split('=')[0])}")
     _check_combinations(model_args, data_args, args, named, lambda name: f"--{name}" if name in flags else name)
     return model_args, data_args, args, demo
-
 
 
 def _check_combinations(model_args: ModelArguments, data_args: DataArguments, args: DPOMinConfig, named: set[str],

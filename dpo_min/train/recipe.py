@@ -55,7 +55,6 @@ def _one_recipe(path: str, argv: list[str]) -> str:
     return path
 
 
-
 def _read_recipe(path: str) -> dict[str, Any]:
     try:
         with open(path, encoding="utf-8") as file:
@@ -78,7 +77,6 @@ def _read_recipe(path: str) -> dict[str, Any]:
             spelled.check(str(name), option)
             recipe[option] = _recipe_value(f"{path}: {name}", option, option_value, types[option])
     return recipe
-
 
 
 def _recipe_value(where: str, option: str, value: Any, hint: Any) -> Any:
@@ -123,7 +121,6 @@ def _apply_env(env: Any, path: str) -> None:
         raise UsageError(f"{path}: env must be a mapping of variable: value, got {env!r}")
     for key, value in env.items():
         os.environ[str(key)] = str(value)
-
 
 
 # ---- names and values -----------------------------------------------------------------------------------------------
