@@ -83,3 +83,46 @@ def trl_hub_tags(model: Any, environ: dict[str, str]) -> list[str]:
     if "JOB_ID" in environ:
         tags.append("hf_jobs")
     return tags
+
+
+# ---- the alignment-handbook's recipe keys --------------------------------------------------------------------------
+# `RECIPE_KEYS`: keys of the alignment-handbook's recipes (written for transformers 4 and older TRL) that dpo_min spells
+# otherwise: key -> its value -> the options it means here ({} when it changes nothing); the command reads a recipe's
+# keys and flags through it (train/recipe.py). Each refuses, in one line that says what to write instead, a value it
+# cannot honour.
+def _warmup_ratio(value: Any) -> dict[str, Any]:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
+        raise ValueError(f"warmup_ratio must be in [0, 1), got {value!r} (transformers 5 reads a warmup_steps of 1 or "
+                         "more as a step count: for warmup over N steps write warmup_steps: N)")
+    # transformers 5 folded warmup_ratio into warmup_steps: a value below 1 is the same ratio of the training steps,
+    # rounded up as transformers 4 rounded warmup_ratio.
+    return {"warmup_steps": float(value)}
+
+
+def _torch_dtype(value: Any) -> dict[str, Any]:
+    # The handbook passes torch_dtype to from_pretrained, whose default under transformers 4 is float32: `null` meant
+    # float32 weights (bf16: true then trains them in bf16 autocast).
+    return {"dtype": "float32" if value is None else value}
+
+
+def _overwrite_output_dir(value: Any) -> dict[str, Any]:
+    if value is not True:
+        raise ValueError(f"overwrite_output_dir={value!r} is not supported: dpo_min replaces an earlier run's own "
+                         "files in output_dir and refuses a folder holding anything else; drop the key")
+    return {}
+
+
+def _do_train(value: Any) -> dict[str, Any]:
+    if value is not True:
+        raise ValueError(f"do_train={value!r} is not supported: the command always trains; drop the key (to evaluate "
+                         "only, call DPOMinTrainer.evaluate() in Python)")
+    return {}
+
+
+RECIPE_KEYS: dict[str, Any] = {
+    "warmup_ratio": _warmup_ratio,
+    "torch_dtype": _torch_dtype,
+    "overwrite_output_dir": _overwrite_output_dir,
+    "do_train": _do_train,
+    "hub_model_revision": lambda value: {"hub_revision": value},  # the hub branch the model is pushed to
+}

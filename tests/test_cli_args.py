@@ -19,7 +19,8 @@ from dpo_min import models
 from dpo_min.compat import TRL_NAMES
 from dpo_min.config import DPOMinConfig
 from dpo_min.train import load_pairs, main, resolve
-from dpo_min.train.args import DEMO_DEFAULTS, SMOLLM2_TEMPLATE_WITHOUT_SYSTEM, UsageError, parse_args
+from dpo_min.train.args import DEMO_DEFAULTS, SMOLLM2_TEMPLATE_WITHOUT_SYSTEM, UsageError
+from dpo_min.train.command_line import parse_args
 
 TRL_KEYS = {f.name for cls in (trl.ScriptArguments, trl.ModelConfig, trl.DPOConfig) for f in fields(cls)}
 
@@ -665,7 +666,7 @@ def test_from_pretrained_keywords_it_drops_are_accepted_and_the_list_holds_every
     from transformers import PreTrainedModel
 
     from dpo_min.train import load_model
-    from dpo_min.train.args import FROM_PRETRAINED_KWARGS
+    from dpo_min.train.kwargs_checks import FROM_PRETRAINED_KWARGS
 
     # Every keyword from_pretrained takes from **kwargs, read off transformers' own source; a recipe cannot give
     # objects (a state_dict of tensors, a tqdm class).
@@ -714,9 +715,9 @@ def test_offline_with_a_hub_token_does_not_ask_for_one(monkeypatch):
 
 
 def test_bf16_on_a_machine_without_an_accelerator_gets_use_cpu(monkeypatch):
-    from dpo_min.train import args as args_module
+    from dpo_min.train import command_line
 
-    monkeypatch.setattr(args_module, "_has_accelerator", lambda: False)
+    monkeypatch.setattr(command_line, "_has_accelerator", lambda: False)
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     # was transformers' "Your setup doesn't support bf16/gpu. You need to assign use_cpu"
     _, _, args = parse_args(["--dataset", "x.jsonl", "--bf16", "true"])

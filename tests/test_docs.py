@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from dpo_min.train.args import parse_args
+from dpo_min.train.command_line import parse_args
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]

@@ -459,7 +459,7 @@ def test_label_names_that_are_refused_and_those_that_describe_a_pair_in_order():
 
 def test_the_command_reads_the_label_and_row_split_options(tmp_path):
     from dpo_min import train
-    from dpo_min.train.args import parse_args
+    from dpo_min.train.command_line import parse_args
 
     mapped = tmp_path / "mapped.jsonl"
     mapped.write_text("".join(json.dumps(row) + "\n" for row in [

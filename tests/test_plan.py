@@ -47,12 +47,13 @@ def test_the_plan_owns_the_push_the_repository_and_the_resume(tmp_path, capsys):
     named = resolve(["--dataset", "p.jsonl", "--hub_model_id", "me/x", "--output_dir", str(tmp_path / "o")])
     assert (named.repo_id, named.push) == ("me/x", False)
     with pytest.raises(UsageError, match=r"^one mixture per run: datasets and dataset_mixer are both given$"):
-        resolve(["--datasets", "[]", "--dataset_mixer", "{}", "--output_dir", str(tmp_path / "o")])
+        resolve(["--datasets", json.dumps([{"path": "p.jsonl"}]), "--dataset_mixer", json.dumps({"q.jsonl": 1.0}),
+                 "--output_dir", str(tmp_path / "o")])
 
 
 def test_zero3_full_fine_tuning_loads_the_reference_again(tmp_path, monkeypatch):
     from dpo_min.train import plan as plan_module
-    from dpo_min.train.args import parse_args
+    from dpo_min.train.command_line import parse_args
 
     model_args, data_args, args = parse_args(["--model", "m", "--dataset", "p.jsonl",
                                               "--output_dir", str(tmp_path / "o")])

@@ -232,7 +232,7 @@ def test_a_record_from_before_the_plan_decided_the_data_seed_and_share_is_the_sa
 
 def test_a_resume_compares_parsed_mixtures_and_names_the_entries_that_differ(tmp_path):
     """The same mixture as YAML in a recipe and as JSON on the command line is the same run; another entry is named."""
-    from dpo_min.train.args import parse_args
+    from dpo_min.train.command_line import parse_args
     from dpo_min.train.run_dir import MANIFEST, OutputDirError, check_same_run, resume_settings
 
     mixture = [{"path": "a.jsonl"}, {"path": "b.jsonl", "split": "train"}]
@@ -255,7 +255,7 @@ def test_a_resume_compares_parsed_mixtures_and_names_the_entries_that_differ(tmp
 
 
 def test_a_test_split_size_given_as_text_or_as_a_number_is_the_same_run(tmp_path):
-    from dpo_min.train.args import parse_args
+    from dpo_min.train.command_line import parse_args
     from dpo_min.train.run_dir import MANIFEST, OutputDirError, check_same_run, resume_settings
 
     recipe = tmp_path / "recipe.yaml"

