@@ -5,15 +5,21 @@ as written. What that takes, table by table:
 - `TRL_FIELDS`: `DPOConfig` fields with no dpo_min field behind them, accepted at TRL's default only;
 - `TRL_NEGATIONS`: TRL's `--no_<name>` flags for fields whose default here is already off;
 - `TRL_NAMES`, `TRL_WITHOUT_COUNTERPART`: the command's options as TRL names them, and TRL's options with none here;
-- `TRL_TAGS`: the hub tags TRL's trainer puts on a model.
+- `TRL_DTYPES`, `TRL_AUTO_PAD`: TRL's names of a dtype, and its values of `pad_to_multiple_of` that mean None;
+- `TRL_ITERABLE_REFUSAL`, `trl_default_output_dir`: TRL's words for a refusal both make, and its default folder;
+- `TRL_TAGS`: the hub tags TRL's trainer puts on a model;
+- `RECIPE_KEYS`: the alignment-handbook's (and TRL's) recipe keys, what each means for the command (at the end).
 None is silently ignored: a value dpo_min cannot honour is refused with a one-line error that names it and says
 why. The fields the first two tables name are written in `DPOMinConfig`'s body, and `DPOTrainer`'s public attributes
 (`beta`, `loss_types`, ...) in `DPOMinTrainer`'s: a reader finds each where it is used. Adding a TRL name is adding
-an entry (and its field); a field dpo_min implements leaves the table.
+an entry (and its field); a field dpo_min implements leaves the table. One table of published names lives with its
+only reader: the mixture forms' keys (`data/mixtures.py`; data/ imports nothing of the core).
 """
 
 from dataclasses import fields
 from typing import Any
+
+import torch
 
 # Tags TRL's DPOTrainer puts on the model and its card: people filter the hub on them.
 TRL_TAGS = ("trl", "dpo")
@@ -72,6 +78,28 @@ def check_trl_option(name: str, value: Any) -> None:
     accepted, why = TRL_WITHOUT_COUNTERPART[name]
     if accepted is not _ANY and value != accepted:
         raise ValueError(f"TRL's {name}={value!r} is not supported by dpo_min ({why})")
+
+
+# TRL's `create_model_from_path` names: a dtype given as a string must be one of these, or "auto".
+TRL_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+# TRL's pad_to_multiple_of defaults to "auto", None off AWS Neuron; "none" and "null" are None as a recipe writes it.
+TRL_AUTO_PAD = ("auto", "none", "null")
+
+
+def trl_pad_to_multiple_of(value: Any) -> Any:
+    """pad_to_multiple_of as dpo_min reads it: TRL's "auto" (and None spelled as text) is None."""
+    return None if isinstance(value, str) and value.lower() in TRL_AUTO_PAD else value
+
+
+# TRL's own words where dpo_min refuses what TRL refuses, so that checks written against TRL's messages still match.
+TRL_ITERABLE_REFUSAL = ("`precompute_ref_log_probs=True` is not supported with IterableDataset (as TRL): use a "
+                        "map-style Dataset or set precompute_ref_log_probs=False")
+
+
+def trl_default_output_dir(model_name: str) -> str:
+    """TRL's output folder when no config is given: the model's last name, then -DPO."""
+    return f"{model_name.split('/')[-1]}-DPO"
 
 
 def trl_hub_tags(model: Any, environ: dict[str, str]) -> list[str]:

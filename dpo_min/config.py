@@ -7,7 +7,7 @@ from typing import Any
 
 from transformers import TrainingArguments
 
-from .compat import TRL_FIELDS, apply_trl_negations, check_trl_fields
+from .compat import TRL_FIELDS, apply_trl_negations, check_trl_fields, trl_pad_to_multiple_of
 from .losses import F_DIVERGENCES, LOSS_TYPES, LOSSES, LossSettings
 
 TRUNCATION_MODES = ("keep_end", "keep_start")
@@ -167,8 +167,7 @@ class DPOMinConfig(TrainingArguments):
             raise ValueError(f"max_length must be >= 2 or None, got {self.max_length}")
         if self.max_prompt_length is not None and self.max_prompt_length < 1:
             raise ValueError(f"max_prompt_length must be >= 1 or None, got {self.max_prompt_length}")
-        if isinstance(self.pad_to_multiple_of, str) and self.pad_to_multiple_of.lower() in ("auto", "none", "null"):
-            self.pad_to_multiple_of = None  # TRL's default "auto" means None off AWS Neuron
+        self.pad_to_multiple_of = trl_pad_to_multiple_of(self.pad_to_multiple_of)
         for name in ("precompute_ref_batch_size", "pad_to_multiple_of"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1 or None, got {getattr(self, name)}")

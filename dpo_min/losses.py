@@ -3,7 +3,9 @@
 `dpo_loss` computes the log-ratios and DPO's logits from the four log-probs, then calls each loss type's entry of
 `LOSSES`: a per-pair loss of those `PairTerms` (plain tensors and plain hyperparameter values), carrying its own
 constraints: the hyperparameters it reads (config fields) and the values it accepts, whether it reads the reference,
-needs lengths, sorts across the batch, has an f-divergence form, or rewards of its own (AlphaPO's form).
+needs lengths, sorts across the batch, has an f-divergence form, or rewards of its own (AlphaPO's form). DPO's
+`sigmoid` and the losses that take it of logits of their own (aot, cpo, simpo) are written here; the other loss
+types are in loss_family.py, which the one `LOSSES` table below imports.
 `LossSettings` is built from the config, validated once (`DPOMinConfig.__post_init__`), and is what `dpo_loss` reads.
 Several variants combine as sum_i w_i * L_i per pair, so that the mean over pairs is sum_i w_i * mean(L_i). Adding
 a loss type with a hyperparameter of its own is one `LOSSES` entry and one `DPOMinConfig` field of the same name:
@@ -17,6 +19,9 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+from . import loss_family as family
+from .loss_family import PairTerms
 
 
 @dataclass(frozen=True)
@@ -47,46 +52,7 @@ RANGES: dict[str, Knob] = {"label_smoothing": SMOOTHING, "discopop_tau": TAU, "c
 ALPHA, GAMMA = Knob(0.0), Knob(0.5)
 
 
-@dataclass(frozen=True)
-class PairTerms:
-    """What every loss reads, made once per batch by `dpo_loss`: [B] tensors, one value per pair, and the
-    hyperparameters as plain values."""
-
-    chosen_logps: torch.Tensor  # policy
-    rejected_logps: torch.Tensor
-    ref_chosen_logps: torch.Tensor
-    ref_rejected_logps: torch.Tensor
-    chosen_logratios: torch.Tensor  # policy - reference
-    rejected_logratios: torch.Tensor
-    chosen_scores: torch.Tensor  # f'(pi / pi_ref) of the f-divergence; the log-ratios for reverse KL (DPO)
-    rejected_scores: torch.Tensor
-    delta: torch.Tensor  # DPO's logits: chosen_scores - rejected_scores
-    chosen_lengths: torch.Tensor | None
-    rejected_lengths: torch.Tensor | None
-    chosen_nll: torch.Tensor | None
-    beta: float
-    label_smoothing: float
-    hyperparameters: Mapping[str, float]  # every one some entry reads, by config field name (`LossEntry.reads`)
-
-    def value(self, name: str) -> float:
-        """A hyperparameter a loss entry declares it reads (`LossEntry.reads`)."""
-        return self.hyperparameters[name]
-
-    def length_normalised_delta(self) -> torch.Tensor:
-        return (self.chosen_scores / self.chosen_lengths.clamp(min=1)
-                - self.rejected_scores / self.rejected_lengths.clamp(min=1))
-
-    def alphapo(self, logps: torch.Tensor) -> torch.Tensor:
-        """AlphaPO's reward shape (1 - p^-alpha) / alpha of a (mean or summed) log-prob; the log-prob at alpha 0."""
-        alpha = self.value("alpha")
-        return logps if alpha == 0 else (1 - torch.exp(-alpha * logps)) / alpha
-
-    def per_token_policy_logps(self) -> tuple[torch.Tensor, torch.Tensor]:
-        chosen_lengths, rejected_lengths = self.chosen_lengths.clamp(min=1), self.rejected_lengths.clamp(min=1)
-        return self.chosen_logps / chosen_lengths, self.rejected_logps / rejected_lengths
-
-
-# ---- reference-based losses: r = log pi - log pi_ref, D = r_chosen - r_rejected ----------------------------------
+# ---- DPO and the losses that take its loss of logits of their own: r = log pi - log pi_ref, D = r_c - r_r --------
 def _sigmoid(t: PairTerms, logits: torch.Tensor | None = None) -> torch.Tensor:
     """DPO, arXiv 2305.18290: logits (pi_c - ref_c) - (pi_r - ref_r) in log-probs, made by `dpo_loss`; label_smoothing
     ls > 0 is conservative DPO (cDPO, Mitchell 2023), labels flipped with probability ls. aot, cpo and simpo take
@@ -96,55 +62,6 @@ def _sigmoid(t: PairTerms, logits: torch.Tensor | None = None) -> torch.Tensor:
     return -F.logsigmoid(beta * logits) * (1 - ls) - F.logsigmoid(-beta * logits) * ls
 
 
-def _robust(t: PairTerms) -> torch.Tensor:  # arXiv 2403.00409: unbiased under label flips with probability eps
-    beta_delta, eps = t.beta * t.delta, t.label_smoothing
-    return (-(1 - eps) * F.logsigmoid(beta_delta) + eps * F.logsigmoid(-beta_delta)) / (1 - 2 * eps)
-
-
-def _hinge(t: PairTerms) -> torch.Tensor:  # SLiC, arXiv 2305.10425
-    return torch.relu(1 - t.beta * t.delta)
-
-
-def _ipo(t: PairTerms) -> torch.Tensor:  # arXiv 2310.12036; per-token log-ratios, as the IPO authors ran it (and TRL)
-    return (t.length_normalised_delta() - 1 / (2 * t.beta)) ** 2
-
-
-def _sigmoid_norm(t: PairTerms) -> torch.Tensor:  # length-normalised DPO, Tulu 3, arXiv 2411.15124
-    return -F.logsigmoid(t.beta * t.length_normalised_delta())
-
-
-def _sft(t: PairTerms) -> torch.Tensor:  # RPO's NLL term, arXiv 2404.19733: the batch's token-level mean NLL
-    nll = -t.chosen_logps if t.chosen_nll is None else t.chosen_nll
-    return (nll.sum() / t.chosen_lengths.sum().clamp(min=1)).expand_as(t.chosen_logps)
-
-
-def _bco_pair(t: PairTerms) -> torch.Tensor:  # BCO, arXiv 2404.04656
-    return -F.logsigmoid(t.beta * t.chosen_logratios) - F.logsigmoid(-t.beta * t.rejected_logratios)
-
-
-def _sppo_hard(t: PairTerms) -> torch.Tensor:  # SPPO, arXiv 2405.00675: P(chosen wins) = 1, P(rejected wins) = 0
-    return (t.chosen_logratios - 0.5 / t.beta) ** 2 + (t.rejected_logratios + 0.5 / t.beta) ** 2
-
-
-def _nca_pair(t: PairTerms) -> torch.Tensor:  # NCA, arXiv 2402.05369
-    return (-F.logsigmoid(t.beta * t.chosen_logratios) - 0.5 * F.logsigmoid(-t.beta * t.chosen_logratios)
-            - 0.5 * F.logsigmoid(-t.beta * t.rejected_logratios))
-
-
-def _apo_zero(t: PairTerms) -> torch.Tensor:  # APO, arXiv 2408.06266, eq. 7: raise chosen, lower rejected
-    return 1 - torch.sigmoid(t.beta * t.chosen_logratios) + torch.sigmoid(t.beta * t.rejected_logratios)
-
-
-def _apo_down(t: PairTerms) -> torch.Tensor:  # APO, arXiv 2408.06266, eq. 8: lower chosen, lower rejected more
-    return torch.sigmoid(t.beta * t.chosen_logratios) + 1 - torch.sigmoid(t.beta * t.delta)
-
-
-def _exo_pair(t: PairTerms) -> torch.Tensor:  # EXO, arXiv 2402.00856: KL(softmax(beta [r_w, r_l]) || [1-eps, eps])
-    beta_delta, eps = t.beta * t.delta, t.label_smoothing
-    return (torch.sigmoid(beta_delta) * (F.logsigmoid(beta_delta) - math.log1p(-eps))
-            + torch.sigmoid(-beta_delta) * (F.logsigmoid(-beta_delta) - math.log(eps)))
-
-
 def _aot(t: PairTerms) -> torch.Tensor:  # AOT, arXiv 2406.05882: sorted policy margins against sorted reference ones
     policy_margins = torch.sort(t.chosen_logps - t.rejected_logps).values
     return _sigmoid(t, policy_margins - torch.sort(t.ref_chosen_logps - t.ref_rejected_logps).values)
@@ -152,12 +69,6 @@ def _aot(t: PairTerms) -> torch.Tensor:  # AOT, arXiv 2406.05882: sorted policy 
 
 def _aot_unpaired(t: PairTerms) -> torch.Tensor:  # AOT, arXiv 2406.05882
     return _sigmoid(t, torch.sort(t.chosen_logratios).values - torch.sort(t.rejected_logratios).values)
-
-
-def _discopop(t: PairTerms) -> torch.Tensor:  # DiscoPOP, arXiv 2406.08414: logistic blending into exponential
-    logits = t.beta * t.delta
-    blend = torch.sigmoid(logits / t.value("discopop_tau"))
-    return -F.logsigmoid(logits) * (1 - blend) + torch.exp(-logits) * blend
 
 
 # ---- reference-free losses: rewards from the policy alone (AlphaPO's `alpha` reshapes them) -------------------------
@@ -204,21 +115,21 @@ class LossEntry:
 READS_LABEL_SMOOTHING = {"label_smoothing": SMOOTHING}  # a label-flip probability in [0, 1)
 LOSSES: dict[str, LossEntry] = {
     "sigmoid": LossEntry(_sigmoid, READS_LABEL_SMOOTHING, f_divergence=True),
-    "robust": LossEntry(_robust, {"label_smoothing": Knob(0.0, 0.0, 0.5, open_high=True)}, f_divergence=True),
-    "hinge": LossEntry(_hinge, f_divergence=True),
-    "ipo": LossEntry(_ipo, needs_lengths=True, f_divergence=True),
-    "sigmoid_norm": LossEntry(_sigmoid_norm, needs_lengths=True, f_divergence=True),
-    "sft": LossEntry(_sft, reads_reference=False, needs_lengths=True, f_divergence=True),
-    "bco_pair": LossEntry(_bco_pair),
-    "sppo_hard": LossEntry(_sppo_hard),
-    "nca_pair": LossEntry(_nca_pair),
-    "apo_zero": LossEntry(_apo_zero),
-    "apo_down": LossEntry(_apo_down),
-    "exo_pair": LossEntry(_exo_pair, {"label_smoothing": Knob(0.0, 0.0, 1.0, open_low=True, open_high=True,
+    "robust": LossEntry(family.robust, {"label_smoothing": Knob(0.0, 0.0, 0.5, open_high=True)}, f_divergence=True),
+    "hinge": LossEntry(family.hinge, f_divergence=True),
+    "ipo": LossEntry(family.ipo, needs_lengths=True, f_divergence=True),
+    "sigmoid_norm": LossEntry(family.sigmoid_norm, needs_lengths=True, f_divergence=True),
+    "sft": LossEntry(family.sft, reads_reference=False, needs_lengths=True, f_divergence=True),
+    "bco_pair": LossEntry(family.bco_pair),
+    "sppo_hard": LossEntry(family.sppo_hard),
+    "nca_pair": LossEntry(family.nca_pair),
+    "apo_zero": LossEntry(family.apo_zero),
+    "apo_down": LossEntry(family.apo_down),
+    "exo_pair": LossEntry(family.exo_pair, {"label_smoothing": Knob(0.0, 0.0, 1.0, open_low=True, open_high=True,
                                                               note=" (the EXO paper uses 1e-3)")}, f_divergence=True),
     "aot": LossEntry(_aot, READS_LABEL_SMOOTHING, sorts_batch=True),
     "aot_unpaired": LossEntry(_aot_unpaired, READS_LABEL_SMOOTHING, sorts_batch=True),
-    "discopop": LossEntry(_discopop, {"discopop_tau": TAU}, f_divergence=True),
+    "discopop": LossEntry(family.discopop, {"discopop_tau": TAU}, f_divergence=True),
     "cpo": LossEntry(_cpo, {**READS_LABEL_SMOOTHING, "alpha": ALPHA}, reads_reference=False, rewards=_cpo_rewards),
     "simpo": LossEntry(_simpo, {**READS_LABEL_SMOOTHING, "alpha": ALPHA, "simpo_gamma": GAMMA}, reads_reference=False,
                        needs_lengths=True, rewards=_simpo_rewards),
@@ -309,6 +220,25 @@ class LossSettings:
         entries = [LOSSES[name] for name in self.loss_types]
         return not self.reference_free and (any(entry.reads_reference for entry in entries)
                                             or all(entry.rewards is None for entry in entries))
+
+    @property
+    def rewards_are_log_ratios(self) -> bool:
+        """Whether the implicit rewards are beta times the log-ratios of policy to reference (0 while the policy is
+        the reference): a reference is read, and the first loss type has no rewards of its own (`dpo_loss`)."""
+        return self.reads_reference and LOSSES[self.loss_types[0]].rewards is None
+
+    def values_read(self) -> dict[str, Any]:
+        """What the loss reads besides its loss types, by config field name (for the card): their weights if given,
+        beta, the hyperparameters the loss types read, and the modifiers that are on."""
+        read = {} if self.loss_weights is None else {"loss_weights": ", ".join(f"{w:g}" for w in self.loss_weights)}
+        read["beta"] = self.beta
+        for name in self.loss_types:
+            read.update({key: self.hyperparameters[key] for key in LOSSES[name].reads})
+        on = {"f_divergence_type": self.f_divergence_type != "reverse_kl",
+              "f_alpha_divergence_coef": self.f_divergence_type == "alpha_divergence", "cpo_alpha": self.cpo_alpha != 0,
+              "ld_alpha": self.ld_alpha is not None, "use_weighting": self.use_weighting,
+              "reference_free": self.reference_free}
+        return read | {name: getattr(self, name) for name, is_on in on.items() if is_on}
 
     @property
     def needs_lengths(self) -> bool:
@@ -406,7 +336,7 @@ def dpo_loss(policy_chosen_logps: torch.Tensor, policy_rejected_logps: torch.Ten
     if pair_weights is not None:
         losses = losses * pair_weights
     if settings.cpo_alpha:  # added after the pair weights, as CPOTrainer adds it to the mean loss
-        losses = losses + settings.cpo_alpha * _sft(terms)
+        losses = losses + settings.cpo_alpha * family.sft(terms)
     reward_of = LOSSES[settings.loss_types[0]].rewards
     chosen_rewards, rejected_rewards = (chosen_logratios, rejected_logratios) if reward_of is None else reward_of(terms)
     return losses, settings.beta * chosen_rewards.detach(), settings.beta * rejected_rewards.detach()

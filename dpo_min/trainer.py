@@ -18,7 +18,7 @@ from transformers.trainer_utils import rotate_checkpoints
 
 from . import ref_cache, trainer_setup
 from .collator import NON_MODEL_KEYS, REFERENCE_COLUMNS
-from .compat import trl_hub_tags
+from .compat import TRL_ITERABLE_REFUSAL, trl_hub_tags
 from .config import DPOMinConfig
 from .logps import SequenceLogps, computed_tokens, sequence_logps
 from .losses import dpo_loss
@@ -145,7 +145,7 @@ class DPOMinTrainer(Trainer):
     def _with_reference_logps(self, dataset: Dataset, description: str) -> Dataset:
         """Add `ref_chosen_logps` / `ref_rejected_logps` columns: one reference pass over the data, up front."""
         if isinstance(dataset, IterableDataset):
-            raise ValueError(trainer_setup.ITERABLE_REFUSAL)
+            raise ValueError(TRL_ITERABLE_REFUSAL)
         if dataset is None or REFERENCE_COLUMNS[0] in dataset.column_names:
             return dataset
         if self.reference.fixed_before_training() and self.state.global_step > 0:

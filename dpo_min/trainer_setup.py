@@ -17,15 +17,13 @@ from datasets import IterableDataset
 from transformers import TrainingArguments
 
 from .collator import make_collator
+from .compat import TRL_ITERABLE_REFUSAL, trl_default_output_dir
 from .config import DPOMinConfig
-from .models import load_causal_lm, load_tokenizer
+from .models import load_causal_lm, load_tokenizer, pad_with_eos
 from .scale import sharding, zero
 from .scale.attention import check_packed_model, packed_attention, use_packed_attention
 
 logger = logging.getLogger(__name__)
-# TRL's own words where dpo_min refuses what TRL refuses, so that checks written against TRL's messages still match.
-ITERABLE_REFUSAL = ("`precompute_ref_log_probs=True` is not supported with IterableDataset (as TRL): use a map-style "
-                    "Dataset or set precompute_ref_log_probs=False")
 
 
 def _router_aux_loss_coef(model_config: Any, coef: float | None) -> float:
@@ -78,14 +76,14 @@ def validated_args(model: Any, ref_model: Any, args: DPOMinConfig | None, train_
         raise ValueError("ref_model must be another object than model (omit it to get a frozen copy)")
     if args is None:
         name = model if isinstance(model, str) else model.config._name_or_path
-        args = DPOMinConfig(output_dir=f"{name.split('/')[-1]}-DPO")  # TRL's default folder
+        args = DPOMinConfig(output_dir=trl_default_output_dir(name))
     if not isinstance(args, DPOMinConfig):
         raise TypeError(f"args must be a DPOMinConfig, got {type(args).__name__}")
     if train_dataset is None:
         raise ValueError("`train_dataset` is required (as in TRL's DPOTrainer)")
     evals = eval_dataset.values() if isinstance(eval_dataset, dict) else [eval_dataset]
     if args.precompute_ref_log_probs and any(isinstance(d, IterableDataset) for d in (train_dataset, *evals)):
-        raise ValueError(ITERABLE_REFUSAL)
+        raise ValueError(TRL_ITERABLE_REFUSAL)
     if compute_metrics is not None and args.packed:
         raise ValueError("compute_metrics receives [2B, T] logits (as TRL), which the padding_free and "
                          "share_prompt layouts do not compute: turn them off to use compute_metrics")
@@ -124,9 +122,7 @@ def agree_on_pad_token(model: Any, processing_class: Any) -> None:
     """Give the tokenizer a pad token (EOS) if it has none, and set the model's config and generation config to its
     id, as TRL does (the config is saved with the model)."""
     tokenizer = getattr(processing_class, "tokenizer", processing_class)
-    if tokenizer.pad_token is None:
-        # Padding never reaches the loss (labels are -100 there), so any token id serves; EOS is the usual one.
-        tokenizer.pad_token = tokenizer.eos_token
+    pad_with_eos(tokenizer)
     model.config.get_text_config().pad_token_id = tokenizer.pad_token_id
     if getattr(model, "generation_config", None) is not None:
         model.generation_config.pad_token_id = tokenizer.pad_token_id

@@ -7,10 +7,13 @@ from types import SimpleNamespace
 
 import huggingface_hub
 import pytest
+import torch
 from conftest import write_hh_rows
 
+from dpo_min import dpo_loss
 from dpo_min.config import DPOMinConfig
 from dpo_min.data.mixtures import load_mixture
+from dpo_min.losses import LOSS_TYPES
 from dpo_min.models import cache_dir
 from dpo_min.train import main, trained_sources
 from dpo_min.train.args import DataArguments
@@ -68,6 +71,71 @@ def test_card_of_a_mixture_names_every_dataset_that_trained(tmp_path):
     assert "ignored/by-a-mixture" not in card and "hh-rlhf" not in card
 
 
+def card_of(**options):
+    args = DPOMinConfig(output_dir="unused", report_to="none", use_cpu=True, **options)
+    return model_card(model="org/base", kind="adapter", datasets={"org/pairs": 4}, train_pairs=4, held_out_pairs=2,
+                      args=args, reference="r", lora=None, before={"eval_loss": 0.7, "eval_rewards/accuracies": 0.0},
+                      after={"eval_loss": 0.6, "eval_rewards/accuracies": 0.5}, repo_id="card"), args.loss_settings
+
+
+def card_rows(card):
+    return {line.split(" | ")[0].removeprefix("| "): line for line in card.splitlines() if line.startswith("| ")}
+
+
+POLICY, REFERENCE, LENGTHS = (torch.tensor([-4.0, -9.0]), torch.tensor([-6.0, -5.0])), (
+    torch.tensor([-5.0, -7.0]), torch.tensor([-5.5, -6.5])), torch.tensor([3.0, 5.0])
+
+
+def loss_of(name, **options):
+    return dpo_loss(*POLICY, *REFERENCE, loss_type=name, chosen_lengths=LENGTHS, rejected_lengths=LENGTHS,
+                    **options)[0]
+
+
+@pytest.mark.parametrize("options, zero", [
+    ({"loss_type": "sigmoid"}, True), ({"loss_type": "sft"}, True), ({"loss_type": ["sigmoid", "simpo"]}, True),
+    ({"loss_type": "cpo"}, False), ({"loss_type": "simpo"}, False), ({"loss_type": ["simpo", "sigmoid"]}, False),
+    ({"loss_type": ["sft", "cpo"]}, False), ({"loss_type": "sigmoid", "reference_free": True}, False),
+], ids=["sigmoid", "sft", "sigmoid+simpo", "cpo", "simpo", "simpo+sigmoid", "sft+cpo", "reference_free"])
+def test_the_card_says_the_rewards_are_0_before_training_only_where_they_are(options, zero):
+    # The reference: dpo_loss's rewards for a policy that is its own reference, as before training (the trainer
+    # gives no reference log-probs where the loss reads none).
+    card, settings = card_of(**options)
+    reference = POLICY if settings.reads_reference else (None, None)
+    _, chosen, rejected = dpo_loss(*POLICY, *reference, settings, chosen_lengths=LENGTHS, rejected_lengths=LENGTHS)
+    assert (not chosen.any() and not rejected.any()) == zero
+    assert ("before training the policy is the reference, so they are 0" in card) == zero
+    assert ("no reference enters them, so before training they are the base model's own, not 0" in card) != zero
+
+
+def test_the_card_lists_the_hyperparameters_each_loss_type_reads():
+    # Found by changing each hyperparameter in dpo_loss (not from the table): a value a loss type refuses
+    # (alpha beside a loss without AlphaPO's rewards) is one it does not read.
+    changes = {"label_smoothing": 0.2, "alpha": 0.3, "simpo_gamma": 0.3, "discopop_tau": 0.1}
+    for name in LOSS_TYPES:
+        readers = set()
+        for option, value in changes.items():
+            try:
+                if not torch.equal(loss_of(name, label_smoothing=0.1), loss_of(name, **{"label_smoothing": 0.1,
+                                                                                         option: value})):
+                    readers.add(option)
+            except ValueError:
+                pass
+        rows = card_rows(card_of(loss_type=name, label_smoothing=0.1)[0])
+        assert set(rows) & set(changes) == readers and "beta" in rows, name
+    assert readers == {"label_smoothing", "alpha", "simpo_gamma"}  # the last, simpo
+
+
+def test_the_cards_loss_row_is_named_by_its_loss_types_and_weights():
+    options = {"loss_type": ["sigmoid", "sft"], "loss_weights": [0.8, 1.0], "cpo_alpha": 0.5}
+    card, settings = card_of(**options)
+    assert card_rows(card)["loss (0.8 × sigmoid + 1 × sft + 0.5 × NLL)"].endswith("| 0.7000 | 0.6000 |")
+    assert card_rows(card)["loss_weights"] == "| loss_weights | 0.8, 1 |" and "| cpo_alpha | 0.5 |" in card
+    # What the name says is the loss dpo_loss takes: each loss type's, weighted, plus cpo_alpha times the NLL (sft).
+    combined = dpo_loss(*POLICY, *REFERENCE, settings, chosen_lengths=LENGTHS, rejected_lengths=LENGTHS)[0]
+    torch.testing.assert_close(combined, 0.8 * loss_of("sigmoid") + 1.0 * loss_of("sft") + 0.5 * loss_of("sft"))
+    assert "| loss (hinge) |" in card_of(loss_type="hinge")[0] and "DPO loss" not in card
+
+
 def test_adapter_card_shows_the_run(tmp_path, tiny_model_dir):
     data_file = write_hh_rows(tmp_path / "pairs.jsonl", 12)
     output_dir = tmp_path / "run"
@@ -79,7 +147,7 @@ def test_adapter_card_shows_the_run(tmp_path, tiny_model_dir):
     after = metrics["after"]
     assert (f"| reward accuracy | {metrics['before']['eval_rewards/accuracies']:.3f} | "
             f"{after['eval_rewards/accuracies']:.3f} |") in card
-    assert f"| DPO loss | {metrics['before']['eval_loss']:.4f} | {after['eval_loss']:.4f} |" in card
+    assert f"| loss (sigmoid) | {metrics['before']['eval_loss']:.4f} | {after['eval_loss']:.4f} |" in card
     assert "| beta | 0.2 |" in card and "| loss_type | sigmoid |" in card and "| lora_r | 16 |" in card
     assert "| reference | the base model (the adapter disabled) |" in card  # the trainer's own description
     assert f"`{data_file}`: 4 preference pairs trained on, 3 held out."  # 2 steps of 2 in card

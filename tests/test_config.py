@@ -6,7 +6,7 @@ import torch
 from transformers import HfArgumentParser, Trainer, TrainingArguments
 
 from dpo_min import DPOMinConfig, DPOMinTrainer, dpo_loss
-from dpo_min.compat import TRL_FIELDS, TRL_NEGATIONS
+from dpo_min.compat import TRL_AUTO_PAD, TRL_FIELDS, TRL_NEGATIONS
 from dpo_min.losses import LOSS_TYPES
 
 
@@ -73,3 +73,11 @@ def test_trl_only_fields_and_attributes_are_written_in_the_class_bodies():
     attributes = ("beta", "loss_types", "loss_weights", "label_smoothing", "ld_alpha", "use_weighting",
                   "f_divergence_type", "f_alpha_divergence_coef", "precompute_ref_logps", "padding_free")
     assert all(isinstance(vars(DPOMinTrainer).get(name), property) for name in attributes)
+
+
+@pytest.mark.parametrize("value, expected", [("auto", None), ("AUTO", None), ("none", None), ("null", None),
+                                             (None, None), (8, 8)])
+def test_trls_pad_to_multiple_of_values_read_as_compat_names_them(tmp_path, value, expected):
+    # TRL's default "auto" (None off AWS Neuron): the one table of such values is compat's.
+    assert make(tmp_path, pad_to_multiple_of=value).pad_to_multiple_of == expected
+    assert TRL_AUTO_PAD == ("auto", "none", "null")

@@ -280,3 +280,12 @@ def test_every_overridden_trainer_hook_is_called(tmp_path, tokenizer, hh_pairs, 
     assert calls == {"_clip_grad_norm": 2 if max_grad_norm else 0, "_get_grad_norm": 2, "_save_checkpoint": 2,
                      "_check_finite_gradients": 2}  # the gradients checked once per step, by either hook
     assert sorted(path.name for path in (tmp_path / "out").iterdir()) == ["checkpoint-1", "checkpoint-2"]
+
+
+def test_without_a_config_the_output_folder_is_trls_default(tmp_path, monkeypatch):
+    # TRL's DPOTrainer writes to "<model's last name>-DPO" when given no args (compat.trl_default_output_dir).
+    from dpo_min.trainer_setup import validated_args
+
+    monkeypatch.chdir(tmp_path)
+    args = validated_args("org/tiny-model", None, None, [{"prompt": "a"}], None, None, None)
+    assert args.output_dir == "tiny-model-DPO"

