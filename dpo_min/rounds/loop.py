@@ -5,7 +5,7 @@ import json
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -73,16 +73,24 @@ def _columns(run: _Run, row_indices: Sequence[int], per_row: int) -> dict[str, l
     return {name: [run.rows[i].get(name) for i in row_indices for _ in range(per_row)] for name in names}
 
 
+def _sample_shared(run: _Run, model: Any, indices: list[int], settings: GenerationSettings) -> list[list[Completion]]:
+    """The samples of each prompt in `indices`, in order: batches of generation_batch_size, batch b seeded
+    settings.seed + b and dealt to the processes in turn, so a prompt's samples do not depend on the process count."""
+    size = run.config.generation_batch_size
+    batches = [(b, indices[start:start + size]) for b, start in enumerate(range(0, len(indices), size))]
+
+    def work(mine: list[tuple[int, list[int]]]) -> list[list[list[Completion]]]:
+        return [sample(model, run.tokenizer, [run.rows[i]["prompt"] for i in batch],
+                       replace(settings, seed=settings.seed + b), size, run.generate_fn) for b, batch in mine]
+    return [group for groups in _shared(batches, work, run.state) for group in groups]
+
+
 def _generate(run: _Run, model: Any, round_index: int) -> list[dict[str, Any]]:
     """round-K/generated.jsonl: num_generations samples of every training prompt, by the current policy."""
     config = run.config
     settings = GenerationSettings(config.num_generations, config.max_completion_length, True, config.temperature,
-                                  config.top_p, seed=config.seed + 1000 * round_index + 100 * run.state.process_index)
-
-    def work(indices: list[int]) -> list[list[Completion]]:
-        return sample(model, run.tokenizer, [run.rows[i]["prompt"] for i in indices], settings,
-                      config.generation_batch_size, run.generate_fn) if indices else []
-    groups = _shared(run.train_rows, work, run.state)
+                                  config.top_p, seed=config.seed + 1000 * round_index)
+    groups = _sample_shared(run, model, run.train_rows, settings)
     return [{"prompt_index": i, "sample": s, "completion": c.text, "completion_ids": c.ids, "truncated": c.truncated}
             for i, group in zip(run.train_rows, groups) for s, c in enumerate(group)]
 
@@ -117,16 +125,15 @@ def _evaluate(run: _Run, model: Any, round_index: int) -> None:
     """held_out.jsonl: a greedy completion of each held-out prompt, scored; printed and plotted."""
     if not run.held_rows or any(line["round"] == round_index for line in run.folder.held_out()):
         return
-    settings = GenerationSettings(1, run.config.max_completion_length, False)
+    greedy = _sample_shared(run, model, run.held_rows, GenerationSettings(1, run.config.max_completion_length, False))
 
-    def work(indices: list[int]) -> list[float | None]:
-        if not indices:
+    def work(items: list[tuple[int, Completion]]) -> list[float | None]:
+        if not items:
             return []
-        completions = [group[0] for group in sample(model, run.tokenizer, [run.rows[i]["prompt"] for i in indices],
-                                                    settings, run.config.generation_batch_size, run.generate_fn)]
+        indices, completions = [i for i, _ in items], [c for _, c in items]
         return run.rewards.score([run.rows[i]["prompt"] for i in indices], completions, _columns(run, indices, 1),
                                  round_index).total
-    totals = _shared(run.held_rows, work, run.state)
+    totals = _shared([(i, group[0]) for i, group in zip(run.held_rows, greedy)], work, run.state)
     line = {"round": round_index, **held_out.mean_with_interval([t for t in totals if t is not None]),
             "unscorable": sum(t is None for t in totals)}
     if run.state.is_main_process:
