@@ -22,7 +22,6 @@ PROMPTS = [{"prompt": [{"role": "user", "content": f"What is {i} times 3?"}], "r
 def run(model_dir: str, output_dir: str, batch_size: int) -> dict:
     """The round's result; every generate call (its prompts' rows, its seed) and every reward call (its rows) of
     this process, in order, to output_dir/calls-<rank>.json."""
-    state = PartialState()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     row_of = {tuple(prompt_token_ids(tokenizer, row["prompt"])): row["row"] for row in PROMPTS}
     calls = {"sampled": [], "scored": []}
@@ -45,7 +44,8 @@ def run(model_dir: str, output_dir: str, batch_size: int) -> dict:
                                     "save_strategy": "no", "disable_tqdm": True})
     result = run_rounds(AutoModelForCausalLM.from_pretrained(model_dir), tokenizer, PROMPTS, id_sum, config,
                         generate_fn=generate_fn)
-    Path(output_dir, f"calls-{state.process_index}.json").write_text(json.dumps(calls))
+    # Asked after the run: the run sets this process's place up (a PartialState made first would leave it alone).
+    Path(output_dir, f"calls-{PartialState().process_index}.json").write_text(json.dumps(calls))
     return {"rounds": result.rounds, "held_out": result.held_out}
 
 

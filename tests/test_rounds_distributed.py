@@ -44,7 +44,7 @@ def files(folder):
 
 def test_two_processes_sample_and_score_their_share_and_gather_what_one_process_gets(tmp_path, tiny_model_dir):
     two = launch_two(tiny_model_dir, tmp_path / "two")
-    assert two.returncode == 0, two.stderr[-3000:]
+    assert two.returncode == 0, two.stderr[two.stderr.find("Traceback"):][:3000]
     run_alone(tiny_model_dir, tmp_path / "one")
     train, held = split_held_out(len(rounds_worker.PROMPTS), 0.2, seed=11)
     assert len(train) == 8 and len(held) == 2
@@ -68,13 +68,17 @@ def test_two_processes_sample_and_score_their_share_and_gather_what_one_process_
     assert mine["dpo"]["steps"] == theirs["dpo"]["steps"] == 4
     assert {k: v for k, v in mine.items() if k not in ("seconds", "dpo")} == \
         {k: v for k, v in theirs.items() if k not in ("seconds", "dpo")}
-    assert mine["dpo"] == pytest.approx(theirs["dpo"], rel=1e-5)
+    # Rewards and drifts are beta times a difference of two log-probs near -90: held to 1e-6 of those log-probs.
+    near_zero = 1e-6 * 0.1 * max(abs(theirs["dpo"]["logps/chosen"]), abs(theirs["dpo"]["logps/rejected"]))
+    for key, value in theirs["dpo"].items():
+        tolerance = {"abs": near_zero} if key.startswith(("rewards/", "drift/")) else {}
+        assert mine["dpo"][key] == pytest.approx(value, rel=1e-5, **tolerance), key
     held_two, held_one = (read_jsonl(tmp_path / name / "held_out.jsonl") for name in ("two", "one"))
     assert len(held_two) == len(held_one) == 2
     assert all(line == pytest.approx(other, rel=1e-5) for line, other in zip(held_two, held_one))
 
     # Written once: the same files as one process leaves (no second copy, no staging left), each line once.
-    assert files(tmp_path / "two") == [*files(tmp_path / "one"), "calls-1.json"]
+    assert files(tmp_path / "two") == sorted([*files(tmp_path / "one"), "calls-1.json"])
     assert [line["round"] for line in held_two] == [0, 1]
     assert two.stdout.count("round 1: 24 samples, 8 pairs") == 1
     assert two.stdout.count("held-out before round 1") == 1

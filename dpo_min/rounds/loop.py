@@ -3,6 +3,7 @@ next starts, so a run killed anywhere resumes where it stopped (store.py lists t
 
 import json
 import logging
+import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -52,6 +53,14 @@ class _Run:
     def say(self, message: str) -> None:
         if self.state.is_main_process:
             print(message, flush=True)
+
+
+def _several_on_cpu() -> bool:
+    """One of several launched processes on a machine with no accelerator: accelerate leaves each such process alone
+    unless told cpu=True, and then each would sample, write and train the whole run by itself."""
+    accelerator = getattr(torch, "accelerator", None)  # torch >= 2.6 knows every backend; older ones, CUDA
+    has_accelerator = accelerator.is_available() if accelerator is not None else torch.cuda.is_available()
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1 and not has_accelerator
 
 
 def _shared(items: list[Any], work: Callable[[list[Any]], list[Any]], state: PartialState) -> list[Any]:
@@ -161,7 +170,7 @@ def _train(run: _Run, policy: Policy, made: list[dict[str, Any]], folder: Path,
     """One DPO pass on the round's pairs, warm-started from the last round; a half-trained round resumes from its
     latest checkpoint-N. Returns the mean of the round's logged step metrics, and the trainer."""
     args = DPOMinConfig(**{"report_to": "none", "logging_steps": 1, "num_train_epochs": 1,  # one pass a round
-                           "seed": run.config.seed + round_index,
+                           "seed": run.config.seed + round_index, "use_cpu": _several_on_cpu(),  # join over gloo
                            **run.config.training, "output_dir": str(folder / "train")})
     data = Dataset.from_list([{key: pair[key] for key in ("prompt", "chosen", "rejected")} for pair in made])
     trainer = DPOMinTrainer(**policy.trainer_models(), args=args, train_dataset=data, processing_class=run.tokenizer)
@@ -218,7 +227,7 @@ def _open(model: Any, tokenizer: Any, prompts: Any, reward_funcs: Any, config: R
     rows = prompt_rows(prompts)
     rewards = Rewards(reward_funcs, config.reward_weights, config.missing_eos_penalty)
     train_rows, held_rows = split_held_out(len(rows), config.held_out_share, config.seed)
-    state = PartialState()
+    state = PartialState(cpu=_several_on_cpu())  # several CPU processes join over gloo, as the trainer's
     run = _Run(config, tokenizer, rows, train_rows, held_rows, rewards, store.RunFolder(config.output_dir),
                generate_fn, state)
     settings = {**config.settings(), "prompts": fingerprint(rows), "reward_funcs": rewards.names,
