@@ -12,7 +12,8 @@ the same tokens (checked: the run stops if they differ), so tokens/s counts the 
 completion's ids up to and including its first EOS. Timings alternate the two, --repeats times; medians.
 
 Phases: one round of run_rounds (LoRA, an exact-answer reward, no held-out prompts) on the same prompts; the share of
-the round's wall time each phase took (rounds.jsonl's seconds), and what is left (setup, checkpoint, the plot).
+the round's wall time each phase took (rounds.jsonl's seconds), and what is left (setup, the checkpoint). --tiny
+scores letters instead: a random model never answers, and a round with no pair trains nothing.
 """
 
 import argparse
@@ -35,6 +36,11 @@ def arithmetic_prompts(count: int) -> list[dict]:
 def exact_answer(completions, solution, **_):
     """1 when the completion's last word is the answer (TRL GRPOTrainer's reward contract)."""
     return [float(c[0]["content"].strip().rstrip(".").split()[-1:] == [s]) for c, s in zip(completions, solution)]
+
+
+def letter_count(completions, **_):
+    """--tiny's reward: a random model never answers, but its samples differ in this, so the round has pairs."""
+    return [float(sum(ch.isalpha() for ch in c[0]["content"])) for c in completions]
 
 
 def load(model: str | None, tiny: bool):
@@ -126,7 +132,7 @@ def bench_round(model, tokenizer, prompts, args, scratch: Path) -> dict:
                           training={"learning_rate": 5e-5, "per_device_train_batch_size": 4, "save_strategy": "no",
                                     "disable_tqdm": True})
     start = time.perf_counter()
-    result = run_rounds(model, tokenizer, prompts, exact_answer, config)
+    result = run_rounds(model, tokenizer, prompts, letter_count if args.tiny else exact_answer, config)
     wall = time.perf_counter() - start
     line = result.rounds[0]
     return {"wall_s": wall, "seconds": line["seconds"], "pairs": line["pairs"], "status": line["status"]}
