@@ -169,7 +169,8 @@ def main() -> None:
     for kind in ("plain", "rounds"):
         print(f"| {kind} | {sampling[f'{kind}_s']:.2f} | {sampling[f'{kind}_tokens_per_s']:.1f} | "
               f"{sampling[f'{kind}_tokens_per_s'] / sampling['plain_tokens_per_s']:.2f}x |")
-    print(f"({sampling['tokens']} tokens in {sampling['samples']} samples, each up to its first EOS, the same in both)\n")
+    print(f"({sampling['tokens']} tokens in {sampling['samples']} samples, each up to its first EOS, the same in "
+          "both)\n")
     seconds, wall = round_times["seconds"], round_times["wall_s"]
     other = wall - sum(seconds.values())
     print(f"one round ({round_times['pairs']} pairs, {round_times['status']}): {wall:.1f} s")

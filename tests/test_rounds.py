@@ -137,8 +137,8 @@ def test_each_round_leaves_samples_pairs_the_command_reads_a_checkpoint_and_a_li
 
 
 def held_indices(run):
-    return sorted(set(range(len(PROMPTS))) - {row["prompt_index"] for row in
-                                              map(json.loads, (run / "round-1/samples.jsonl").read_text().splitlines())})
+    sampled = {json.loads(row)["prompt_index"] for row in (run / "round-1/samples.jsonl").read_text().splitlines()}
+    return sorted(set(range(len(PROMPTS))) - sampled)
 
 
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
