@@ -1,15 +1,18 @@
 """run_rounds end to end on a tiny random Llama with the SmolLM2 tokenizer: what each round leaves, the reference
-`initial` kept fixed, every loss type, resume at each phase, bad rewards and rounds with no pair."""
+`initial` kept fixed, every loss type, resume at each phase, bad rewards and rounds with no pair.
+
+Whole runs are slow, so the finished runs that several tests read are made once per module (`lora_run`,
+`full_run`, `previous_run`); a test that needs its own run (a kill, a failing reward) makes it small."""
 
 import copy
 import json
 
 import pytest
 import torch
-from conftest import tiny_llama
 from peft import LoraConfig
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from dpo_min import load_preference_dataset, sequence_logps
+from dpo_min import DPOMinTrainer, load_preference_dataset, sequence_logps
 from dpo_min.losses import LOSS_TYPES
 from dpo_min.rounds import RoundsConfig, RoundsError, run_rounds
 from dpo_min.rounds import loop as rounds_loop
@@ -17,6 +20,16 @@ from dpo_min.rounds import loop as rounds_loop
 PROMPTS = [{"prompt": [{"role": "user", "content": f"What is {i} + {i}?"}], "solution": str(2 * i)}
            for i in range(5)]
 LORA = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+# Every step checkpointed: a kill mid-round resumes from one, and the shared run is the kills' uninterrupted twin.
+CHECKPOINTS = {"save_strategy": "steps", "save_steps": 1}
+
+
+def tiny_policy() -> LlamaForCausalLM:
+    """Smaller than conftest's tiny_llama (one layer of width 16; the SmolLM2 vocabulary, which the prompts need)."""
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=49152, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=2048,
+                                        tie_word_embeddings=False))
 
 
 def letters(completions, solution, **_):
@@ -30,12 +43,44 @@ def constant(completions, **_):
     return [1.0] * len(completions)
 
 
-def settings(tmp_path, name="run", **overrides):
-    training = {"per_device_train_batch_size": 2, "learning_rate": 5e-3, "save_strategy": "no",
-                "disable_tqdm": True, **overrides.pop("training", {})}
-    return RoundsConfig(**{"output_dir": str(tmp_path / name), "rounds": 2, "num_generations": 3,
-                           "max_completion_length": 8, "held_out_share": 0.4, "seed": 7, "training": training,
+def settings(folder, name="run", **overrides):
+    """5 prompts, 2 held out: 3 pairs a round at most, 2 DPO steps of batch 2."""
+    training = {"per_device_train_batch_size": 2, "learning_rate": 5e-3, "disable_tqdm": True, **CHECKPOINTS,
+                **overrides.pop("training", {})}
+    return RoundsConfig(**{"output_dir": str(folder / name), "rounds": 2, "num_generations": 3,
+                           "max_completion_length": 4, "held_out_share": 0.4, "seed": 7, "training": training,
                            "peft_config": LORA, **overrides})
+
+
+@pytest.fixture(scope="module")
+def tokenizer(smollm_path):
+    return AutoTokenizer.from_pretrained(str(smollm_path))
+
+
+def shared_run(tmp_path_factory, tokenizer, **overrides):
+    """A finished run for a module's tests, in its own DPO_MIN_CACHE (the per-test one is not set up yet)."""
+    folder = tmp_path_factory.mktemp("rounds")
+    model = tiny_policy()
+    pi_0 = copy.deepcopy(model).eval()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("DPO_MIN_CACHE", str(folder / "cache"))
+        return run_rounds(model, tokenizer, PROMPTS, letters, settings(folder, **overrides)), pi_0, folder
+
+
+@pytest.fixture(scope="module")
+def lora_run(tmp_path_factory, tokenizer):
+    """LoRA, reference `initial`, 3 rounds: read by most tests, and the uninterrupted twin of the killed runs."""
+    return shared_run(tmp_path_factory, tokenizer, rounds=3)
+
+
+@pytest.fixture(scope="module")
+def full_run(tmp_path_factory, tokenizer):
+    return shared_run(tmp_path_factory, tokenizer, rounds=3, peft_config=None)
+
+
+@pytest.fixture(scope="module")
+def previous_run(tmp_path_factory, tokenizer):
+    return shared_run(tmp_path_factory, tokenizer, reference="previous")
 
 
 def pair_batch(trainer):
@@ -48,12 +93,9 @@ def reference_logps(result, batch):
         return sequence_logps(model.eval(), batch).logps
 
 
-@pytest.mark.parametrize("lora", [True, False], ids=["lora", "full"])
-def test_three_rounds_with_reference_initial_keep_pi_0s_log_probs(tmp_path, tokenizer, lora):
-    model = tiny_llama()
-    pi_0 = copy.deepcopy(model).eval()
-    config = settings(tmp_path, rounds=3, peft_config=LORA if lora else None)
-    result = run_rounds(model, tokenizer, PROMPTS, letters, config)
+@pytest.mark.parametrize("run", ["lora_run", "full_run"])
+def test_three_rounds_with_reference_initial_keep_pi_0s_log_probs(request, run):
+    result, pi_0, _ = request.getfixturevalue(run)
     assert [line["status"] for line in result.rounds] == ["trained"] * 3
     batch = pair_batch(result.trainer)
     with torch.no_grad():
@@ -63,66 +105,70 @@ def test_three_rounds_with_reference_initial_keep_pi_0s_log_probs(tmp_path, toke
         assert not torch.allclose(sequence_logps(policy.eval(), batch).logps, expected, atol=1e-4)
 
 
-@pytest.mark.parametrize("reference", ["previous", "initial"])
-def test_reference_previous_is_the_last_rounds_policy(tmp_path, tokenizer, reference):
-    result = run_rounds(tiny_llama(), tokenizer, PROMPTS, letters, settings(tmp_path, reference=reference))
-    # Round 2's first step: against the last round's policy the implicit rewards start at exactly 0; against pi_0
-    # they hold what round 1 learned.
+@pytest.mark.parametrize("run", ["previous_run", "lora_run"], ids=["previous", "initial"])
+def test_reference_previous_is_the_last_rounds_policy(request, run):
+    result, _, _ = request.getfixturevalue(run)
+    # The last round's first step: against the last round's policy the implicit rewards start at exactly 0; against
+    # pi_0 they hold what the rounds before learned.
     first = result.trainer.state.log_history[0]
-    assert (first["rewards/chosen"] == 0.0 and first["rewards/rejected"] == 0.0) == (reference == "previous")
+    assert (first["rewards/chosen"] == 0.0 and first["rewards/rejected"] == 0.0) == (run == "previous_run")
 
 
-def test_each_round_leaves_samples_pairs_the_command_reads_a_checkpoint_and_a_line(tmp_path, tokenizer):
-    result = run_rounds(tiny_llama(), tokenizer, PROMPTS, letters, settings(tmp_path))
-    run = tmp_path / "run"
+def test_each_round_leaves_samples_pairs_the_command_reads_a_checkpoint_and_a_line(lora_run):
+    result, _, folder = lora_run
+    run = folder / "run"
     lines = [json.loads(line) for line in (run / "rounds.jsonl").read_text().splitlines()]
-    assert lines == result.rounds and [line["round"] for line in lines] == [1, 2]
+    assert lines == result.rounds and [line["round"] for line in lines] == [1, 2, 3]
     held = [json.loads(line) for line in (run / "held_out.jsonl").read_text().splitlines()]
-    assert [line["round"] for line in held] == [0, 1, 2] and all(line["n"] == 2 for line in held)
+    assert [line["round"] for line in held] == [0, 1, 2, 3] and all(line["n"] == 2 for line in held)
     assert (run / "held_out.png").stat().st_size > 0
     for line in lines:
-        folder = run / f"round-{line['round']}"
-        samples = [json.loads(row) for row in (folder / "samples.jsonl").read_text().splitlines()]
+        round_dir = run / f"round-{line['round']}"
+        samples = [json.loads(row) for row in (round_dir / "samples.jsonl").read_text().splitlines()]
         assert len(samples) == line["samples"] == 3 * 3  # 3 training prompts (2 of 5 held out), 3 samples each
-        assert {row["prompt_index"] for row in samples}.isdisjoint(json.loads(json.dumps(held_indices(run))))
+        assert {row["prompt_index"] for row in samples}.isdisjoint(held_indices(run))
         assert all(row["total"] == row["rewards"]["letters"] for row in samples)
         assert line["pairs"] + sum(line["dropped"].values()) == line["prompts"] == 3
-        pairs = load_preference_dataset(str(folder / "pairs.jsonl"))
+        pairs = load_preference_dataset(str(round_dir / "pairs.jsonl"))
         assert len(pairs) == line["pairs"] and pairs[0]["prompt"] == PROMPTS[samples[0]["prompt_index"]]["prompt"]
-        assert (folder / "checkpoint" / "adapter_model.safetensors").is_file()
+        assert (round_dir / "checkpoint" / "adapter_model.safetensors").is_file()
         assert set(line["seconds"]) == {"sampling", "scoring", "training"}
         assert {"loss", "rewards/margins", "steps"} <= set(line["dpo"])
 
 
 def held_indices(run):
-    return sorted(set(range(len(PROMPTS))) - {row["prompt_index"] for row in
-                                              map(json.loads, (run / "round-1/samples.jsonl").read_text().splitlines())})
+    sampled = {json.loads(row)["prompt_index"] for row in (run / "round-1/samples.jsonl").read_text().splitlines()}
+    return sorted(set(range(len(PROMPTS))) - sampled)
 
 
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
 def test_every_loss_type_trains_a_round(tmp_path, tokenizer, loss_type):
+    # The core tests every loss's numbers; here a round runs with it: 1 round, 2 prompts, 1 step, no checkpoint.
     needs = {"label_smoothing": 1e-3} if loss_type == "exo_pair" else {}  # EXO's eps must be in (0, 1)
-    config = settings(tmp_path, rounds=1, held_out_share=0.0, training={"loss_type": [loss_type], **needs})
-    result = run_rounds(tiny_llama(), tokenizer, PROMPTS[:2], letters, config)
+    config = settings(tmp_path, rounds=1, held_out_share=0.0, num_generations=2,
+                      training={"loss_type": [loss_type], "save_strategy": "no", **needs})
+    result = run_rounds(tiny_policy(), tokenizer, PROMPTS[:2], letters, config)
     assert result.rounds[0]["status"] == "trained" and result.rounds[0]["dpo"]["steps"] == 1
 
 
 def test_a_round_with_no_pair_stops_or_skips_as_chosen(tmp_path, tokenizer):
-    stopped = run_rounds(tiny_llama(), tokenizer, PROMPTS, constant, settings(tmp_path, name="stop"))
+    stopped = run_rounds(tiny_policy(), tokenizer, PROMPTS, constant, settings(tmp_path, name="stop"))
     assert stopped.stopped == "round 1: no prompt gave a pair (3 all_tied); stopped (on_no_pairs='skip' goes on)"
     assert len(stopped.rounds) == 1
-    skipped = run_rounds(tiny_llama(), tokenizer, PROMPTS, constant, settings(tmp_path, name="skip",
-                                                                              on_no_pairs="skip"))
+    skipped = run_rounds(tiny_policy(), tokenizer, PROMPTS, constant, settings(tmp_path, name="skip",
+                                                                               on_no_pairs="skip"))
     assert [line["status"] for line in skipped.rounds] == ["no pair: skip"] * 2 and skipped.stopped is None
     assert not (tmp_path / "skip/round-1/checkpoint").exists()
 
 
-def test_a_resume_with_other_settings_is_refused_in_one_line(tmp_path, tokenizer):
-    run_rounds(tiny_llama(), tokenizer, PROMPTS, letters, settings(tmp_path, rounds=1))
+def test_a_resume_with_other_settings_is_refused_in_one_line(lora_run, tokenizer):
+    _, _, folder = lora_run
+    written = {path: path.stat().st_mtime_ns for path in (folder / "run").rglob("*")}
     with pytest.raises(RoundsError) as error:
-        run_rounds(tiny_llama(), tokenizer, PROMPTS, letters, settings(tmp_path, rounds=2, temperature=0.5))
-    assert str(error.value) == (f"{tmp_path / 'run'} holds a run with other settings (temperature 1.0 there, 0.5 "
+        run_rounds(tiny_policy(), tokenizer, PROMPTS, letters, settings(folder, rounds=4, temperature=0.5))
+    assert str(error.value) == (f"{folder / 'run'} holds a run with other settings (temperature 1.0 there, 0.5 "
                                 "now): resume it with the same ones, or give another output_dir")
+    assert {path: path.stat().st_mtime_ns for path in (folder / "run").rglob("*")} == written  # nothing touched
 
 
 def test_a_reward_that_fails_in_round_2_keeps_round_1_and_the_round_resumes_unsampled(tmp_path, tokenizer,
@@ -134,13 +180,13 @@ def test_a_reward_that_fails_in_round_2_keeps_round_1_and_the_round_resumes_unsa
         if len(calls) == 2:  # round 1 scores once (held-out prompts are off here); round 2 is the second call
             raise KeyError("answer")
         return [float(len(c[0]["content"])) for c in completions]
-    config = settings(tmp_path, held_out_share=0.0)
+    config = settings(tmp_path, held_out_share=0.0, training={"save_strategy": "no"})
     with pytest.raises(RoundsError, match=r"^round 2: reward function 'flaky' raised KeyError: 'answer'$"):
-        run_rounds(tiny_llama(), tokenizer, PROMPTS, flaky, config)
+        run_rounds(tiny_policy(), tokenizer, PROMPTS, flaky, config)
     assert len((tmp_path / "run/rounds.jsonl").read_text().splitlines()) == 1
     assert (tmp_path / "run/round-1/checkpoint").is_dir() and (tmp_path / "run/round-2/generated.jsonl").is_file()
     monkeypatch.setattr(rounds_loop, "_generate", lambda *a: pytest.fail("round 2's samples were generated again"))
-    result = run_rounds(tiny_llama(), tokenizer, PROMPTS, flaky, config)
+    result = run_rounds(tiny_policy(), tokenizer, PROMPTS, flaky, config)
     assert [line["round"] for line in result.rounds] == [1, 2]
 
 
@@ -172,12 +218,12 @@ def same_rounds(resumed, whole):
 
 @pytest.mark.parametrize("phase", ["_generate", "_score", "_train", "_evaluate", "mid_training"])
 def test_a_run_killed_at_any_phase_resumes_where_it_stopped_to_the_same_result(tmp_path, tokenizer, monkeypatch,
-                                                                               phase):
-    checkpoints = {"training": {"save_strategy": "steps", "save_steps": 1}}
-    whole = run_rounds(tiny_llama(), tokenizer, PROMPTS, letters, settings(tmp_path, name="whole", **checkpoints))
+                                                                               lora_run, phase):
+    # The uninterrupted twin is the shared 3-round run: a 2-round run is its first 2 rounds (`rounds` only says
+    # when to stop).
+    whole, _, _ = lora_run
     with monkeypatch.context() as patch:
         if phase == "mid_training":
-            from dpo_min import DPOMinTrainer
             original = DPOMinTrainer._save_checkpoint
 
             def save_then_die(self, model, trial):
@@ -188,15 +234,18 @@ def test_a_run_killed_at_any_phase_resumes_where_it_stopped_to_the_same_result(t
         else:
             kill_in(patch, rounds_loop, phase)
         with pytest.raises(Killed):
-            run_rounds(tiny_llama(), tokenizer, PROMPTS, letters, settings(tmp_path, name="killed", **checkpoints))
-    done_before = {path.name for path in (tmp_path / "killed/round-2").iterdir()}
+            run_rounds(tiny_policy(), tokenizer, PROMPTS, letters, settings(tmp_path))
+    done_before = {path.name for path in (tmp_path / "run/round-2").iterdir()}
     if phase in ("_score", "_train", "_evaluate", "mid_training"):  # sampled before the kill: not sampled again
         monkeypatch.setattr(rounds_loop, "_generate", lambda *a: pytest.fail("sampled again"))
     if phase in ("_train", "_evaluate", "mid_training"):
         monkeypatch.setattr(rounds_loop, "_score", lambda *a: pytest.fail("scored again"))
+    if phase == "mid_training":  # round 2 trains 2 steps: the resume has one left
+        assert whole.rounds[1]["dpo"]["steps"] == 2
+        assert "checkpoint-1" in {path.name for path in (tmp_path / "run/round-2/train").iterdir()}
     if phase == "_evaluate":
         assert "checkpoint" in done_before
         monkeypatch.setattr(rounds_loop, "_train", lambda *a: pytest.fail("trained again"))
-    resumed = run_rounds(tiny_llama(), tokenizer, PROMPTS, letters, settings(tmp_path, name="killed", **checkpoints))
-    same_rounds(resumed.rounds, whole.rounds)
-    assert resumed.held_out == whole.held_out
+    resumed = run_rounds(tiny_policy(), tokenizer, PROMPTS, letters, settings(tmp_path))
+    same_rounds(resumed.rounds, whole.rounds[:2])
+    assert resumed.held_out == whole.held_out[:3]

@@ -3,9 +3,10 @@ next starts, so a run killed anywhere resumes where it stopped (store.py lists t
 
 import json
 import logging
+import os
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +55,14 @@ class _Run:
             print(message, flush=True)
 
 
+def _several_on_cpu() -> bool:
+    """One of several launched processes on a machine with no accelerator: accelerate leaves each such process alone
+    unless told cpu=True, and then each would sample, write and train the whole run by itself."""
+    accelerator = getattr(torch, "accelerator", None)  # torch >= 2.6 knows every backend; older ones, CUDA
+    has_accelerator = accelerator.is_available() if accelerator is not None else torch.cuda.is_available()
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1 and not has_accelerator
+
+
 def _shared(items: list[Any], work: Callable[[list[Any]], list[Any]], state: PartialState) -> list[Any]:
     """`work` on this process's share of `items` (every num_processes-th), the results gathered back in order."""
     if state.num_processes == 1:
@@ -73,16 +82,24 @@ def _columns(run: _Run, row_indices: Sequence[int], per_row: int) -> dict[str, l
     return {name: [run.rows[i].get(name) for i in row_indices for _ in range(per_row)] for name in names}
 
 
+def _sample_shared(run: _Run, model: Any, indices: list[int], settings: GenerationSettings) -> list[list[Completion]]:
+    """The samples of each prompt in `indices`, in order: batches of generation_batch_size, batch b seeded
+    settings.seed + b and dealt to the processes in turn, so a prompt's samples do not depend on the process count."""
+    size = run.config.generation_batch_size
+    batches = [(b, indices[start:start + size]) for b, start in enumerate(range(0, len(indices), size))]
+
+    def work(mine: list[tuple[int, list[int]]]) -> list[list[list[Completion]]]:
+        return [sample(model, run.tokenizer, [run.rows[i]["prompt"] for i in batch],
+                       replace(settings, seed=settings.seed + b), size, run.generate_fn) for b, batch in mine]
+    return [group for groups in _shared(batches, work, run.state) for group in groups]
+
+
 def _generate(run: _Run, model: Any, round_index: int) -> list[dict[str, Any]]:
     """round-K/generated.jsonl: num_generations samples of every training prompt, by the current policy."""
     config = run.config
     settings = GenerationSettings(config.num_generations, config.max_completion_length, True, config.temperature,
-                                  config.top_p, seed=config.seed + 1000 * round_index + 100 * run.state.process_index)
-
-    def work(indices: list[int]) -> list[list[Completion]]:
-        return sample(model, run.tokenizer, [run.rows[i]["prompt"] for i in indices], settings,
-                      config.generation_batch_size, run.generate_fn) if indices else []
-    groups = _shared(run.train_rows, work, run.state)
+                                  config.top_p, seed=config.seed + 1000 * round_index)
+    groups = _sample_shared(run, model, run.train_rows, settings)
     return [{"prompt_index": i, "sample": s, "completion": c.text, "completion_ids": c.ids, "truncated": c.truncated}
             for i, group in zip(run.train_rows, groups) for s, c in enumerate(group)]
 
@@ -117,16 +134,15 @@ def _evaluate(run: _Run, model: Any, round_index: int) -> None:
     """held_out.jsonl: a greedy completion of each held-out prompt, scored; printed and plotted."""
     if not run.held_rows or any(line["round"] == round_index for line in run.folder.held_out()):
         return
-    settings = GenerationSettings(1, run.config.max_completion_length, False)
+    greedy = _sample_shared(run, model, run.held_rows, GenerationSettings(1, run.config.max_completion_length, False))
 
-    def work(indices: list[int]) -> list[float | None]:
-        if not indices:
+    def work(items: list[tuple[int, Completion]]) -> list[float | None]:
+        if not items:
             return []
-        completions = [group[0] for group in sample(model, run.tokenizer, [run.rows[i]["prompt"] for i in indices],
-                                                    settings, run.config.generation_batch_size, run.generate_fn)]
+        indices, completions = [i for i, _ in items], [c for _, c in items]
         return run.rewards.score([run.rows[i]["prompt"] for i in indices], completions, _columns(run, indices, 1),
                                  round_index).total
-    totals = _shared(run.held_rows, work, run.state)
+    totals = _shared([(i, group[0]) for i, group in zip(run.held_rows, greedy)], work, run.state)
     line = {"round": round_index, **held_out.mean_with_interval([t for t in totals if t is not None]),
             "unscorable": sum(t is None for t in totals)}
     if run.state.is_main_process:
@@ -154,7 +170,7 @@ def _train(run: _Run, policy: Policy, made: list[dict[str, Any]], folder: Path,
     """One DPO pass on the round's pairs, warm-started from the last round; a half-trained round resumes from its
     latest checkpoint-N. Returns the mean of the round's logged step metrics, and the trainer."""
     args = DPOMinConfig(**{"report_to": "none", "logging_steps": 1, "num_train_epochs": 1,  # one pass a round
-                           "seed": run.config.seed + round_index,
+                           "seed": run.config.seed + round_index, "use_cpu": _several_on_cpu(),  # join over gloo
                            **run.config.training, "output_dir": str(folder / "train")})
     data = Dataset.from_list([{key: pair[key] for key in ("prompt", "chosen", "rejected")} for pair in made])
     trainer = DPOMinTrainer(**policy.trainer_models(), args=args, train_dataset=data, processing_class=run.tokenizer)
@@ -211,7 +227,7 @@ def _open(model: Any, tokenizer: Any, prompts: Any, reward_funcs: Any, config: R
     rows = prompt_rows(prompts)
     rewards = Rewards(reward_funcs, config.reward_weights, config.missing_eos_penalty)
     train_rows, held_rows = split_held_out(len(rows), config.held_out_share, config.seed)
-    state = PartialState()
+    state = PartialState(cpu=_several_on_cpu())  # several CPU processes join over gloo, as the trainer's
     run = _Run(config, tokenizer, rows, train_rows, held_rows, rewards, store.RunFolder(config.output_dir),
                generate_fn, state)
     settings = {**config.settings(), "prompts": fingerprint(rows), "reward_funcs": rewards.names,

@@ -79,7 +79,8 @@ class Policy:
     def finish(self, trainer: Any, checkpoint: Path) -> None:
         """Save the round's policy whole (staged, then renamed) and keep it for the next round."""
         staging = checkpoint.with_name(f".staging-{checkpoint.name}")
-        shutil.rmtree(staging, ignore_errors=True)
+        if trainer.args.should_save:  # only the main process writes: another must not clear what it writes
+            shutil.rmtree(staging, ignore_errors=True)
         trainer.save_model(str(staging))
         if trainer.args.should_save:
             shutil.rmtree(checkpoint, ignore_errors=True)
