@@ -191,6 +191,12 @@ def _load_raw(path_or_name: str, split: str, config: str | None, streaming: bool
     return _columns_object(dataset, path_or_name) if builder == "json" else dataset
 
 
+def load_rows(path_or_name: str, split: str = "train", config: str | None = None) -> Dataset:
+    """One split's rows as the source holds them, read as `load_preference_dataset` reads its source (a file, a
+    folder, a hub name), before any layout: the prompt-only rows of DPO in rounds. Raises ValueError naming it."""
+    return _load_raw(path_or_name, split, config, False, {})
+
+
 @contextmanager
 def _quiet(name: str) -> Iterator[None]:
     """Hold back a library logger's lines below CRITICAL while a call that raises its own message runs."""

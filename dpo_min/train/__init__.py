@@ -38,6 +38,7 @@ from .args import (  # noqa: F401  (COMMAND_DEFAULTS, DEMO_DEFAULTS, DataArgumen
     UsageError,
     parse_args,
 )
+from . import rounds
 from .card import check_hub_access, model_card, push_to_hub
 from .pairs import StreamCountsLogger, dropped_rows, load_pairs, local_data, pair_count, trained_sources
 from .plan import Plan, decide, resolve  # noqa: F401  (decide: a library caller's options -> their plan)
@@ -147,6 +148,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         plan = resolve(argv)
         plan.folder.check_apart_from(local_data(plan.data))  # before the lock: a refusal writes nothing
+        if plan.rounds is not None:  # DPO in rounds: its own phases (train/rounds.py)
+            rounds.run(plan, load_model)
+            return 0
         with plan.folder.claimed(plan.is_main, plan.args.resume_from_checkpoint):
             checkpoint = _checkpoint(plan)
             train_pairs, held_out = load_pairs(plan)  # before the model: a bad file fails in a second
