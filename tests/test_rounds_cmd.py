@@ -59,7 +59,8 @@ def test_the_command_runs_two_rounds_on_a_tiny_model_and_leaves_each_rounds_file
     samples = [json.loads(line) for line in (out / "round-1" / "samples.jsonl").read_text().splitlines()]
     for sample in samples:  # each function's reward, and the sum as --reward_weights weigh it
         assert set(sample["rewards"]) == {"letters", "last_integer_reward"}
-        assert sample["total"] == pytest.approx(sample["rewards"]["letters"] + 2 * sample["rewards"]["last_integer_reward"])
+        rewards = sample["rewards"]
+        assert sample["total"] == pytest.approx(rewards["letters"] + 2 * rewards["last_integer_reward"])
     pairs = load_preference_dataset(str(out / "round-2" / "pairs.jsonl"))  # read back as the command reads data
     assert len(pairs) == lines[1]["pairs"] > 0
     assert (out / "round-2" / "checkpoint" / "adapter_model.safetensors").is_file()
@@ -79,8 +80,10 @@ def run_main(argv, capsys):
     (["--rounds", "0"], 2, "--rounds must be >= 1, got 0"),
     (["--rounds", "1", "--reward_funcs", "nosuch:fn"], 2,
      "--reward_funcs nosuch:fn: cannot import nosuch (ModuleNotFoundError: No module named 'nosuch')"),
-    (["--rounds", "1", "--reward_funcs", "os.path:nosuch"], 2, "--reward_funcs os.path:nosuch: os.path has no function 'nosuch'"),
-    (["--rounds", "1"], 2, "--rounds on your --dataset needs --reward_funcs (module:function, or a reward model's path)"),
+    (["--rounds", "1", "--reward_funcs", "os.path:nosuch"], 2,
+     "--reward_funcs os.path:nosuch: os.path has no function 'nosuch'"),
+    (["--rounds", "1"], 2,
+     "--rounds on your --dataset needs --reward_funcs (module:function, or a reward model's path)"),
     (["--num_generations", "8"], 2, "num_generations is an option of DPO in rounds: add --rounds N (docs/rounds.md)"),
     (["--rounds", "1", "--reward_funcs", "accuracy_reward", "--num_generations", "1"], 2,
      "--num_generations must be >= 2 to make a pair, got 1"),

@@ -28,6 +28,7 @@ from transformers import ProgressCallback
 
 from ..models import cache_dir, load_model_and_tokenizer, quantization_config
 from ..trainer import DPOMinTrainer
+from . import rounds
 from .args import (  # noqa: F401  (COMMAND_DEFAULTS, DEMO_DEFAULTS, DataArguments, ...: re-exported for scripts, tests)
     COMMAND_DEFAULTS,
     DEMO_DEFAULTS,
@@ -38,7 +39,6 @@ from .args import (  # noqa: F401  (COMMAND_DEFAULTS, DEMO_DEFAULTS, DataArgumen
     UsageError,
     parse_args,
 )
-from . import rounds
 from .card import check_hub_access, model_card, push_to_hub
 from .pairs import StreamCountsLogger, dropped_rows, load_pairs, local_data, pair_count, trained_sources
 from .plan import Plan, decide, resolve  # noqa: F401  (decide: a library caller's options -> their plan)
