@@ -84,6 +84,8 @@ def run_main(argv, capsys):
      "--reward_funcs os.path:nosuch: os.path has no function 'nosuch'"),
     (["--rounds", "1"], 2,
      "--rounds on your --dataset needs --reward_funcs (module:function, or a reward model's path)"),
+    (["--rounds", "1", "--reward_funcs", "accuracy_reward", "--reward_weights", "1", "2"], 2,
+     "--reward_weights has 2 weights for 1 --reward_funcs"),
     (["--num_generations", "8"], 2, "num_generations is an option of DPO in rounds: add --rounds N (docs/rounds.md)"),
     (["--rounds", "1", "--reward_funcs", "accuracy_reward", "--num_generations", "1"], 2,
      "--num_generations must be >= 2 to make a pair, got 1"),

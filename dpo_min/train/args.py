@@ -281,8 +281,9 @@ def build_parser(demo: bool = False, rounds: bool = False) -> HfArgumentParser:
                     "mixture): the demo, a short LoRA run of SmolLM2-135M-Instruct on the embedded HH-RLHF pairs. A "
                     "YAML file of options (TRL's names accepted) may come first or follow --config; flags override "
                     "it. A flag's value is text, as written; a mapping's or a mixture's is JSON.",
-        epilog="Options marked 'demo:' take that default in the demo only; with --model or data (--dataset, "
-               "datasets, dataset_mixture, dataset_mixer), DPOMinConfig's (TRL's) defaults apply.")
+        epilog="Options marked 'demo:' take that default in the demo only ('rounds demo:', in --rounds without "
+               "--model and data); with --model or data (--dataset, datasets, dataset_mixture, dataset_mixer), "
+               "DPOMinConfig's (TRL's) defaults apply.")
     demo_defaults = ROUNDS_DEMO_DEFAULTS if rounds else DEMO_DEFAULTS
     parser.set_defaults(**{**COMMAND_DEFAULTS, **(ROUNDS_COMMAND_DEFAULTS if rounds else {}),
                            **(demo_defaults if demo else {})})  # the demo's win
@@ -291,12 +292,11 @@ def build_parser(demo: bool = False, rounds: bool = False) -> HfArgumentParser:
         # training alone instead of joining them over gloo.
         parser.set_defaults(use_cpu=True)
     for action in parser._actions:
-        if action.dest in DEMO_DEFAULTS and action.option_strings[0] == f"--{action.dest}":
-            shown = DEMO_DEFAULTS_SHOWN.get(action.dest, DEMO_DEFAULTS[action.dest])
-            action.help = f"{action.help or ''} demo: {shown}; otherwise:".strip()
-        if action.dest in ROUNDS_DEMO_DEFAULTS and action.option_strings[0] == f"--{action.dest}":
-            shown = DEMO_DEFAULTS_SHOWN.get(action.dest, ROUNDS_DEMO_DEFAULTS[action.dest])
-            action.help = f"{action.help or ''} rounds demo: {shown};".strip()
+        marks = [f"{label}: {DEMO_DEFAULTS_SHOWN.get(action.dest, table[action.dest])}"
+                 for label, table in (("demo", DEMO_DEFAULTS), ("rounds demo", ROUNDS_DEMO_DEFAULTS))
+                 if action.dest in table and action.option_strings[0] == f"--{action.dest}"]
+        if marks:
+            action.help = f"{action.help or ''} {'; '.join(marks)}; otherwise:".strip()
     return parser
 
 

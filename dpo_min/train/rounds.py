@@ -59,6 +59,9 @@ def run(plan: Plan, load_model: Callable[[Plan], tuple]) -> None:
     if specs is None:
         raise UsageError("--rounds on your --dataset needs --reward_funcs (module:function, or a reward model's path)")
     reward_funcs = [_imported(spec) for spec in specs]  # before the model loads: a typo fails in a second
+    weights = plan.rounds.reward_weights
+    if weights is not None and len(weights) != len(specs):
+        raise UsageError(f"--reward_weights has {len(weights)} weights for {len(specs)} --reward_funcs")
     config = rounds_config(plan, None)
     folder = plan.folder
     if plan.is_main:
