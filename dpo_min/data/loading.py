@@ -9,6 +9,8 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+from datasets import Dataset
+
 from .options import LayoutOptions
 from .pairs import to_preference_dataset
 from .sources import AnyDataset, load_raw
@@ -41,3 +43,9 @@ def load_preference_dataset(path_or_name: str, split: str = "train", *, config: 
                                      source=os.path.basename(path_or_name), counts=counts, strict_pairs=strict_pairs)
     except ValueError as error:
         raise ValueError(f"{path_or_name}: {error}") from error
+
+
+def load_rows(path_or_name: str, split: str = "train", config: str | None = None) -> Dataset:
+    """One split's rows as the source holds them, read as `load_preference_dataset` reads its source (a file, a
+    folder, a hub name), before any layout: the prompt-only rows of DPO in rounds. Raises ValueError naming it."""
+    return load_raw(path_or_name, split, config, False, {})

@@ -28,6 +28,7 @@ from transformers import ProgressCallback
 
 from ..models import cache_dir, load_model_and_tokenizer, quantization_config
 from ..trainer import DPOMinTrainer
+from . import rounds
 from .args import (  # noqa: F401  (COMMAND_DEFAULTS, DEMO_DEFAULTS, DataArguments, ...: re-exported for scripts, tests)
     COMMAND_DEFAULTS,
     DEMO_DEFAULTS,
@@ -147,6 +148,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         plan = resolve(argv)
         plan.folder.check_apart_from(local_data(plan.data))  # before the lock: a refusal writes nothing
+        if plan.rounds is not None:  # DPO in rounds: its own phases (train/rounds.py)
+            rounds.run(plan, load_model)
+            return 0
         with plan.folder.claimed(plan.is_main, plan.args.resume_from_checkpoint):
             checkpoint = _checkpoint(plan)
             train_pairs, held_out = load_pairs(plan)  # before the model: a bad file fails in a second

@@ -22,10 +22,12 @@ from .args import (
     MIXTURE_KEYS,
     PROG,
     DataArguments,
+    ROUNDS_DEMO_DEFAULTS,
     ModelArguments,
     UsageError,
     shown_argv,
 )
+from .rounds_args import ROUNDS_COMMAND_DEFAULTS, RoundsArguments, without_rounds
 from .kwargs_checks import check_nested_kwargs
 from .recipe import did_you_mean, recipe_and_flags
 
@@ -36,7 +38,7 @@ class _Parser(HfArgumentParser):
         raise UsageError(message)
 
 
-def build_parser(demo: bool = False) -> HfArgumentParser:
+def build_parser(demo: bool = False, rounds: bool = False) -> HfArgumentParser:
     parser = _Parser(
         ARGUMENT_TYPES, prog=PROG, allow_abbrev=False,
         usage=f"{PROG} [recipe.yaml | --config recipe.yaml] [--option value ...]",
@@ -44,17 +46,22 @@ def build_parser(demo: bool = False) -> HfArgumentParser:
                     "mixture): the demo, a short LoRA run of SmolLM2-135M-Instruct on the embedded HH-RLHF pairs. A "
                     "YAML file of options (TRL's names accepted) may come first or follow --config; flags override "
                     "it. A flag's value is text, as written; a mapping's or a mixture's is JSON.",
-        epilog="Options marked 'demo:' take that default in the demo only; with --model or data (--dataset, "
-               "datasets, dataset_mixture, dataset_mixer), DPOMinConfig's (TRL's) defaults apply.")
-    parser.set_defaults(**{**COMMAND_DEFAULTS, **(DEMO_DEFAULTS if demo else {})})  # the demo's win
+        epilog="Options marked 'demo:' take that default in the demo only ('rounds demo:', in --rounds without "
+               "--model and data); with --model or data (--dataset, datasets, dataset_mixture, dataset_mixer), "
+               "DPOMinConfig's (TRL's) defaults apply.")
+    demo_defaults = ROUNDS_DEMO_DEFAULTS if rounds else DEMO_DEFAULTS
+    parser.set_defaults(**{**COMMAND_DEFAULTS, **(ROUNDS_COMMAND_DEFAULTS if rounds else {}),
+                           **(demo_defaults if demo else {})})  # the demo's win
     if not _has_accelerator():
         # A CPU-only machine: without use_cpu, transformers refuses --bf16 ("You need to assign use_cpu") and, for
         # one of several processes, accelerate would leave each training alone instead of joining them over gloo.
         parser.set_defaults(use_cpu=True)
     for action in parser._actions:
-        if action.dest in DEMO_DEFAULTS and action.option_strings[0] == f"--{action.dest}":
-            shown = DEMO_DEFAULTS_SHOWN.get(action.dest, DEMO_DEFAULTS[action.dest])
-            action.help = f"{action.help or ''} demo: {shown}; otherwise:".strip()
+        marks = [f"{label}: {DEMO_DEFAULTS_SHOWN.get(action.dest, table[action.dest])}"
+                 for label, table in (("demo", DEMO_DEFAULTS), ("rounds demo", ROUNDS_DEMO_DEFAULTS))
+                 if action.dest in table and action.option_strings[0] == f"--{action.dest}"]
+        if marks:
+            action.help = f"{action.help or ''} {'; '.join(marks)}; otherwise:".strip()
     return parser
 
 
@@ -73,19 +80,27 @@ def parse_args(argv: list[str] | None = None) -> tuple[ModelArguments, DataArgum
 
 def parse_command_line(argv: list[str] | None = None) -> tuple[ModelArguments, DataArguments, DPOMinConfig, bool]:
     """`parse_args`, and whether the run is the demo."""
+    model_args, data_args, _, args, demo = parse_with_rounds(argv)
+    return model_args, data_args, args, demo
+
+
+def parse_with_rounds(argv: list[str] | None = None) -> tuple[ModelArguments, DataArguments, RoundsArguments,
+                                                                DPOMinConfig, bool]:
+    """`parse_command_line` with the options of DPO in rounds; their `given` holds the options named (flags and
+    recipe keys), which each round's DPO pass takes."""
     recipe, argv, parsed_flags = recipe_and_flags(list(sys.argv[1:] if argv is None else argv))
     flags = {token[2:].split("=")[0] for token in argv if token.startswith("--")} | set(parsed_flags)
     named = set(recipe) | flags
     # The demo is the run given no data at all (and no model): a mixture in any form is data as --dataset is.
     demo = not named & {"model", "dataset", *MIXTURE_KEYS, "help"} and "-h" not in argv
-    parser = build_parser(demo=demo)
+    parser = build_parser(demo=demo, rounds="rounds" in named)
     if "model" in named:
         # A model of one's own trains what TRL would train from the same keys: LoRA only when asked for (ModelConfig's
         # use_peft=False). Without one, the demo's model keeps its LoRA adapter, whatever the data.
         parser.set_defaults(use_peft=False)
     parser.set_defaults(**recipe, **parsed_flags)
     try:
-        model_args, data_args, args, remaining = parser.parse_args_into_dataclasses(
+        model_args, data_args, rounds_args, args, remaining = parser.parse_args_into_dataclasses(
             args=argv, return_remaining_strings=True, look_for_args_file=False)
     except ValueError as error:  # a dataclass refused a value in __post_init__
         raise UsageError(str(error).strip().splitlines()[0]) from None
@@ -93,7 +108,10 @@ def parse_command_line(argv: list[str] | None = None) -> tuple[ModelArguments, D
         flag = next((token for token in remaining if token.startswith("--")), "")
         raise UsageError(f"unknown argument(s): {shown_argv(remaining)}{did_you_mean(flag[2:].split('=')[0])}")
     _check_combinations(model_args, data_args, args, named, lambda name: f"--{name}" if name in flags else name)
-    return model_args, data_args, args, demo
+    if without_rounds(rounds_args, named):
+        raise UsageError(without_rounds(rounds_args, named))
+    rounds_args.given = frozenset(named)
+    return model_args, data_args, rounds_args, args, demo
 
 
 def _check_combinations(model_args: ModelArguments, data_args: DataArguments, args: DPOMinConfig, named: set[str],

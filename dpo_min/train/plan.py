@@ -14,7 +14,8 @@ from ..models import EMBEDDED_MODEL_NAME
 from ..scale import zero
 from .args import EVAL_FRACTION, MIXTURE_KEYS, DataArguments, ModelArguments, UsageError
 from .card import hub_repo_id
-from .command_line import parse_command_line
+from .command_line import parse_with_rounds
+from .rounds_args import RoundsArguments
 from .run_dir import RunFolder, resume_settings
 
 
@@ -39,6 +40,7 @@ class Plan:
     resuming: bool
     # What a resumed run must share with the interrupted one (run_dir.resume_keys), fixed as `decide` decides it.
     settings: dict[str, Any] = field(default_factory=dict)
+    rounds: RoundsArguments | None = None  # --rounds N: DPO in rounds (train/rounds.py) instead of one offline run
 
     @property
     def is_main(self) -> bool:
@@ -69,8 +71,9 @@ class Plan:
 
 def resolve(argv: list[str] | None = None) -> Plan:
     """The command line -> its Plan. Raises UsageError (and OutputDirError for an output folder that cannot be)."""
-    model_args, data_args, args, demo = parse_command_line(argv)
-    return decide(model_args, data_args, args, demo)
+    model_args, data_args, rounds_args, args, demo = parse_with_rounds(argv)
+    plan = decide(model_args, data_args, args, demo)
+    return plan if rounds_args.rounds is None else replace(plan, rounds=rounds_args)
 
 
 def decide(model_args: ModelArguments, data_args: DataArguments, args: DPOMinConfig, demo: bool = False) -> Plan:

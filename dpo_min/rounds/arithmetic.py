@@ -1,0 +1,23 @@
+"""The exact-match reward of the rounds' demo (data/arithmetic-prompts.jsonl), in TRL GRPOTrainer's contract.
+
+A small instruct model writes its working out (`47 + 38 = 85`), so the first integer of a completion is often an
+operand: the answer read is the completion's LAST integer, compared with the row's `solution`."""
+
+import re
+from typing import Any
+
+_INTEGER = re.compile(r"(?<![\d.])-?\d+(?![\d.]*\d)")  # a whole number, not part of a decimal such as 8.5
+
+
+def last_integer(text: str) -> int | None:
+    """The last integer written in `text` ('-12' reads as -12, '1,000' as 0: thousands separators are not read);
+    None when it holds none."""
+    found = _INTEGER.findall(text)
+    return int(found[-1]) if found else None
+
+
+def last_integer_reward(completions: list[Any], solution: list[Any], **_: Any) -> list[float]:
+    """1.0 where the completion's last integer equals `solution` (an integer, or its text), else 0.0. Completions
+    are texts, or one-message lists [{"role": "assistant", "content": ...}] for conversational prompts."""
+    texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
+    return [float(last_integer(text) == int(answer)) for text, answer in zip(texts, solution)]

@@ -1,0 +1,185 @@
+"""The command's DPO in rounds (`python -m dpo_min.train --rounds N`): the plan's options -> a RoundsConfig, the
+prompts from --dataset (without one, the embedded arithmetic prompts), the reward functions from --reward_funcs,
+the model as the command loads it; then `dpo_min.rounds.run_rounds` into --output_dir, locked for the run.
+
+The output folder is the command's RunFolder for the checks and the lock (`<output_dir>.lock`, held by the main
+process), not for its staging and publish: a rounds run writes each phase in place and resumes from what is there
+(dpo_min/rounds/store.py), so that finished rounds stay where they are when a later round fails. docs/rounds.md.
+"""
+
+import importlib
+import os
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import fields, replace
+from pathlib import Path
+from typing import Any
+
+from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+from ..config import DPOMinConfig
+from ..data.loading import load_rows
+from ..rounds import RewardModel, RoundsConfig, RoundsError, run_rounds
+from ..rounds.held_out import describe
+from ..rounds.prompts import prompt_rows
+from .args import ROUNDS_DEMO_DEFAULTS, InputError, UsageError
+from .pairs import DATA_SUFFIXES
+from .plan import Plan
+from .run_dir import OutputDirError, RunFolder
+
+EMBEDDED_PROMPTS = Path(__file__).resolve().parents[2] / "data" / "arithmetic-prompts.jsonl"
+DEMO_REWARD = "dpo_min.rounds.arithmetic:last_integer_reward"
+SETTINGS_FILE = "settings.json"  # what dpo_min.rounds.store writes first into a rounds run's folder
+# Options of the offline run that a rounds run would not honour: refused when given, with what to do instead.
+NOT_IN_ROUNDS = {
+    "eval_split": "a share of --dataset's prompts is held out: --eval_fraction",
+    "max_eval_samples": "a share of --dataset's prompts is held out: --eval_fraction",
+    "num_samples": "every held-out prompt is completed greedily after each round (held_out.jsonl)",
+    "max_new_tokens": "sampled and held-out completions take --max_completion_length",
+    "streaming": "the prompts are read whole",
+    "datasets": "the prompts come from --dataset", "dataset_mixture": "the prompts come from --dataset",
+    "dataset_mixer": "the prompts come from --dataset",
+    "push_to_hub": "upload a round's checkpoint folder with `hf upload`",
+    "resume_from_checkpoint": "run the same command again: a rounds run resumes where it stopped",
+    "merge_adapter": "each round saves its adapter (round-K/checkpoint)",
+    "load_in_4bit": "not tried with rounds", "load_in_8bit": "not tried with rounds",
+}
+# Training options that are the rounds' own: the loop sets a round's folder and seed (seed + K).
+NOT_PER_ROUND = {"output_dir", "seed", "eval_on_start", "push_to_hub", "resume_from_checkpoint",
+                 "model_init_kwargs"}
+
+
+def run(plan: Plan, load_model: Callable[[Plan], tuple]) -> None:
+    """The rounds run of `plan` (plan.rounds set). `load_model` is the command's (train/__init__.py, which imports
+    this module). Raises UsageError, InputError or OutputDirError, each one line."""
+    started = time.perf_counter()
+    _refuse_unsupported(plan)
+    specs = plan.rounds.reward_funcs or ([DEMO_REWARD] if plan.data.dataset is None else None)
+    if specs is None:
+        raise UsageError("--rounds on your --dataset needs --reward_funcs (module:function, or a reward model's path)")
+    reward_funcs = [_imported(spec) for spec in specs]  # before the model loads: a typo fails in a second
+    weights = plan.rounds.reward_weights
+    if weights is not None and len(weights) != len(specs):
+        raise UsageError(f"--reward_weights has {len(weights)} weights for {len(specs)} --reward_funcs")
+    config = rounds_config(plan, None)
+    folder = plan.folder
+    if plan.is_main:
+        folder.lock()
+    try:
+        if plan.is_main:
+            _check_folder(folder)
+        prompts = load_prompts(plan)
+        reward_funcs = [_reward_model(func) if isinstance(func, str) else func for func in reward_funcs]
+        model, tokenizer, peft_config, _ = load_model(plan)
+        try:
+            result = run_rounds(model, tokenizer, prompts, reward_funcs, replace(config, peft_config=peft_config))
+        except RoundsError as error:
+            raise InputError(str(error)) from None
+    finally:
+        folder.release()
+    if plan.is_main:
+        _say_results(result, folder, time.perf_counter() - started)
+
+
+def rounds_config(plan: Plan, peft_config: Any) -> RoundsConfig:
+    """The RoundsConfig of the plan: the rounds' options, the held-out share (--eval_fraction), the seed, and the
+    training options given (a recipe's too, and the rounds demo's) for each round's DPO pass."""
+    options, args = plan.rounds, plan.args
+    trainable = {option.name for option in fields(DPOMinConfig) if option.init}
+    given = set(options.given) | (set(ROUNDS_DEMO_DEFAULTS) if plan.demo else set()) | {"ddp_find_unused_parameters"}
+    values = args.to_dict()  # as JSON holds them (enums as their values): settings.json records them
+    training = {name: values[name] for name in sorted(given & trainable - NOT_PER_ROUND)}
+    try:
+        return RoundsConfig(
+            output_dir=str(plan.folder.output_dir), rounds=options.rounds, num_generations=options.num_generations,
+            max_completion_length=options.max_completion_length, temperature=options.temperature,
+            top_p=options.top_p, reward_weights=options.reward_weights,
+            missing_eos_penalty=options.missing_eos_penalty, min_margin=options.min_margin,
+            reference=options.reference, on_no_pairs=options.on_no_pairs, held_out_share=plan.eval_fraction,
+            generation_batch_size=options.generation_batch_size, seed=args.seed, training=training,
+            peft_config=peft_config)
+    except RoundsError as error:
+        raise UsageError(f"--{error}") from None  # its messages open with the field's name, the option's
+
+
+def _refuse_unsupported(plan: Plan) -> None:
+    given = plan.rounds.given
+    for option, instead in NOT_IN_ROUNDS.items():
+        if option in given:
+            raise UsageError(f"--{option} is not read with --rounds ({instead})")
+
+
+def _imported(spec: str) -> Callable[..., list] | str:
+    """A reward function named as module:function, module.function (TRL's script) or a bare name of trl.rewards;
+    a folder or a hub id (with a '/') stays a string: a reward model, loaded under the lock."""
+    if ":" not in spec and (os.path.isdir(spec) or "/" in spec):
+        return spec
+    module_name, _, name = spec.partition(":") if ":" in spec else spec.rpartition(".")
+    module_name = module_name or "trl.rewards"
+    if os.getcwd() not in sys.path:  # as TRL's grpo script: a reward module in the working folder imports
+        sys.path.insert(0, os.getcwd())
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as error:  # ImportError, or the module's own failure (a SyntaxError, ...)
+        raise UsageError(f"--reward_funcs {spec}: cannot import {module_name} ({type(error).__name__}: "
+                         f"{str(error).splitlines()[0] if str(error) else ''})") from None
+    func = getattr(module, name, None)
+    if not callable(func):
+        raise UsageError(f"--reward_funcs {spec}: {module_name} has no function {name!r}")
+    return func
+
+
+def _reward_model(path: str) -> RewardModel:
+    try:
+        model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1)
+        return RewardModel(model, AutoTokenizer.from_pretrained(path))
+    except (OSError, ValueError) as error:
+        raise InputError(f"--reward_funcs {path}: {str(error).strip().splitlines()[0]}") from None
+
+
+def load_prompts(plan: Plan) -> list[dict[str, Any]]:
+    """The prompt-only rows of --dataset (read as the command reads data), or the embedded arithmetic prompts."""
+    data_args = plan.data
+    source = data_args.dataset or str(EMBEDDED_PROMPTS)
+    stem = source[:-3] if source.endswith(".gz") else source
+    if not os.path.exists(source) and (data_args.dataset is None or stem.endswith(DATA_SUFFIXES)):
+        raise UsageError(f"no such dataset file: {source}")
+    try:
+        rows = load_rows(source, data_args.split, data_args.dataset_config)
+    except ValueError as error:
+        raise InputError(str(error).strip().splitlines()[0]) from None
+    if data_args.prompt_column and data_args.prompt_column != "prompt":
+        if data_args.prompt_column not in rows.column_names:
+            raise InputError(f"{source}: no column {data_args.prompt_column!r} (--prompt_column); it has "
+                             f"{', '.join(rows.column_names)}")
+        rows = rows.rename_column(data_args.prompt_column, "prompt")
+    answers = [name for name in ("chosen", "rejected", "completion") if name in rows.column_names]
+    if answers:
+        raise InputError(f"{source} holds answers ({', '.join(answers)}), not prompts only: --rounds samples its own "
+                         "(drop those columns), or train the pairs without --rounds")
+    if "prompt" not in rows.column_names:
+        raise InputError(f"{source}: no 'prompt' column (it has {', '.join(rows.column_names)}); --rounds reads "
+                         "prompt-only rows (--prompt_column names yours)")
+    try:
+        return prompt_rows(rows)  # checked here, before the model loads
+    except RoundsError as error:
+        raise InputError(f"{source}: {error}") from None
+
+
+def _check_folder(folder: RunFolder) -> None:
+    """A rounds run writes into --output_dir itself: refused when it holds anything but a rounds run."""
+    out = folder.output_dir
+    if out.is_dir() and any(out.iterdir()) and not (out / SETTINGS_FILE).is_file():
+        raise OutputDirError(f"--output_dir {folder.shown} holds files that are not a rounds run's (no "
+                             f"{SETTINGS_FILE}); choose another folder")
+
+
+def _say_results(result: Any, folder: RunFolder, seconds: float) -> None:
+    """The held-out figures of every round together (each was printed as it came), and where the files are."""
+    if result.held_out:
+        print("held-out mean reward by round (greedy, 95% interval):")
+        for line in result.held_out:
+            print(f"  {describe(line)}")
+    print(f"wrote {len(result.rounds)} round(s) to {folder.shown} in {seconds:.0f} s: rounds.jsonl, held_out.jsonl, "
+          "round-K/{samples,pairs}.jsonl and round-K/checkpoint")

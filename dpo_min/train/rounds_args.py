@@ -1,0 +1,66 @@
+"""The options of `python -m dpo_min.train --rounds N` (DPO in rounds, train/rounds.py runs it), a group of the
+command's parser. The sampling options keep TRL GRPOConfig's names; the defaults are RoundsConfig's, read from it.
+Each round's DPO pass takes the command's training options (learning_rate, loss_type, beta, LoRA, ...)."""
+
+from dataclasses import MISSING, dataclass, field, fields
+
+from ..rounds.config import NO_PAIR_CHOICES, REFERENCES, RoundsConfig
+
+_DEFAULT = {option.name: option.default for option in fields(RoundsConfig) if option.default is not MISSING}
+
+# The output folder of a rounds run when --output_dir is not given: not the offline run's, which a rounds run
+# refuses to write into (and the other way round).
+ROUNDS_COMMAND_DEFAULTS = {"output_dir": "dpo_min_rounds"}
+
+
+@dataclass
+class RoundsArguments:
+    _argument_group_name = "DPO in rounds (--rounds N; docs/rounds.md)"
+
+    rounds: int | None = field(default=None, metadata={
+        "help": "Run N rounds of DPO on the policy's own samples: each round samples --num_generations completions "
+                "of every --dataset prompt (a prompt-only file or folder), scores them with --reward_funcs, pairs "
+                "the best against the worst and trains one DPO pass on the pairs. With no --model and no data: the "
+                "demo on the embedded arithmetic prompts. Run the same command again to resume."})
+    reward_funcs: list[str] | None = field(default=None, metadata={
+        "help": "Reward functions in TRL GRPOTrainer's contract: module:function (or TRL's module.function, or a "
+                "name in trl.rewards such as accuracy_reward), the working folder importable; or a reward model's "
+                "folder or hub id (sequence classification). Several are summed, weighted by --reward_weights. "
+                "Default for the embedded prompts: dpo_min.rounds.arithmetic:last_integer_reward."})
+    reward_weights: list[float] | None = field(default=None, metadata={
+        "help": "One weight per reward function (TRL GRPOConfig's); default all 1."})
+    num_generations: int = field(default=_DEFAULT["num_generations"], metadata={
+        "help": "Completions sampled per prompt each round (TRL GRPOConfig's)."})
+    max_completion_length: int = field(default=_DEFAULT["max_completion_length"], metadata={
+        "help": "Most new tokens of a sampled completion (TRL GRPOConfig's)."})
+    temperature: float = field(default=_DEFAULT["temperature"], metadata={"help": "Sampling temperature."})
+    top_p: float = field(default=_DEFAULT["top_p"], metadata={"help": "Nucleus sampling's top_p."})
+    missing_eos_penalty: float | None = field(default=None, metadata={
+        "help": "TRL's: a completion cut by --max_completion_length (no EOS) loses this much reward."})
+    min_margin: float = field(default=_DEFAULT["min_margin"], metadata={
+        "help": "A prompt's pair is dropped (and counted) when its best reward minus its worst is under this."})
+    reference: str = field(default=_DEFAULT["reference"], metadata={
+        "help": "The DPO reference: initial (pi_0; with LoRA the adapter switched off) or previous (the last "
+                "round's policy, as Self-Rewarding and SPIN).", "choices": list(REFERENCES)})
+    on_no_pairs: str = field(default=_DEFAULT["on_no_pairs"], metadata={
+        "help": "A round where every prompt's samples tie: stop there, or skip to the next round.",
+        "choices": list(NO_PAIR_CHOICES)})
+    generation_batch_size: int = field(default=_DEFAULT["generation_batch_size"], metadata={
+        "help": "Prompts per generate() call, each with its --num_generations samples (TRL's option of this name "
+                "counts completions)."})
+
+    # The options named on the line or in the recipe (set by args.parse_with_rounds): a round's DPO pass takes
+    # those of the training options, and DPOMinConfig's defaults for the rest.
+    given: frozenset[str] = field(default=frozenset(), init=False, repr=False)
+
+    def __post_init__(self):
+        if self.rounds is not None and self.rounds < 1:
+            raise ValueError(f"--rounds must be >= 1, got {self.rounds}")
+
+
+def without_rounds(rounds_args: RoundsArguments, named: set[str]) -> str | None:
+    """Why the options are refused when a rounds option is given without --rounds (it would change nothing)."""
+    given = sorted(named & {option.name for option in fields(RoundsArguments)} - {"rounds"})
+    if rounds_args.rounds is None and given:
+        return f"{given[0]} is an option of DPO in rounds: add --rounds N (docs/rounds.md)"
+    return None

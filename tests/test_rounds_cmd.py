@@ -1,0 +1,193 @@
+"""`python -m dpo_min.train --rounds N`: the command on a tiny model leaves each round's files; bad input is one
+line; the rounds' demo takes its own defaults; the arithmetic prompts are generated deterministically and their
+reward reads the last integer of a completion."""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from dataclasses import fields
+from pathlib import Path
+
+import pytest
+
+from dpo_min import load_preference_dataset
+from dpo_min.rounds.arithmetic import last_integer, last_integer_reward
+from dpo_min.train import main
+from dpo_min.train.args import ROUNDS_DEMO_DEFAULTS
+from dpo_min.train.plan import resolve
+from dpo_min.train.rounds import EMBEDDED_PROMPTS, load_prompts, rounds_config
+from dpo_min.train.rounds_args import RoundsArguments
+
+ROOT = Path(__file__).resolve().parent.parent
+PROMPTS = [json.loads(line) for line in EMBEDDED_PROMPTS.read_text().splitlines()[:5]]
+REWARDS = '''
+def letters(completions, **_):
+    """Varies between random samples: the share of letters in the completion."""
+    texts = [c[0]["content"] for c in completions]
+    return [sum(ch.isalpha() for ch in t) / max(len(t), 1) for t in texts]
+'''
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+@pytest.fixture
+def prompts_file(tmp_path):
+    return write_jsonl(tmp_path / "prompts.jsonl", PROMPTS)
+
+
+def test_the_command_runs_two_rounds_on_a_tiny_model_and_leaves_each_rounds_files(tmp_path, tiny_model_dir,
+                                                                                   prompts_file):
+    (tmp_path / "my_rewards.py").write_text(REWARDS)
+    out = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(tmp_path)])}
+    command = [sys.executable, "-m", "dpo_min.train", "--rounds", "2", "--model", str(tiny_model_dir), "--use_peft",
+               "--lora_r", "4", "--dataset", str(prompts_file),
+               "--reward_funcs", "my_rewards:letters", "dpo_min.rounds.arithmetic:last_integer_reward",
+               "--reward_weights", "1", "2", "--num_generations", "3", "--max_completion_length", "8",
+               "--temperature", "1.0", "--eval_fraction", "0.2", "--learning_rate", "5e-3",
+               "--per_device_train_batch_size", "2", "--loss_type", "sigmoid", "sft", "--output_dir", str(out)]
+    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    lines = [json.loads(line) for line in (out / "rounds.jsonl").read_text().splitlines()]
+    assert [(line["round"], line["status"], line["prompts"], line["samples"]) for line in lines] == \
+        [(1, "trained", 4, 12), (2, "trained", 4, 12)]
+    samples = [json.loads(line) for line in (out / "round-1" / "samples.jsonl").read_text().splitlines()]
+    for sample in samples:  # each function's reward, and the sum as --reward_weights weigh it
+        assert set(sample["rewards"]) == {"letters", "last_integer_reward"}
+        rewards = sample["rewards"]
+        assert sample["total"] == pytest.approx(rewards["letters"] + 2 * rewards["last_integer_reward"])
+    pairs = load_preference_dataset(str(out / "round-2" / "pairs.jsonl"))  # read back as the command reads data
+    assert len(pairs) == lines[1]["pairs"] > 0
+    assert (out / "round-2" / "checkpoint" / "adapter_model.safetensors").is_file()
+    settings = json.loads((out / "settings.json").read_text())
+    assert settings["training"]["learning_rate"] == 5e-3 and settings["training"]["loss_type"] == ["sigmoid", "sft"]
+    assert settings["held_out_share"] == 0.2 and settings["peft_config"]["r"] == 4
+    assert [line["round"] for line in map(json.loads, (out / "held_out.jsonl").read_text().splitlines())] == [0, 1, 2]
+    assert "held-out after round 2" in result.stdout and not (tmp_path / "run.lock").exists()
+
+
+def run_main(argv, capsys):
+    code = main(argv)
+    return code, capsys.readouterr().err.strip()
+
+
+@pytest.mark.parametrize(("extra", "code", "message"), [
+    (["--rounds", "0"], 2, "--rounds must be >= 1, got 0"),
+    (["--rounds", "1", "--reward_funcs", "nosuch:fn"], 2,
+     "--reward_funcs nosuch:fn: cannot import nosuch (ModuleNotFoundError: No module named 'nosuch')"),
+    (["--rounds", "1", "--reward_funcs", "os.path:nosuch"], 2,
+     "--reward_funcs os.path:nosuch: os.path has no function 'nosuch'"),
+    (["--rounds", "1"], 2,
+     "--rounds on your --dataset needs --reward_funcs (module:function, or a reward model's path)"),
+    (["--rounds", "1", "--reward_funcs", "accuracy_reward", "--reward_weights", "1", "2"], 2,
+     "--reward_weights has 2 weights for 1 --reward_funcs"),
+    (["--num_generations", "8"], 2, "num_generations is an option of DPO in rounds: add --rounds N (docs/rounds.md)"),
+    (["--rounds", "1", "--reward_funcs", "accuracy_reward", "--num_generations", "1"], 2,
+     "--num_generations must be >= 2 to make a pair, got 1"),
+    (["--rounds", "1", "--reward_funcs", "accuracy_reward", "--max_eval_samples", "8"], 2,
+     "--max_eval_samples is not read with --rounds (a share of --dataset's prompts is held out: --eval_fraction)"),
+])
+def test_a_bad_command_line_is_one_line(tmp_path, prompts_file, capsys, extra, code, message):
+    argv = ["--dataset", str(prompts_file), "--output_dir", str(tmp_path / "out"), *extra]
+    assert run_main(argv, capsys) == (code, f"python -m dpo_min.train: error: {message}")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(("rows", "message"), [
+    ([{"prompt": "Hi", "chosen": "a", "rejected": "b"}],
+     "{file} holds answers (chosen, rejected), not prompts only: --rounds samples its own (drop those columns), or "
+     "train the pairs without --rounds"),
+    ([{"question": "What is 2 + 2?"}],
+     "{file}: no 'prompt' column (it has question); --rounds reads prompt-only rows (--prompt_column names yours)"),
+    ([{"prompt": "What is 2 + 2?"}, {"prompt": ""}], "{file}: row 1: field 'prompt' is empty"),
+])
+def test_a_dataset_that_is_not_prompt_only_is_one_line(tmp_path, tiny_model_dir, capsys, rows, message):
+    data = write_jsonl(tmp_path / "data.jsonl", rows)
+    argv = ["--rounds", "1", "--model", str(tiny_model_dir), "--dataset", str(data), "--reward_funcs",
+            "accuracy_reward", "--output_dir", str(tmp_path / "out")]
+    assert run_main(argv, capsys) == (1, f"python -m dpo_min.train: error: {message.format(file=data)}")
+
+
+def test_an_output_folder_holding_other_files_is_refused_and_left_as_it_was(tmp_path, prompts_file, capsys):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    argv = ["--rounds", "1", "--dataset", str(prompts_file), "--reward_funcs", "accuracy_reward", "--output_dir",
+            str(out)]
+    assert run_main(argv, capsys) == (2, f"python -m dpo_min.train: error: --output_dir {out} holds files that are "
+                                         "not a rounds run's (no settings.json); choose another folder")
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["out", "prompts.jsonl"]  # no lock left behind
+
+
+def test_rounds_with_no_model_and_no_data_take_the_demos_defaults_and_prompts(tmp_path):
+    plan = resolve(["--rounds", "3", "--output_dir", str(tmp_path / "out")])
+    config = rounds_config(plan, None)
+    assert plan.demo and plan.model.use_peft and plan.model.model is None  # SmolLM2-135M-Instruct with LoRA
+    reached = {**vars(config), **config.training, "chat_template": plan.model.chat_template,
+               "eval_fraction": config.held_out_share}
+    for name, value in ROUNDS_DEMO_DEFAULTS.items():  # each where the run reads it ('none': no integration, [])
+        assert reached[name] == ([] if value == "none" else value), name
+    assert config.rounds == 3 and "output_dir" not in config.training and "seed" not in config.training
+    assert load_prompts(plan) == [json.loads(line) for line in EMBEDDED_PROMPTS.read_text().splitlines()]
+    offline = resolve(["--output_dir", str(tmp_path / "offline")])  # the offline demo keeps its own
+    assert offline.rounds is None and offline.args.learning_rate != ROUNDS_DEMO_DEFAULTS["learning_rate"]
+
+
+def test_every_rounds_option_is_in_help_and_readme(capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    shown, readme = capsys.readouterr().out, (ROOT / "README.md").read_text()
+    for option in (f.name for f in fields(RoundsArguments) if f.init):
+        assert f"--{option} " in shown and f"--{option}" in readme, option
+
+
+# ---- the demo's data and reward -----------------------------------------------------------------------------------
+def load_generator():
+    spec = importlib.util.spec_from_file_location("make_arithmetic", ROOT / "data" / "make_arithmetic.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_arithmetic_prompts_are_the_generators_output_byte_for_byte(tmp_path):
+    subprocess.run([sys.executable, str(ROOT / "data" / "make_arithmetic.py"), str(tmp_path / "a.jsonl")],
+                   check=True)
+    assert (tmp_path / "a.jsonl").read_bytes() == EMBEDDED_PROMPTS.read_bytes()
+
+
+def test_the_arithmetic_prompts_follow_the_rule_in_data_readme():
+    rows = [json.loads(line) for line in EMBEDDED_PROMPTS.read_text().splitlines()]
+    generator = load_generator()
+    assert len(rows) == generator.ROWS and len({json.dumps(row) for row in rows}) == len(rows)
+    for index, row in enumerate(rows):
+        (message,) = row["prompt"]
+        a, op, b = message["content"].removeprefix("What is ").removesuffix("? Answer with the number.").split()
+        a, b = int(a), int(b)
+        assert op == "+-*"[index % 3] and message["role"] == "user"
+        assert (10 <= a <= 99 and 10 <= b <= 99) if op in "+-" else (2 <= a <= 9 and 2 <= b <= 9)
+        assert row["solution"] == {"+": a + b, "-": a - b, "*": a * b}[op] >= 0
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    ("3 + 2 = 5", 5),  # the first integer is an operand
+    ("47 + 38 = 85.", 85),
+    ("The answer is 51", 51),
+    ("90 - 99 = -9", -9),
+    ("8.5, so 7", 7),  # a decimal is no integer
+    ("about 8.5", None),
+    ("no digits", None),
+])
+def test_last_integer_reads_the_last_whole_number(text, expected):
+    assert last_integer(text) == expected
+
+
+def test_the_reward_is_exact_match_of_the_last_integer_for_text_and_messages():
+    completions = ["83 + 31 = 114", "83 + 31 = 113", "114 is 83 + 31", "none"]
+    assert last_integer_reward(completions=completions, solution=[114] * 4) == [1.0, 0.0, 0.0, 0.0]
+    messages = [[{"role": "assistant", "content": text}] for text in completions]
+    assert last_integer_reward(completions=messages, solution=["114"] * 4, prompts=[None] * 4) == [1.0, 0.0, 0.0, 0.0]
