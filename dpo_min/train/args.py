@@ -510,6 +510,9 @@ def _read_recipe(path: str) -> dict[str, Any]:
         if types[name] in (int, int | None) and isinstance(value, (float, bool)):
             raise UsageError(f"{path}: {name} must be an integer, got {value!r}")
         kinds = _kinds(types[name])
+        # YAML reads `output_dir: 123` as a number; test_split_size is a number or text (a count or a fraction).
+        if kinds <= {str, type(None)} and type(value) in (int, float) and name != "test_split_size":
+            raise UsageError(f"{path}: {name} must be text, and YAML read a number; quote the value")
         if value is None and not kinds & {type(None), Any}:
             raise UsageError(f"{path}: {name} cannot be null; give a value, or leave the key out for the default")
         if isinstance(value, (list, dict)) and not kinds & {list, dict, Any} and name not in MIXTURE_KEYS:
