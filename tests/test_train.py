@@ -275,10 +275,14 @@ def mixture_with_eval_split(tmp_path):
     (json_object_of_columns, 1, "a JSON object of columns must hold lists of one length, got {'prompt': 3, "
      "'chosen': 2, 'rejected': 3}"),
     (mixture_with_eval_split, 2, "--eval_split picks a split of one dataset; a mixture holds out --eval_fraction"),
+    (recipe("output_dir: 123\n"), 2, "recipe.yaml: output_dir must be text, and YAML read a number; quote the value"),
+    (lambda tmp_path: ["--output_dir", str(tmp_path / ("x" * 300))], 2,
+     "(300 characters) is 300 bytes long; a name takes at most"),
 ], ids=["unknown-flag", "missing-dataset", "bad-value", "wrong-columns", "foreign-output-dir", "negative-lr",
         "eval-fraction-leaves-nothing", "no-new-tokens", "batch-size-0", "accumulation-0", "negative-max-steps",
         "zero-epochs", "recipe-list", "recipe-mapping", "recipe-null", "recipe-list-for-int", "missing-model-path",
-        "json-columns-of-other-lengths", "mixture-with-eval-split"])
+        "json-columns-of-other-lengths", "mixture-with-eval-split", "recipe-number-for-text",
+        "output-dir-name-too-long"])
 def test_user_errors_give_one_line_and_no_output_folder(tmp_path, capsys, tiny_model_dir, make_args, exit_code,
                                                         message):
     before = sorted(os.listdir(tmp_path))
