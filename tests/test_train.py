@@ -211,8 +211,8 @@ def test_recipe_with_a_number_for_a_text_option_is_one_line(tmp_path, capsys, mo
     recipe.write_text("output_dir: 123\n")  # YAML's integer; transformers would call os.path.expanduser on it
     assert main([str(recipe)]) == 2
     error_lines = capsys.readouterr().err.strip().splitlines()
-    assert error_lines == [f"python -m dpo_min.train: error: {recipe}: output_dir must be text, and YAML read a number; "
-                           "quote the value"]
+    assert error_lines == [f"python -m dpo_min.train: error: {recipe}: output_dir must be text, and YAML read a "
+                           "number; quote the value"]
     assert sorted(os.listdir(tmp_path)) == ["recipe.yaml"]
     recipe.write_text("output_dir: '123'\nmax_steps: 0\n")  # quoted, it is read (and the run stops at max_steps)
     assert main([str(recipe)]) == 2

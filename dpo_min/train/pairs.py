@@ -56,7 +56,8 @@ def load_pairs(plan: Plan) -> tuple[Dataset, Dataset | None]:
             data_args.eval_fraction is None:
         # A stream holds out its first --max_eval_samples pairs; map-style data caps what it holds out.
         raise UsageError(f"--max_eval_samples {data_args.max_eval_samples} caps the held-out pairs, and the mixture "
-                         "holds out none: hold some out with test_split_size (dataset_mixer: its test splits) or --eval_fraction")
+                         "holds out none: hold some out with test_split_size (dataset_mixer: its test splits) or "
+                         "--eval_fraction")
     if held_out is None and plan.eval_fraction > 0:
         train, held_out = _split(train, plan.eval_fraction, plan.seed)
     if held_out is not None and data_args.max_eval_samples is not None:

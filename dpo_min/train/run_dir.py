@@ -433,12 +433,12 @@ def _check_name_lengths(folder: Path) -> None:
         limit = os.pathconf(existing, "PC_NAME_MAX")
     except (OSError, ValueError):
         limit = 255
-    limits = [limit] * (len(folder.parts) - 1) + [limit - len(BACKUP_SUFFIX)]
-    for part, most in zip(folder.parts, limits):
+    last = len(folder.parts) - 1
+    for index, part in enumerate(folder.parts):
+        most = limit - len(BACKUP_SUFFIX) if index == last else limit
         if len(os.fsencode(part)) > most:
             why = f"a name takes at most {limit} bytes here" + (
-                f", a run folder's {most} (the run names a sibling <name>{BACKUP_SUFFIX})" if part == folder.name
-                else "")
+                f", a run folder's {most} (the run names a sibling <name>{BACKUP_SUFFIX})" if index == last else "")
             raise OutputDirError(f"--output_dir {_abbreviated(folder)}: the name {_abbreviated(Path(part))} is "
                                  f"{len(os.fsencode(part))} bytes long; {why}")
 
