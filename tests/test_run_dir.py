@@ -16,6 +16,7 @@ from conftest import ROOT, write_hh_rows
 from safetensors.torch import save_file
 
 from dpo_min.models import cache_dir
+from dpo_min import train as train_command
 from dpo_min.train import main, run_dir
 from dpo_min.train.run_dir import MANIFEST, OutputDirError, RunFolder, checkpoint_problems, resolve_checkpoint
 
@@ -211,7 +212,7 @@ def test_an_output_folder_name_too_long_for_the_file_system_is_one_line_before_a
 
 # ---- 3. a kill at any moment of a publish -----------------------------------------------------------------------
 def publish_and_die(output_dir, step, signal_number):
-    signal.signal(signal.SIGTERM, lambda number, frame: sys.exit(128 + number))  # as the command's cli()
+    signal.signal(signal.SIGTERM, train_command._stop)  # as the command's cli()
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
     def kill(reached):
