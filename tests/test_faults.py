@@ -1,18 +1,21 @@
 """Numerical faults stop training loudly; checkpoints are all-or-nothing; runs are deterministic."""
 
 import os
+import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 import torch
-from conftest import ROOT, tiny_llama
+from conftest import ROOT, tiny_llama, write_hh_rows
 from test_trainer import config, lora, step_logs
 from transformers.trainer_utils import get_last_checkpoint
 
 import dpo_min.trainer as trainer_module
 from dpo_min import DPOMinConfig, DPOMinTrainer
+from dpo_min.train.run_dir import checkpoint_problems
 
 
 def test_non_finite_loss_names_the_step_and_quantity_and_keeps_the_checkpoint(tmp_path, tokenizer, hh_pairs,
@@ -109,3 +112,30 @@ def test_kill_during_save_leaves_only_complete_checkpoints(tmp_path):
     assert os.path.isdir(output_dir / ".staging-checkpoint-2" / "checkpoint-2")  # the half-written one
     assert get_last_checkpoint(str(output_dir)).endswith("checkpoint-1")
     assert os.path.exists(output_dir / "checkpoint-1" / "trainer_state.json")
+
+
+@pytest.mark.parametrize("signal_number", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_ctrl_c_and_sigterm_stop_the_command_in_the_same_one_line_keeping_whole_checkpoints(
+        tmp_path, tiny_model_dir, signal_number):
+    data = write_hh_rows(tmp_path / "pairs.jsonl", 12)
+    staging = tmp_path / "run.partial"
+    argv = [sys.executable, "-m", "dpo_min.train", "--model", str(tiny_model_dir), "--dataset", str(data),
+            "--output_dir", str(tmp_path / "run"), "--max_steps", "1000", "--save_strategy", "steps",
+            "--save_steps", "1", "--per_device_train_batch_size", "2", "--num_samples", "0", "--disable_tqdm", "true"]
+    process = subprocess.Popen(argv, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                               env={**os.environ, "PYTHONPATH": str(ROOT)})
+    try:
+        while not (staging / "checkpoint-2").is_dir() and process.poll() is None:
+            time.sleep(0.1)
+        process.send_signal(signal_number)  # while the run trains on and saves checkpoint-3, -4, ...
+        _, err = process.communicate(timeout=120)
+    finally:
+        process.kill()
+    assert process.returncode == 128 + signal_number
+    # stderr less transformers' progress bars ("Loading weights: 100%|...| 21/21 [00:00<...]")
+    lines = [line for line in err.splitlines() if line.strip() and "it/s]" not in line]
+    assert lines == [f"python -m dpo_min.train: stopped by {signal.Signals(signal_number).name}; checkpoints of the "
+                     f"interrupted run kept in {staging}"]
+    checkpoints = sorted(staging.glob("checkpoint-*"))
+    assert len(checkpoints) >= 2 and not any(checkpoint_problems(path) for path in checkpoints)
+    assert sorted(os.listdir(tmp_path)) == ["pairs.jsonl", "run.partial"]  # no lock file, no staging leftovers

@@ -1,6 +1,7 @@
 """The output folder: nothing but a run's own files is ever deleted, one live run per folder, a kill at any moment
 of a publish leaves a whole run under the name, and only whole checkpoints resume a run."""
 
+import errno
 import json
 import multiprocessing
 import os
@@ -15,6 +16,7 @@ from conftest import ROOT, write_hh_rows
 from safetensors.torch import save_file
 
 from dpo_min.models import cache_dir
+from dpo_min import train as train_command
 from dpo_min.train import main, run_dir
 from dpo_min.train.run_dir import MANIFEST, OutputDirError, RunFolder, checkpoint_problems, resolve_checkpoint
 
@@ -167,9 +169,50 @@ def test_an_unwritable_parent_is_one_line(tmp_path, capsys, monkeypatch):
     assert not os.listdir(tmp_path)  # the parent it made for the lock is gone again
 
 
+class FullDisk:
+    """A file whose writes reach a full disk when flushed, as a small write does (the buffer takes it)."""
+
+    def __init__(self, file):
+        self.file = file
+
+    def __getattr__(self, name):
+        return getattr(self.file, name)
+
+    def flush(self):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+def test_a_full_disk_for_the_locks_pid_is_one_line_and_leaves_no_lock_file(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(run_dir, "open", lambda *args, **kwargs: FullDisk(open(*args, **kwargs)), raising=False)
+    code = main(["--model", str(tmp_path / "no-model"), "--output_dir", str(tmp_path / "sub" / "run")])
+    assert code == 2
+    assert f"cannot write in {tmp_path / 'sub'}: No space left on device" in one_error_line(capsys)
+    assert not os.listdir(tmp_path)  # neither the lock file nor the parent made for it
+
+
+def test_an_output_folder_name_too_long_for_the_file_system_is_one_line_before_anything(tmp_path, capsys):
+    limit = os.pathconf(tmp_path, "PC_NAME_MAX")
+    # The reference: the file system itself refuses the longest sibling the run would name for a folder one byte
+    # over, and takes it for the longest name accepted.
+    longest = limit - len(run_dir.BACKUP_SUFFIX)
+    with pytest.raises(OSError) as refused:
+        (tmp_path / ("x" * (longest + 1) + run_dir.BACKUP_SUFFIX)).mkdir()
+    assert refused.value.errno == errno.ENAMETOOLONG
+    (tmp_path / ("x" * longest + run_dir.BACKUP_SUFFIX)).mkdir()
+    (tmp_path / ("x" * longest + run_dir.BACKUP_SUFFIX)).rmdir()
+    RunFolder(tmp_path / ("x" * longest))
+    for name in ("x" * (longest + 1), "x" * 300, "x" * 300 + "/run"):
+        code = main(["--model", str(tmp_path / "no-model"), "--output_dir", str(tmp_path / name)])
+        assert code == 2
+        size = len(name.split("/")[0])
+        assert (f"the name {'x' * 40}...{'x' * 12} ({size} characters) is {size} bytes long; a name takes at most "
+                f"{limit} bytes here") in one_error_line(capsys)
+        assert not os.listdir(tmp_path)
+
+
 # ---- 3. a kill at any moment of a publish -----------------------------------------------------------------------
 def publish_and_die(output_dir, step, signal_number):
-    signal.signal(signal.SIGTERM, lambda number, frame: sys.exit(128 + number))  # as the command's cli()
+    signal.signal(signal.SIGTERM, train_command._stop)  # as the command's cli()
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
     def kill(reached):
@@ -450,7 +493,14 @@ DISK_FULL = {  # where the write fails -> (what to patch, the save that fails, w
     "reference cache": ("torch cache", 1, "could not write the reference log-probs to their cache ({cache}) ([enforce "
                         "fail at inline_container.cc:672] . unexpected pos 576 vs 534): is the disk full?",
                         ["--save_strategy", "no", "--precompute_ref_log_probs", "true"]),
-    "card": ("card", 1, "no space left on device writing README.md to {staging}", ["--save_strategy", "no"]),
+    "card": ("README.md", 1, "no space left on device writing README.md to {staging}", ["--save_strategy", "no"]),
+    # issue 30: the first run file (before the model loads), and a failing or read-only disk, not only a full one
+    "first run file": (f"{MANIFEST}.writing", 1, "no space left on device writing dpo_min_run.json to {staging}",
+                       ["--save_strategy", "no"]),
+    "metrics, failing disk": ("metrics.json EIO", 1, "could not write metrics.json to {staging}: Input/output error",
+                              ["--save_strategy", "no"]),
+    "card, read-only": ("README.md EROFS", 1, "could not write README.md to {staging}: Read-only file system",
+                        ["--save_strategy", "no"]),
 }
 
 
@@ -474,10 +524,12 @@ def test_a_full_disk_is_one_line_and_the_earlier_run_and_whole_checkpoints_stay(
         monkeypatch.setattr(torch, "save", fail_on_call(
             failing_call, RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 576 vs 534"),
             torch.save, wanted))
-    else:
+    else:  # a text file: its name, and the errno its write fails with (ENOSPC unless named)
+        name, _, code = patched.partition(" ")
+        number = getattr(errno, code or "ENOSPC")
         monkeypatch.setattr(pathlib.Path, "write_text", fail_on_call(
-            failing_call, OSError(28, "No space left on device"), pathlib.Path.write_text,
-            lambda path, *rest: path.name == "README.md"))
+            failing_call, OSError(number, os.strerror(number)), pathlib.Path.write_text,
+            lambda path, *rest: path.name == name))
     data = write_hh_rows(tmp_path / "pairs.jsonl", 12)
     code = main(["--model", str(tiny_model_dir), "--dataset", str(data), "--output_dir", str(output_dir), "--use_peft",
                  *RUNNABLE, *extra])

@@ -1,8 +1,10 @@
 """A stream's counts (issue 26): each stream has its own, and DataLoader workers that read it add to them."""
 
 import json
+import os
 from collections import Counter
 
+import pytest
 from datasets import Dataset
 from torch.utils.data import DataLoader
 
@@ -155,3 +157,70 @@ def test_held_out_first_pairs_of_a_stream_of_several_files_read_by_several_worke
         "--dataloader_num_workers 2 on a stream of 2 files cannot skip the held-out first pairs exactly: give "
         "--eval_split, or at most 1 worker")
     assert not (tmp_path / "run").exists()
+
+
+# ---- what a stream holds out (issue 30) -------------------------------------------------------------------------
+def plain_rows(path, name, count):
+    path.write_text("".join(json.dumps({"prompt": f"{name}{i}", "chosen": "yes", "rejected": "no"}) + "\n"
+                            for i in range(count)))
+    return str(path)
+
+
+def stream_pairs_of(tmp_path, **data):
+    """The command's data step alone on DataArguments(streaming=True, **data): (train prompts, held-out prompts)."""
+    from dpo_min import DPOMinConfig, train
+    from dpo_min.train.args import DataArguments, ModelArguments
+
+    args = DPOMinConfig(output_dir=str(tmp_path / "out"), max_steps=10, precompute_ref_log_probs=False,
+                        report_to=[])
+    plan = train.decide(ModelArguments(), DataArguments(streaming=True, **data), args)
+    pairs, held_out = train.load_pairs(plan)
+    return [pair["prompt"] for pair in pairs], None if held_out is None else held_out["prompt"]
+
+
+def test_a_stream_holds_out_its_first_max_eval_samples_pairs_alone_or_mixed_and_says_when_it_holds_out_none(
+        tmp_path, capsys):
+    a, b = plain_rows(tmp_path / "a.jsonl", "a", 6), plain_rows(tmp_path / "b.jsonl", "b", 6)
+    rows = [f"a{i}" for i in range(6)] + [f"b{i}" for i in range(6)]  # a TRL mixture's order: its entries in turn
+    one = stream_pairs_of(tmp_path, dataset=a, max_eval_samples=2)
+    assert one == (rows[2:6], rows[:2])
+    mixed = stream_pairs_of(tmp_path, datasets=json.dumps([{"path": a}, {"path": b}]), max_eval_samples=3)
+    assert mixed == (rows[3:], rows[:3])  # before issue 30: nothing held out, every pair trained
+    said = [line for line in capsys.readouterr().out.splitlines() if line.startswith("held out")]
+    assert said == ["held out 2 pairs: the stream's first pairs", "held out 3 pairs: the stream's first pairs"]
+    # Without --max_eval_samples one dataset, which map-style holds out 5% of, holds out nothing, and says so
+    assert stream_pairs_of(tmp_path, dataset=a) == (rows[:6], None)
+    assert ("held out no pairs: a stream has no length to hold out --eval_fraction of; --max_eval_samples N holds "
+            "out its first N pairs") in capsys.readouterr().out
+    # ... a mixture, as map-style, holds out nothing
+    assert stream_pairs_of(tmp_path, datasets=json.dumps([{"path": a}])) == (rows[:6], None)
+    assert "held out" not in capsys.readouterr().out
+
+
+def test_a_fraction_of_a_stream_or_a_cap_on_nothing_held_out_is_one_line(tmp_path):
+    from dpo_min.train import UsageError
+
+    a = plain_rows(tmp_path / "a.jsonl", "a", 6)
+    with pytest.raises(UsageError, match=r"^--eval_fraction 0.5: a stream has no length to hold out a fraction of; "
+                                         r"hold out its first pairs with --max_eval_samples N, or give --eval_split$"):
+        stream_pairs_of(tmp_path, dataset=a, eval_fraction=0.5)
+    # map-style, a mixture without held-out rows has nothing for --max_eval_samples to cap
+    from test_data import load_pairs_of
+
+    with pytest.raises(UsageError, match=r"^--max_eval_samples 2 caps the held-out pairs, and the mixture holds out "
+                                         r"none: hold some out with test_split_size"):
+        load_pairs_of(tmp_path, datasets=json.dumps([{"path": a}]), max_eval_samples=2)
+
+
+def test_a_stream_whose_every_pair_is_held_out_says_so_in_one_line(tmp_path, capsys):
+    from dpo_min.train import main
+
+    path = plain_rows(tmp_path / "a.jsonl", "a", 4)
+    for cap in (4, 9):
+        code = main(["--model", "unused", "--dataset", path, "--streaming", "--max_steps", "1", "--output_dir",
+                     str(tmp_path / "run"), "--max_eval_samples", str(cap), "--precompute_ref_log_probs", "false"])
+        assert code == 1
+        assert capsys.readouterr().err.strip().splitlines() == [
+            f"python -m dpo_min.train: error: {path}: --max_eval_samples {cap} held out every pair of the stream "
+            "(4): none is left to train on; hold out fewer"]
+        assert sorted(os.listdir(tmp_path)) == ["a.jsonl"]

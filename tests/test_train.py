@@ -21,6 +21,8 @@ from dpo_min.data.pairs import to_preference_rows
 from dpo_min.tokenizing import tokenize_dataset
 from dpo_min.train import DEMO_DEFAULTS, DataArguments, ModelArguments, UsageError, main, parse_args
 from dpo_min.train.report import collapse_warnings, is_empty_completion
+from dpo_min.train.args import ROUNDS_DEMO_DEFAULTS
+from dpo_min.train.plan import resolve
 
 OUTPUT_FILES = ("adapter_config.json", "adapter_model.safetensors", "tokenizer.json", "trainer_state.json",
                 "metrics.json", "training_curves.png", "samples.jsonl")
@@ -207,6 +209,15 @@ def test_recipe_with_a_fraction_for_an_integer_option_is_one_line(tmp_path, caps
     assert sorted(os.listdir(tmp_path)) == ["recipe.yaml"]
 
 
+def test_a_recipes_number_for_a_text_option_is_its_text_as_the_flag_gives(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("output_dir: 123\n")  # YAML's integer; transformers would call os.path.expanduser on it
+    from_recipe = resolve([str(recipe)])
+    assert from_recipe.args.output_dir == resolve(["--output_dir", "123"]).args.output_dir
+    assert from_recipe.folder.named == Path("123") and sorted(os.listdir(tmp_path)) == ["recipe.yaml"]
+
+
 def test_help_lists_every_option_with_its_default(capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["--help"])
@@ -217,11 +228,11 @@ def test_help_lists_every_option_with_its_default(capsys):
         for field in dataclass_type.__dataclass_fields__.values():
             if field.init:
                 assert "(default:" in blocks[field.name], field.name
-    assert f"demo: {DEMO_DEFAULTS['learning_rate']}; otherwise: (default: 1e-06)" in " ".join(
-        blocks["learning_rate"].split())
-    # The demo's chat template is named, not printed as a page of Jinja.
-    assert "demo: SmolLM2's own, less its default system message; otherwise: (default: None)" in " ".join(
-        blocks["chat_template"].split())
+    assert (f"demo: {DEMO_DEFAULTS['learning_rate']}; rounds demo: {ROUNDS_DEMO_DEFAULTS['learning_rate']}; "
+            "otherwise: (default: 1e-06)") in " ".join(blocks["learning_rate"].split())
+    # The demos' chat template is named, not printed as a page of Jinja.
+    assert ("demo: SmolLM2's own, less its default system message; rounds demo: SmolLM2's own, less its default "
+            "system message; otherwise: (default: None)") in " ".join(blocks["chat_template"].split())
 
 
 def wrong_columns_file(tmp_path):
@@ -277,10 +288,12 @@ def mixture_with_eval_split(tmp_path):
     (json_object_of_columns, 1, "a JSON object of columns must hold lists of one length, got {'prompt': 3, "
      "'chosen': 2, 'rejected': 3}"),
     (mixture_with_eval_split, 2, "--eval_split picks a split of one dataset; a mixture holds out --eval_fraction"),
+    (lambda tmp_path: ["--output_dir", str(tmp_path / ("x" * 300))], 2,
+     "(300 characters) is 300 bytes long; a name takes at most"),
 ], ids=["unknown-flag", "missing-dataset", "bad-value", "wrong-columns", "foreign-output-dir", "negative-lr",
         "eval-fraction-leaves-nothing", "no-new-tokens", "batch-size-0", "accumulation-0", "negative-max-steps",
         "zero-epochs", "recipe-list", "recipe-mapping", "recipe-null", "recipe-list-for-int", "missing-model-path",
-        "json-columns-of-other-lengths", "mixture-with-eval-split"])
+        "json-columns-of-other-lengths", "mixture-with-eval-split", "output-dir-name-too-long"])
 def test_user_errors_give_one_line_and_no_output_folder(tmp_path, capsys, tiny_model_dir, make_args, exit_code,
                                                         message):
     before = sorted(os.listdir(tmp_path))

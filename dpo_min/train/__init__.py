@@ -9,6 +9,8 @@ and `publish`.
 
 import errno
 import json
+import os
+import re
 import signal
 import sys
 import time
@@ -61,25 +63,43 @@ from .report import (
 from .run_dir import MANIFEST, PAIRS_DIGEST, OutputDirError, check_same_run, pairs_digest, resolve_checkpoint
 
 
+# Writes the machine refuses: a full disk or quota, a file system read-only (or remounted so after an error), a
+# failing disk, a file over the system's size limit.
+NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+WRITE_FAULTS = (*NO_SPACE, errno.EROFS, errno.EIO, errno.EFBIG)
+
+
 @contextmanager
 def _writing(target: str | Callable[[BaseException], str]) -> Iterator[None]:
-    """A full disk while writing `target` ("what to where", or `target(error)`) is one line naming it (InputError),
-    not safetensors' or torch's traceback. The caller's except clause then discards the staging folder as for any
-    failure."""
+    """A write fault (WRITE_FAULTS) while writing `target` ("what to where", or `target(error)`) is one line naming
+    it (InputError), not safetensors' or torch's traceback. The caller's except clause then discards the staging
+    folder as for any failure."""
     try:
         yield
     except Exception as error:
         text = str(error)
-        full = (isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT)) or any(
-            sign in text for sign in ("No space left on device", "Disk quota exceeded", "os error 28"))
+        fault = _write_fault(error)
         # torch's zip writer says only "unexpected pos N vs M" (or "file write failed") when a write comes up short.
         short_write = "PytorchStreamWriter" in text or "unexpected pos" in text
-        if not (full or short_write):
+        if fault is None and not short_write:
             raise
         where = target(error) if callable(target) else target
-        if full:
+        if fault in NO_SPACE:
             raise InputError(f"no space left on device writing {where}") from None
+        if fault is not None:
+            raise InputError(f"could not write {where}: {os.strerror(fault)}") from None
         raise InputError(f"could not write {where} ({text.strip().splitlines()[0]}): is the disk full?") from None
+
+
+def _write_fault(error: BaseException) -> int | None:
+    """The WRITE_FAULTS errno of an OSError, or in the words of safetensors' Rust writer ("... (os error 28)")."""
+    if isinstance(error, OSError) and error.errno in WRITE_FAULTS:
+        return error.errno
+    text = str(error)
+    number = next((int(found) for found in re.findall(r"\(os error (\d+)\)", text)), None)
+    if number in WRITE_FAULTS:
+        return number
+    return next((number for number in NO_SPACE if os.strerror(number) in text), None)
 
 
 def _in_training(trainer: DPOMinTrainer, staging: Path) -> Callable[[BaseException], str]:
@@ -145,6 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     warnings.filterwarnings("ignore", message=".*pin_memory.*")
     warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
     datasets.disable_progress_bars()  # one bar per file read: noise next to the training bar
+    plan = None
     try:
         plan = resolve(argv)
         plan.folder.check_apart_from(local_data(plan.data))  # before the lock: a refusal writes nothing
@@ -164,6 +185,13 @@ def main(argv: list[str] | None = None) -> int:
     except (UsageError, InputError, OutputDirError, FloatingPointError) as error:
         print(f"{PROG}: error: {error}", file=sys.stderr)
         return getattr(error, "exit_code", 1)
+    except KeyboardInterrupt as stop:  # Ctrl-C, or SIGTERM (`cli`): RunFolder.claimed has kept whole checkpoints
+        number = getattr(stop, "signal_number", signal.SIGINT)
+        if plan is None or plan.is_main:
+            staging = plan.folder.staging if plan is not None else None
+            kept = f"; checkpoints of the interrupted run kept in {staging}" if staging and staging.is_dir() else ""
+            print(f"{PROG}: stopped by {signal.Signals(number).name}{kept}", file=sys.stderr)
+        return 128 + number
     return 0
 
 
@@ -185,7 +213,8 @@ def _begin(plan: Plan, checkpoint: str | None, train_pairs: Any, held_out: Any) 
         settings = {**settings, PAIRS_DIGEST: pairs_digest(train_pairs, held_out)}
         check_same_run(checkpoint, settings)
     if plan.is_main:
-        plan.folder.begin(settings)
+        with _writing(f"{MANIFEST} to {plan.folder.staging}"):
+            plan.folder.begin(settings)
 
 
 def build_trainer(plan: Plan, train_pairs: Any, held_out: Dataset | None) -> DPOMinTrainer:
@@ -370,8 +399,19 @@ def run_card(plan: Plan, metrics: dict[str, Any], sources: dict[str, Any], refer
                       repo_id=plan.repo_id)
 
 
-def cli() -> None:
-    """The console entry point: a SIGTERM (a scheduler stopping the job) cleans up as Ctrl-C does."""
-    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
-    sys.exit(main())
+class Stopped(KeyboardInterrupt):
+    """A signal that stops the run as Ctrl-C does (`cli` raises it for SIGTERM, a scheduler stopping the job)."""
 
+    def __init__(self, signal_number: int):
+        super().__init__(signal_number)
+        self.signal_number = signal_number
+
+
+def _stop(signal_number: int, frame: Any) -> None:
+    raise Stopped(signal_number)
+
+
+def cli() -> None:
+    """The console entry point: SIGTERM stops the run as Ctrl-C does, whole checkpoints kept, in one line."""
+    signal.signal(signal.SIGTERM, _stop)
+    sys.exit(main())

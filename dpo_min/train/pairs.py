@@ -50,6 +50,12 @@ def load_pairs(plan: Plan) -> tuple[Dataset, Dataset | None]:
     train_read = train  # what reading dropped is noted on it (a stream counts on every later form of it too)
     if data_args.streaming:
         return _stream_pairs(train, source, plan)
+    if mixture is not None and held_out is None and data_args.max_eval_samples is not None and \
+            data_args.eval_fraction is None:
+        # A stream holds out its first --max_eval_samples pairs; map-style data caps what it holds out.
+        raise UsageError(f"--max_eval_samples {data_args.max_eval_samples} caps the held-out pairs, and the mixture "
+                         "holds out none: hold some out with test_split_size (dataset_mixer: its test splits) or "
+                         "--eval_fraction")
     if held_out is None and plan.eval_fraction > 0:
         train, held_out = _split(train, plan.eval_fraction, plan.seed)
     if held_out is not None and data_args.max_eval_samples is not None:
@@ -144,7 +150,16 @@ def _stream_pairs(train: Any, source: str, plan: Plan) -> tuple[Any, Any]:
         held_out = _held_out_of_stream(split if count is None else split.take(count), stream_counts(split), source,
                                        f"split {data_args.eval_split!r}", whole=count is None)
         return count_shared_in_stream(train, held_out), held_out
-    if plan.eval_fraction == 0 or not count:
+    if not count:  # a stream has no length to take a fraction of
+        if data_args.eval_fraction:
+            raise UsageError(f"--eval_fraction {data_args.eval_fraction}: a stream has no length to hold out a "
+                             "fraction of; hold out its first pairs with --max_eval_samples N"
+                             + ("" if plan.mixture else ", or give --eval_split"))
+        if plan.eval_fraction:  # one dataset's default share, which map-style data would hold out
+            print("held out no pairs: a stream has no length to hold out --eval_fraction of; --max_eval_samples N "
+                  "holds out its first N pairs (training skips them), --eval_split evaluates a split")
+        return train, None
+    if data_args.eval_fraction == 0:  # asked for no evaluation, as map-style data
         return train, None
     if args.dataloader_num_workers > 1 and train.num_shards > 1:
         # datasets splits skip(n) among the workers, each skipping its share of its own files: held-out pairs of the
@@ -154,7 +169,11 @@ def _stream_pairs(train: Any, source: str, plan: Plan) -> tuple[Any, Any]:
     # A stream cannot be split by fraction: the first max_eval_samples pairs are held out, training skips them.
     counts = stream_counts(train)  # skip and take make streams that do not carry them
     held_out = _held_out_of_stream(train.take(count), counts, source, "the stream's first pairs", whole=False)
-    return count_shared_in_stream(train.skip(count), held_out, counts), held_out
+    rest = train.skip(count)
+    if next(iter(rest), None) is None:  # read before the model loads; the run's counts start at training
+        raise InputError(f"{source}: --max_eval_samples {count} held out every pair of the stream "
+                         f"({len(held_out)}): none is left to train on; hold out fewer")
+    return count_shared_in_stream(rest, held_out, counts), held_out
 
 
 def _held_out_of_stream(stream: Any, counts: StreamCounts | None, source: str, what: str, whole: bool) -> Dataset:

@@ -81,8 +81,13 @@ class RunFolder:
 
     def __init__(self, output_dir: str | os.PathLike):
         self.named = Path(output_dir)  # as the user wrote it: the name a card or hub repo takes
-        self.output_dir = _real_folder(self.named)
-        self._check_place()
+        _check_name_lengths(self.named)
+        try:
+            self.output_dir = _real_folder(self.named)
+            _check_name_lengths(self.output_dir)
+            self._check_place()
+        except OSError as error:  # a path longer than the system takes (ENAMETOOLONG), a loop of links (ELOOP)
+            raise OutputDirError(f"--output_dir {_abbreviated(self.named)}: {error.strerror}") from None
         name = self.output_dir.name
         self.staging = self.output_dir.with_name(name + STAGING_SUFFIX)
         self.backup = self.output_dir.with_name(name + BACKUP_SUFFIX)
@@ -135,9 +140,9 @@ class RunFolder:
             if is_main:
                 self.prepare(resume_from_checkpoint)
             yield self
-        except BaseException:
-            if self._begun:
-                self.discard()
+        except BaseException as error:
+            if self._begun:  # a stop by a signal says in its own line what is kept
+                self.discard(say=not isinstance(error, KeyboardInterrupt))
             raise
         finally:
             self.release()
@@ -147,6 +152,7 @@ class RunFolder:
         """Take `<output_dir>.lock`, or raise naming the live run that holds it."""
         parent = self.output_dir.parent
         missing = [folder for folder in [parent, *parent.parents] if not folder.exists()]
+        file = None
         try:
             for folder in reversed(missing):
                 folder.mkdir()
@@ -167,14 +173,18 @@ class RunFolder:
                 if os.path.exists(self.lock_path) and os.fstat(file.fileno()).st_ino == os.stat(self.lock_path).st_ino:
                     break
                 file.close()
-        except OSError as error:  # a read-only folder or file system, a parent that is a file
+            file.seek(0)
+            file.truncate()
+            file.write(f"{os.getpid()}\n")
+            file.flush()
+        except OSError as error:  # a read-only folder or file system, a parent that is a file, a full disk
+            if file is not None and not file.closed:  # locked, but the pid did not fit: the file goes, as in release
+                self.lock_path.unlink(missing_ok=True)
+                with suppress(OSError):  # closing flushes the pid again, into the same full disk
+                    file.close()
             self._remove_parents()
             raise OutputDirError(f"--output_dir {self.shown}: cannot write in "
                                  f"{Path(error.filename or self.lock_path).parent}: {error.strerror}") from None
-        file.seek(0)
-        file.truncate()
-        file.write(f"{os.getpid()}\n")
-        file.flush()
         self._lock_file = file
 
     def release(self) -> None:
@@ -263,12 +273,13 @@ class RunFolder:
             if self.backup.exists():
                 _remove_run(self.backup)
 
-    def discard(self) -> None:
+    def discard(self, say: bool = True) -> None:
         """After a failure: drop the staging folder, unless it holds checkpoints to resume from or a finished run."""
         if not self.staging.exists():
             return
         if any(self.staging.glob("checkpoint-*")) or _read_manifest(self.staging).get("complete"):
-            print(f"checkpoints of the interrupted run kept in {self.staging}", file=sys.stderr)
+            if say:
+                print(f"checkpoints of the interrupted run kept in {self.staging}", file=sys.stderr)
         else:
             shutil.rmtree(self.staging, ignore_errors=True)
 
@@ -465,6 +476,29 @@ def _real_folder(named: Path) -> Path:
     return named if str(real) == os.path.abspath(named) else real
 
 
+def _check_name_lengths(folder: Path) -> None:
+    """Refuse a name the file system cannot hold, the run folder's with the longest suffix the run gives a sibling
+    (`.replaced`): else the run would fail at its lock, or at the publish after training."""
+    existing = next((parent for parent in folder.parents if os.path.isdir(parent)), Path("."))
+    try:
+        limit = os.pathconf(existing, "PC_NAME_MAX")
+    except (OSError, ValueError):
+        limit = 255
+    last = len(folder.parts) - 1
+    for index, part in enumerate(folder.parts):
+        most = limit - len(BACKUP_SUFFIX) if index == last else limit
+        if len(os.fsencode(part)) > most:
+            why = f"a name takes at most {limit} bytes here" + (
+                f", a run folder's {most} (the run names a sibling <name>{BACKUP_SUFFIX})" if index == last else "")
+            raise OutputDirError(f"--output_dir {_abbreviated(folder)}: the name {_abbreviated(Path(part))} is "
+                                 f"{len(os.fsencode(part))} bytes long; {why}")
+
+
+def _abbreviated(path: Path) -> str:
+    text = str(path)
+    return text if len(text) <= 60 else f"{text[:40]}...{text[-12:]} ({len(text)} characters)"
+
+
 def _walk(folder: Path, links: bool = False) -> Iterator[Path]:
     """The files under `folder` (links to folders are not entered); with `links`, the folders' entries too."""
     for root, folders, files in os.walk(folder):
@@ -481,9 +515,14 @@ def _read_manifest(folder: Path) -> dict[str, Any]:
 
 
 def _write_json(path: Path, value: Any) -> None:
+    """`value` into `path` whole or not at all: a failed write (a full disk) leaves neither file nor temporary."""
     temporary = path.with_name(path.name + ".writing")
-    temporary.write_text(json.dumps(value, indent=1) + "\n")
-    os.replace(temporary, path)
+    try:
+        temporary.write_text(json.dumps(value, indent=1) + "\n")
+        os.replace(temporary, path)
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise
 
 
 def _remove_run(folder: Path) -> None:
