@@ -15,7 +15,7 @@ from transformers.trainer_utils import get_last_checkpoint
 
 import dpo_min.trainer as trainer_module
 from dpo_min import DPOMinConfig, DPOMinTrainer
-from dpo_min.train.run_dir import checkpoint_problems
+from dpo_min.train.resume import checkpoint_problems
 
 
 def test_non_finite_loss_names_the_step_and_quantity_and_keeps_the_checkpoint(tmp_path, tokenizer, hh_pairs,

@@ -1,12 +1,18 @@
 """The command's decisions, made once by `plan.resolve`, and the run folder as a context manager."""
 
+import copy
+import dataclasses
 import json
 
 import pytest
+from conftest import write_hh_rows
+
+import dpo_min.train
 
 from dpo_min.train.args import DEMO_DEFAULTS, EVAL_FRACTION, UsageError
 from dpo_min.train.plan import EMBEDDED_MODEL_NAME, decide, resolve
 from dpo_min.train.run_dir import MANIFEST, OutputDirError, RunFolder
+
 
 
 def test_the_demo_is_decided_once_with_its_held_out_share_and_adapter(tmp_path):
@@ -85,3 +91,41 @@ def test_the_run_folder_discards_a_failed_run_it_began_and_always_releases_its_l
     with pytest.raises(OutputDirError, match="not a dpo_min run's"), folder.claimed(True, None):
         pass
     assert not folder.lock_path.exists()
+
+
+def _snapshot(plan):
+    """The plan field by field, in comparable form: the option sets as dicts, the folder by its paths."""
+    fields = {field.name: getattr(plan, field.name) for field in dataclasses.fields(plan)}
+    fields.update(model=dataclasses.asdict(plan.model), data=dataclasses.asdict(plan.data), args=plan.args.to_dict(),
+                  folder=(plan.folder.named, plan.folder.output_dir, plan.folder.staging))
+    return fields
+
+
+@pytest.mark.parametrize("extra", [
+    ["--eval_fraction", "0.25", "--model_init_kwargs", '{"attn_implementation": "eager"}'],  # used up by the load
+    ["--eval_fraction", "0"],  # no held-out pairs: no step-0 evaluation to run
+])
+def test_running_the_phases_leaves_the_plan_as_resolved(tmp_path, tiny_model_dir, isolated_cache, monkeypatch,
+                                                        extra):
+    # The phases read the plan and never write it: what resolve returned is what the run did, to the last field.
+    data_file = write_hh_rows(tmp_path / "pairs.jsonl", 12)
+    resolved = []
+
+    def recording_resolve(argv):
+        plan = resolve(argv)
+        resolved.append((plan, copy.deepcopy(_snapshot(plan))))
+        return plan
+
+    monkeypatch.setattr(dpo_min.train, "resolve", recording_resolve)
+    argv = ["--model", str(tiny_model_dir), "--dataset", str(data_file), "--output_dir", str(tmp_path / "run"),
+            "--max_steps", "2", "--per_device_train_batch_size", "2",
+            "--num_samples", "1", "--max_new_tokens", "2", "--save_strategy", "no", "--disable_tqdm", "true",
+            "--use_peft", "--eval_on_start", "true", *extra]
+    assert dpo_min.train.main(argv) == 0
+    (plan, before), = resolved
+    after = _snapshot(plan)
+    changed = {f"{name}.{key}": (before[name][key], value[key]) for name, value in after.items()
+               for key in (value if isinstance(value, dict) else []) if value[key] != before[name].get(key)}
+    changed |= {name: (before[name], value) for name, value in after.items()
+                if not isinstance(value, dict) and value != before[name]}
+    assert changed == {}  # field -> (as resolved, after the run)

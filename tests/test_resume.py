@@ -215,7 +215,8 @@ def test_the_same_run_however_it_is_spelled_resumes(finished_run, tmp_path, caps
 def test_a_record_from_before_the_plan_decided_the_data_seed_and_share_is_the_same_run(tmp_path):
     """A record that left data_seed and eval_fraction to the plan (None) compares them no more; the seed stays."""
     from dpo_min.train.plan import resolve
-    from dpo_min.train.run_dir import MANIFEST, OutputDirError, check_same_run
+    from dpo_min.train.resume import check_same_run
+    from dpo_min.train.run_dir import MANIFEST, OutputDirError
 
     argv = ["--model", str(tmp_path / "model"), "--dataset", str(tmp_path / "a.jsonl"), "--output_dir",
             str(tmp_path / "out")]
@@ -233,7 +234,8 @@ def test_a_record_from_before_the_plan_decided_the_data_seed_and_share_is_the_sa
 def test_a_resume_compares_parsed_mixtures_and_names_the_entries_that_differ(tmp_path):
     """The same mixture as YAML in a recipe and as JSON on the command line is the same run; another entry is named."""
     from dpo_min.train.command_line import parse_args
-    from dpo_min.train.run_dir import MANIFEST, OutputDirError, check_same_run, resume_settings
+    from dpo_min.train.resume import check_same_run, resume_settings
+    from dpo_min.train.run_dir import MANIFEST, OutputDirError
 
     mixture = [{"path": "a.jsonl"}, {"path": "b.jsonl", "split": "train"}]
     recipe = tmp_path / "recipe.yaml"
@@ -256,7 +258,8 @@ def test_a_resume_compares_parsed_mixtures_and_names_the_entries_that_differ(tmp
 
 def test_a_test_split_size_given_as_text_or_as_a_number_is_the_same_run(tmp_path):
     from dpo_min.train.command_line import parse_args
-    from dpo_min.train.run_dir import MANIFEST, OutputDirError, check_same_run, resume_settings
+    from dpo_min.train.resume import check_same_run, resume_settings
+    from dpo_min.train.run_dir import MANIFEST, OutputDirError
 
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text("datasets:\n  - path: a.jsonl\ntest_split_size: 3\n")

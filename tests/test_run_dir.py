@@ -18,7 +18,8 @@ from safetensors.torch import save_file
 from dpo_min.models import cache_dir
 from dpo_min import train as train_command
 from dpo_min.train import main, run_dir
-from dpo_min.train.run_dir import MANIFEST, OutputDirError, RunFolder, checkpoint_problems, resolve_checkpoint
+from dpo_min.train.resume import checkpoint_problems, resolve_checkpoint
+from dpo_min.train.run_dir import MANIFEST, OutputDirError, RunFolder
 
 FORK = multiprocessing.get_context("fork")
 # Options with which a run on 12 pairs goes through (so that, without the checks, it would reach the replace).

