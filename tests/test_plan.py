@@ -48,7 +48,7 @@ def test_the_plan_owns_the_push_the_repository_and_the_resume(tmp_path, capsys):
                     "--output_dir", str(tmp_path / "my-run"), "--resume_from_checkpoint", "latest"])
     assert plan.push and not plan.args.push_to_hub  # the command pushes the published folder, not Trainer
     assert plan.repo_id == "my-run" and plan.resuming and not plan.args.eval_on_start and not plan.ties_at_start
-    assert plan.data.dataset is None and plan.settings["dataset"] is None  # TRL's rule: the mixture is trained
+    assert plan.data.dataset is None and plan.resume_settings["dataset"] is None  # TRL's rule: the mixture is trained
     assert "the mixture is trained, dataset ignored" in capsys.readouterr().err
     named = resolve(["--dataset", "p.jsonl", "--hub_model_id", "me/x", "--output_dir", str(tmp_path / "o")])
     assert (named.repo_id, named.push) == ("me/x", False)

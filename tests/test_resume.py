@@ -220,7 +220,7 @@ def test_a_record_from_before_the_plan_decided_the_data_seed_and_share_is_the_sa
 
     argv = ["--model", str(tmp_path / "model"), "--dataset", str(tmp_path / "a.jsonl"), "--output_dir",
             str(tmp_path / "out")]
-    settings = resolve(argv).settings
+    settings = resolve(argv).resume_settings
     assert (settings["data_seed"], settings["eval_fraction"]) == (42, 0.05)
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / MANIFEST).write_text(json.dumps({"data_settings": {
@@ -228,7 +228,7 @@ def test_a_record_from_before_the_plan_decided_the_data_seed_and_share_is_the_sa
     checkpoint = str(tmp_path / "run" / "checkpoint-1")
     check_same_run(checkpoint, settings)
     with pytest.raises(OutputDirError, match=r"other settings \(seed 42 -> 7\)"):
-        check_same_run(checkpoint, resolve([*argv, "--seed", "7"]).settings)
+        check_same_run(checkpoint, resolve([*argv, "--seed", "7"]).resume_settings)
 
 
 def test_a_resume_compares_parsed_mixtures_and_names_the_entries_that_differ(tmp_path):

@@ -161,14 +161,14 @@ def _checkpoint(plan: Plan) -> str | None:
     checkpoint = resolve_checkpoint(plan.args.resume_from_checkpoint, plan.folder.staging, warn=_say(plan))
     if plan.push and plan.is_main:
         _check_push(plan.repo_id, plan.args.hub_token)
-    check_same_run(checkpoint, plan.settings)
+    check_same_run(checkpoint, plan.resume_settings)
     return checkpoint
 
 
 def _begin(plan: Plan, checkpoint: str | None, train_pairs: Any, held_out: Any) -> None:
     """The staging folder, made (or the interrupted run's, reused) with the run's settings, and for a run with
     checkpoints its pairs' digest, checked against the interrupted run's."""
-    settings = plan.settings
+    settings = plan.resume_settings
     if plan.args.save_strategy != "no" or plan.resuming:  # only a run with checkpoints is resumed
         settings = {**settings, PAIRS_DIGEST: pairs_digest(train_pairs, held_out)}
         check_same_run(checkpoint, settings)

@@ -40,7 +40,7 @@ class Plan:
     push: bool
     resuming: bool
     # What a resumed run must share with the interrupted one (resume.resume_keys), fixed as `decide` decides it.
-    settings: dict[str, Any] = field(default_factory=dict)
+    resume_settings: dict[str, Any] = field(default_factory=dict)
     rounds: RoundsArguments | None = None  # --rounds N: DPO in rounds (train/rounds.py) instead of one offline run
 
     @property
@@ -94,7 +94,7 @@ def decide(model_args: ModelArguments, data_args: DataArguments, args: DPOMinCon
         reload_reference=(zero.zero_stage(args) == 3 and not model_args.use_peft
                           and not args.precompute_ref_log_probs and args.loss_settings.reads_reference),
         folder=folder, repo_id=hub_repo_id(folder.named, args.hub_model_id), push=push, resuming=resuming)
-    return replace(plan, settings=resume_settings(model_args, data_args, args, decided=plan.decided_settings))
+    return replace(plan, resume_settings=resume_settings(model_args, data_args, args, decided=plan.decided_settings))
 
 
 def _mixture_form(data_args: DataArguments) -> str | None:
