@@ -154,7 +154,11 @@ def _evaluate(run: _Run, model: Any, round_index: int) -> None:
 
 def _phase(run: _Run, path: Path, times: dict[str, float], name: str, make: Callable[[], list[dict]]) -> list[dict]:
     """A phase's rows: read back when an earlier call wrote them, else made (timed) and written whole."""
-    if path.exists():
+    done = path.exists()
+    # Every process looks before the main one can write it: else a late process finds the file just written, skips
+    # the barrier below and leaves the main process waiting there (a hang under accelerate launch, seen once in CI).
+    run.state.wait_for_everyone()
+    if done:
         return store.read_jsonl(path)
     start = time.perf_counter()
     rows = make()
