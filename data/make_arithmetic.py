@@ -3,8 +3,9 @@
 
     python data/make_arithmetic.py            # rewrites the file; the same bytes every time
 
-The rule (data/README.md): ROWS prompts, the three kinds in turn (two-digit addition, two-digit subtraction with a
-result >= 0, single-digit multiplication), operands drawn by random.Random(SEED), no problem twice. Each row is a
+The rule (data/README.md): ROWS prompts, the four kinds in turn (single-digit addition, single-digit subtraction
+with a result >= 0, single-digit multiplication, two-digit addition with no carry), operands drawn by
+random.Random(SEED), no problem twice. Each row is a
 one-turn conversation and its integer `solution`, read by dpo_min.rounds.arithmetic.last_integer_reward.
 """
 
@@ -16,10 +17,13 @@ from pathlib import Path
 SEED = 33
 ROWS = 96
 QUESTION = "What is {a} {op} {b}? Answer with the number."
+# Single digits are 2..9. No carry: each two-digit operand's digits are at most 4 (tens 1..4), so no column sums
+# past 9.
 KINDS = (
-    ("+", lambda draw: (draw(10, 99), draw(10, 99)), lambda a, b: a + b),
-    ("-", lambda draw: sorted((draw(10, 99), draw(10, 99)), reverse=True), lambda a, b: a - b),
+    ("+", lambda draw: (draw(2, 9), draw(2, 9)), lambda a, b: a + b),
+    ("-", lambda draw: sorted((draw(2, 9), draw(2, 9)), reverse=True), lambda a, b: a - b),
     ("*", lambda draw: (draw(2, 9), draw(2, 9)), lambda a, b: a * b),
+    ("+", lambda draw: (10 * draw(1, 4) + draw(0, 4), 10 * draw(1, 4) + draw(0, 4)), lambda a, b: a + b),
 )
 
 

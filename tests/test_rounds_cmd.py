@@ -2,6 +2,7 @@
 line; the rounds' demo takes its own defaults; the arithmetic prompts are generated deterministically and their
 reward reads the last integer of a completion."""
 
+import hashlib
 import importlib.util
 import json
 import os
@@ -168,9 +169,15 @@ def test_the_arithmetic_prompts_follow_the_rule_in_data_readme():
         (message,) = row["prompt"]
         a, op, b = message["content"].removeprefix("What is ").removesuffix("? Answer with the number.").split()
         a, b = int(a), int(b)
-        assert op == "+-*"[index % 3] and message["role"] == "user"
-        assert (10 <= a <= 99 and 10 <= b <= 99) if op in "+-" else (2 <= a <= 9 and 2 <= b <= 9)
+        kind = index % 4  # single-digit +, -, *, then two-digit + with no carry
+        assert op == "+-*+"[kind] and message["role"] == "user"
+        if kind < 3:
+            assert 2 <= a <= 9 and 2 <= b <= 9
+        else:
+            assert all(1 <= n // 10 <= 4 and n % 10 <= 4 for n in (a, b))  # no column sums past 9
         assert row["solution"] == {"+": a + b, "-": a - b, "*": a * b}[op] >= 0
+    digest = hashlib.sha256(EMBEDDED_PROMPTS.read_bytes()).hexdigest()
+    assert f"`{digest}`" in (ROOT / "data" / "README.md").read_text()  # the sha256 data/README.md gives
 
 
 @pytest.mark.parametrize(("text", "expected"), [
