@@ -195,9 +195,10 @@ DEMO_DEFAULTS_SHOWN = {"chat_template": "SmolLM2's own, less its default system 
 
 # The rounds' demo (--rounds N with no --model and no data: SmolLM2-135M-Instruct with LoRA on the 96 embedded
 # arithmetic prompts, data/arithmetic-prompts.jsonl, judged by their exact answers): sampling at the temperature the
-# task was measured at (about 30% of single-digit answers right, issue 33), 32 new tokens (room for `47 + 38 = 85`
-# and a sentence), a third of the prompts held out (32, each scored greedily before round 1 and after each round),
-# and a learning rate a fifth of the offline demo's, so that one round does not saturate the task.
+# task was measured at (about a fifth of the samples right before round 1; greedy, 7 of the 32 held-out prompts),
+# 32 new tokens (room for `43 + 30 = 73` and a sentence), a third of the prompts held out (32, each scored greedily
+# before round 1 and after each round), and a learning rate a fifth of the offline demo's, so that one round does
+# not saturate the task (held-out 7 -> 10 -> 16 -> 24 of 32 over three rounds, docs/rounds.md).
 ROUNDS_DEMO_DEFAULTS = {
     "chat_template": SMOLLM2_TEMPLATE_WITHOUT_SYSTEM,
     "num_generations": 4,
