@@ -3,6 +3,7 @@
 import json
 import math
 import re
+import statistics
 
 import pytest
 import torch
@@ -13,9 +14,11 @@ from test_train import held_out_pairs, sequence_logp, tiny_run_args
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from dpo_min.config import DPOMinConfig
+from dpo_min.intervals import mean_interval
+from dpo_min.rounds.held_out import mean_with_interval
 from dpo_min.tokenizing import tokenize_dataset
 from dpo_min.train import main
-from dpo_min.train.report import describe_held_out, describe_ties, mean_interval, plot_training, smoothed, tie_figures
+from dpo_min.train.report import describe_held_out, describe_ties, plot_training, smoothed, tie_figures
 
 
 def test_each_evaluation_logs_scalars_and_completions_to_tensorboard(tmp_path, tiny_model_dir):
@@ -50,6 +53,17 @@ def test_mean_interval_matches_hand_computed_values():
     # [1, 2, 3, 4]: mean 2.5, sample sd sqrt(5/3) = 1.290994, standard error 0.645497, x 1.959964 = 1.265151.
     assert mean_interval([1.0, 2.0, 3.0, 4.0]) == pytest.approx((2.5, 1.234849, 3.765151), abs=1e-6)
     assert mean_interval([0.7]) == (0.7, 0.7, 0.7)  # one pair: no spread to estimate
+
+
+def test_the_rounds_held_out_interval_is_the_commands_interval_checked_against_statistics():
+    rewards = [1.0, 0.0, 1.0, 1.0, 0.0, 0.5]
+    half = 1.959964 * statistics.stdev(rewards) / math.sqrt(len(rewards))  # the sample sd, computed apart
+    line = mean_with_interval(rewards)
+    assert (line["mean"], line["low"], line["high"]) == pytest.approx(
+        (statistics.mean(rewards), statistics.mean(rewards) - half, statistics.mean(rewards) + half), abs=1e-12)
+    assert line["n"] == 6 and (line["low"], line["high"]) == mean_interval(rewards)[1:]
+    assert mean_with_interval([1.0]) == {"mean": 1.0, "low": None, "high": None, "n": 1}
+    assert mean_with_interval([]) == {"mean": None, "low": None, "high": None, "n": 0}
 
 
 def test_held_out_summary_gives_the_count_the_wilson_interval_and_the_margin_interval():

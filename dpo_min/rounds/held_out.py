@@ -1,9 +1,10 @@
 """Held-out prompts, never sampled for training: the mean reward of one greedy completion each, with its 95%
-interval (mean +- 1.96 standard errors, the normal approximation), before round 1 and after each round."""
+interval (the normal approximation, dpo_min.intervals), before round 1 and after each round."""
 
-import math
 from pathlib import Path
 from typing import Any
+
+from dpo_min.intervals import mean_interval
 
 
 def mean_with_interval(values: list[float]) -> dict[str, Any]:
@@ -11,11 +12,10 @@ def mean_with_interval(values: list[float]) -> dict[str, Any]:
     n = len(values)
     if n == 0:
         return {"mean": None, "low": None, "high": None, "n": 0}
-    mean = sum(values) / n
+    mean, low, high = mean_interval(values)
     if n < 2:
         return {"mean": mean, "low": None, "high": None, "n": 1}
-    half = 1.96 * math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1) / n)
-    return {"mean": mean, "low": mean - half, "high": mean + half, "n": n}
+    return {"mean": mean, "low": low, "high": high, "n": n}
 
 
 def describe(line: dict[str, Any]) -> str:

@@ -13,7 +13,7 @@ from typing import Any
 
 from ..losses import LOSSES, LossSettings
 from ..models import DEFAULT_GGUF, DEFAULT_MODEL
-from .report import wilson_interval
+from ..intervals import wilson_interval
 from .run_dir import STAGING_SUFFIX
 
 DPO_CITATION = """@inproceedings{rafailov2023direct,

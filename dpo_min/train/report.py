@@ -10,6 +10,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import ProgressCallback, TrainerCallback
 
+from ..intervals import mean_interval, wilson_interval
 from ..logps import sequence_logps
 
 # The held-out figures the command prints and compares (TRL's names) and how they are shown.
@@ -97,27 +98,6 @@ def collapse_warnings(after: dict[str, float], policy_texts: list[str]) -> list[
             warnings.append(f"the policy drifted {drift:+.2f} nats per token from the reference on {name} "
                             f"completions (alarm at {DRIFT_ALARM}): the reward figures say little about such a model")
     return warnings
-
-
-def wilson_interval(successes: int, trials: int, z: float = 1.959964) -> tuple[float, float]:
-    """Wilson score interval for a binomial proportion (95% for the default z); stays inside [0, 1] at 0 or n."""
-    if trials == 0:
-        return 0.0, 1.0
-    rate = successes / trials
-    centre = (rate + z * z / (2 * trials)) / (1 + z * z / trials)
-    half = z * math.sqrt(rate * (1 - rate) / trials + z * z / (4 * trials * trials)) / (1 + z * z / trials)
-    return max(0.0, centre - half), min(1.0, centre + half)
-
-
-def mean_interval(values: list[float], z: float = 1.959964) -> tuple[float, float, float]:
-    """(mean, low, high): the mean with its 95% interval, mean +- z * s / sqrt(n) (normal approximation, s the sample
-    standard deviation); the interval is the mean itself for fewer than two values."""
-    count = len(values)
-    mean = sum(values) / count
-    if count < 2:
-        return mean, mean, mean
-    spread = z * math.sqrt(sum((value - mean) ** 2 for value in values) / (count - 1) / count)
-    return mean, mean - spread, mean + spread
 
 
 def describe_ties(pairs: int, loss_type: Any) -> str:
