@@ -424,7 +424,8 @@ def test_the_command_streams_with_max_steps(tmp_path, tiny_model_dir, capsys):
                  "--logging_steps", "1", "--disable_tqdm", "true"])
     assert code == 0
     metrics = json.loads((output_dir / "metrics.json").read_text())
-    assert metrics["train_pairs"] == "streamed" and metrics["held_out_pairs"] == 2
+    assert metrics["train_pairs"] is None and metrics["held_out_pairs"] == 2  # a stream has no length
+    assert "streamed preference pairs trained on, 2 held out" in (output_dir / "README.md").read_text()
     state = json.loads((output_dir / "trainer_state.json").read_text())
     assert [entry["step"] for entry in state["log_history"] if "loss" in entry] == [1, 2]
     assert "stream, in the run: read 8 rows, dropped 0\n" in capsys.readouterr().out

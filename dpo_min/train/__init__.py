@@ -221,11 +221,11 @@ def sample_reference(trainer: DPOMinTrainer, plan: Plan, held_out: Dataset | Non
     prompts = held_out["prompt"][:plan.data.num_samples] if held_out is not None else []
     pairs = [trainer.eval_dataset[i] for i in range(len(prompts))]
     train_pairs = pair_count(trainer.train_dataset)
-    say(f"model {plan.model_name} | {train_pairs} train pairs, "
+    say(f"model {plan.model_name} | {'streamed' if train_pairs is None else train_pairs} train pairs, "
         f"{0 if held_out is None else len(trainer.eval_dataset)} held-out | "
         f"{'LoRA r=' + str(plan.model.lora_r) if plan.model.use_peft else 'full fine-tuning'} | "
         f"output {plan.folder.named}")
-    if isinstance(train_pairs, int):
+    if train_pairs is not None:
         say(describe_plan(plan.args, train_pairs))
     texts = greedy_completions(model, trainer.processing_class, prompts, plan.data.max_new_tokens) \
         if plan.is_main else []

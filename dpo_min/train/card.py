@@ -45,7 +45,7 @@ def hub_repo_id(output_dir: str | Path, hub_model_id: str | None = None) -> str:
     return name.removesuffix(STAGING_SUFFIX)
 
 
-def model_card(*, model: str | None, kind: str, datasets: dict[str, Any], train_pairs: int, held_out_pairs: int,
+def model_card(*, model: str | None, kind: str, datasets: dict[str, Any], train_pairs: int | None, held_out_pairs: int,
                args: Any, reference: str, lora: dict[str, Any] | None, before: dict[str, float],
                after: dict[str, float], repo_id: str) -> str:
     """The card's markdown. `kind` is 'adapter', 'merged' or 'full'; `datasets` what the run trained on, each name
@@ -87,8 +87,9 @@ def model_card(*, model: str | None, kind: str, datasets: dict[str, Any], train_
     return "\n".join(sections)
 
 
-def _data_section(datasets: dict[str, Any], train_pairs: int, held_out_pairs: int) -> str:
-    counts = f"{train_pairs} preference pairs trained on, {held_out_pairs} held out"
+def _data_section(datasets: dict[str, Any], train_pairs: int | None, held_out_pairs: int) -> str:
+    trained = "streamed" if train_pairs is None else train_pairs  # a stream has no length
+    counts = f"{trained} preference pairs trained on, {held_out_pairs} held out"
     if len(datasets) == 1:
         return f"## Data\n\n`{next(iter(datasets))}`: {counts}.\n"
     return (f"## Data\n\nA mixture of {len(datasets)} datasets, {counts}; the pairs each gave to training:\n\n"

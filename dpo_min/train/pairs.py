@@ -118,9 +118,9 @@ def dropped_rows(train_pairs: Any) -> dict[str, int]:
     return {reason: found[reason] for reason in (SKIPPED, *UNPAIRED, *DROP_REASONS) if found.get(reason)}
 
 
-def pair_count(pairs: Any) -> int | str:
-    """How many pairs a dataset holds; "streamed" for a stream, which has no length."""
-    return len(pairs) if hasattr(pairs, "__len__") else "streamed"
+def pair_count(pairs: Any) -> int | None:
+    """How many pairs a dataset holds; None for a stream, which has no length (metrics.json: null)."""
+    return len(pairs) if hasattr(pairs, "__len__") else None
 
 
 class _Stdout(logging.Handler):
