@@ -57,6 +57,39 @@ def test_the_plan_owns_the_push_the_repository_and_the_resume(tmp_path, capsys):
                  "--output_dir", str(tmp_path / "o")])
 
 
+def test_decide_leaves_the_callers_options_as_given_and_warns_on_the_main_process_only(tmp_path, capsys,
+                                                                                       monkeypatch):
+    from dpo_min.train.command_line import parse_args
+
+    given = parse_args(["--dataset", "p.jsonl", "--datasets", json.dumps([{"path": "q.jsonl"}]), "--push_to_hub",
+                        "--output_dir", str(tmp_path / "run"), "--resume_from_checkpoint", "latest"])
+    before = copy.deepcopy(given)
+    plan = decide(*given)
+    assert plan.data.dataset is None and plan.args.output_dir.endswith("run.partial") and not plan.args.push_to_hub
+    model_args, data_args, args = given  # ... in the plan's copies; the caller's objects are as parsed
+    assert (dataclasses.asdict(model_args), dataclasses.asdict(data_args), args.to_dict()) == (
+        dataclasses.asdict(before[0]), dataclasses.asdict(before[1]), before[2].to_dict())
+    assert capsys.readouterr().err.count("the mixture is trained, dataset ignored") == 1
+    monkeypatch.setattr(type(args), "process_index", property(lambda self: 1))  # another process of the run
+    decide(model_args, data_args, args)
+    assert "dataset ignored" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("checkpoint", "resuming", "resumes_here"), [
+    (None, False, False),
+    ("latest", True, True),  # this folder's interrupted run
+    ("{run}.partial/checkpoint-2", True, True),  # a checkpoint of it, named
+    ("{elsewhere}/checkpoint-2", True, False),  # another run's checkpoint: a new run here, its training continued
+])
+def test_the_plan_says_once_what_resuming_means(tmp_path, checkpoint, resuming, resumes_here):
+    argv = ["--dataset", "p.jsonl", "--output_dir", str(tmp_path / "run")]
+    if checkpoint is not None:
+        argv += ["--resume_from_checkpoint", checkpoint.format(run=tmp_path / "run", elsewhere=tmp_path / "other")]
+    plan = resolve(argv)
+    assert (plan.resuming, plan.resumes_here) == (resuming, resumes_here)
+    assert plan.args.eval_on_start is not resuming  # a resumed run has its first run's step 0
+
+
 def test_zero3_full_fine_tuning_loads_the_reference_again(tmp_path, monkeypatch):
     from dpo_min.train import plan as plan_module
     from dpo_min.train.command_line import parse_args
@@ -71,24 +104,24 @@ def test_zero3_full_fine_tuning_loads_the_reference_again(tmp_path, monkeypatch)
 
 def test_the_run_folder_discards_a_failed_run_it_began_and_always_releases_its_lock(tmp_path):
     folder = RunFolder(tmp_path / "run")
-    with pytest.raises(RuntimeError), folder.claimed(is_main=True, resume_from_checkpoint=None):
+    with pytest.raises(RuntimeError), folder.claimed(is_main=True, resumes_here=False):
         assert folder.lock_path.exists()
         raise RuntimeError("before begin: nothing of the run's to discard")
     assert not folder.lock_path.exists()
-    with pytest.raises(RuntimeError), folder.claimed(is_main=True, resume_from_checkpoint=None):
+    with pytest.raises(RuntimeError), folder.claimed(is_main=True, resumes_here=False):
         folder.begin({})
         (folder.staging / "half-written").write_text("x")
         raise RuntimeError("after begin")
     assert not folder.staging.exists() and not folder.lock_path.exists()
-    with folder.claimed(is_main=True, resume_from_checkpoint=None):
+    with folder.claimed(is_main=True, resumes_here=False):
         folder.begin({})
         folder.publish()
     assert (folder.output_dir / MANIFEST).exists() and not folder.lock_path.exists()
     # Another process of the run neither locks nor checks: the main one may have made the folder meanwhile.
-    with folder.claimed(is_main=False, resume_from_checkpoint=None):
+    with folder.claimed(is_main=False, resumes_here=False):
         assert not folder.lock_path.exists()
     (folder.output_dir / "mine.txt").write_text("the user's")
-    with pytest.raises(OutputDirError, match="not a dpo_min run's"), folder.claimed(True, None):
+    with pytest.raises(OutputDirError, match="not a dpo_min run's"), folder.claimed(True, False):
         pass
     assert not folder.lock_path.exists()
 

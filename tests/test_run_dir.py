@@ -87,7 +87,7 @@ def test_replacing_a_run_removes_exactly_the_files_its_manifest_lists(tmp_path):
 
     (folder / "notes.txt").write_text("mine")  # a file no run wrote: the folder is no longer ours to replace
     with pytest.raises(OutputDirError, match=r"holds files that are not a dpo_min run's \(notes.txt\)"):
-        RunFolder(folder).prepare(None)
+        RunFolder(folder).prepare(False)
     run = RunFolder(folder)
     run.begin({})
     (run.staging / "c.txt").write_text("newer")
@@ -260,7 +260,7 @@ def test_a_kill_during_publish_leaves_one_whole_run_under_the_name(tmp_path, ste
     run = RunFolder(output_dir)
     run.lock()
     with pytest.raises(OutputDirError) if (tmp_path / "run.partial").exists() else _nothing():
-        run.prepare(None)
+        run.prepare(False)
     run.release()
     published = tree(output_dir)
     assert json.loads(published.pop(MANIFEST))["complete"] is True
@@ -399,7 +399,7 @@ def test_a_link_inside_a_run_folder_is_foreign_and_nothing_is_deleted_through_it
     (folder / "checkpoint-1").rmdir()
     (folder / "checkpoint-1").symlink_to(outside, target_is_directory=True)  # the listed file now lies outside
     with pytest.raises(OutputDirError, match=r"holds files that are not a dpo_min run's \(checkpoint-1\)"):
-        RunFolder(folder).prepare(None)
+        RunFolder(folder).prepare(False)
     run_dir._remove_run(folder)  # and even asked to delete the run, the file behind the link stays
     assert (outside / "x.bin").read_text() == "precious" and (folder / "checkpoint-1").is_symlink()
 

@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
         if plan.rounds is not None:  # DPO in rounds: its own phases (train/rounds.py)
             rounds.run(plan, load_model)
             return 0
-        with plan.folder.claimed(plan.is_main, plan.args.resume_from_checkpoint):
+        with plan.folder.claimed(plan.is_main, plan.resumes_here):
             checkpoint = _checkpoint(plan)
             train_pairs, held_out = load_pairs(plan)  # before the model: a bad file fails in a second
             _begin(plan, checkpoint, train_pairs, held_out)

@@ -5,8 +5,10 @@ What depends on the data (the pairs' digest, how many held-out pairs a mixture h
 everything else is here, each decision in one place.
 """
 
+import copy
 import sys
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 from ..config import DPOMinConfig
@@ -38,7 +40,10 @@ class Plan:
     folder: RunFolder  # the output folder, its links followed once
     repo_id: str  # the hub repository the run is (or would be) pushed to
     push: bool
-    resuming: bool
+    resuming: bool  # --resume_from_checkpoint given: the run continues a checkpoint's training (its step 0 is past)
+    # ... and that checkpoint is this folder's interrupted run ("latest", or a path inside the staging folder): the
+    # staging folder it left is reused, not refused (RunFolder.prepare).
+    resumes_here: bool
     # What a resumed run must share with the interrupted one (resume.resume_keys), fixed as `decide` decides it.
     resume_settings: dict[str, Any] = field(default_factory=dict)
     rounds: RoundsArguments | None = None  # --rounds N: DPO in rounds (train/rounds.py) instead of one offline run
@@ -78,11 +83,14 @@ def resolve(argv: list[str] | None = None) -> Plan:
 
 
 def decide(model_args: ModelArguments, data_args: DataArguments, args: DPOMinConfig, demo: bool = False) -> Plan:
-    """The Plan of parsed options (a library caller's too)."""
-    mixture = _mixture_form(data_args)
+    """The Plan of parsed options (a library caller's too). The plan holds its own copies: the caller's three
+    objects are left as they were given."""
+    model_args, data_args, args = copy.deepcopy(model_args), copy.deepcopy(data_args), copy.deepcopy(args)
+    mixture = _mixture_form(data_args, is_main=args.process_index == 0)
     folder = RunFolder(args.output_dir)  # follows links once; refuses the working folder or above it
     push, args.push_to_hub = args.push_to_hub, False  # Trainer would name the repo after the staging folder
-    resuming = args.resume_from_checkpoint is not None
+    checkpoint = args.resume_from_checkpoint
+    resuming = checkpoint is not None
     args.eval_on_start = args.eval_on_start and not resuming  # a resumed run has its first run's step 0
     args.output_dir = str(folder.staging)
     given_fraction = data_args.eval_fraction
@@ -93,17 +101,21 @@ def decide(model_args: ModelArguments, data_args: DataArguments, args: DPOMinCon
         saved_as="full" if not model_args.use_peft else "merged" if model_args.merge_adapter else "adapter",
         reload_reference=(zero.zero_stage(args) == 3 and not model_args.use_peft
                           and not args.precompute_ref_log_probs and args.loss_settings.reads_reference),
-        folder=folder, repo_id=hub_repo_id(folder.named, args.hub_model_id), push=push, resuming=resuming)
+        folder=folder, repo_id=hub_repo_id(folder.named, args.hub_model_id), push=push, resuming=resuming,
+        resumes_here=checkpoint == "latest" or (
+            resuming and Path(checkpoint).resolve().is_relative_to(folder.staging.resolve())))
     return replace(plan, resume_settings=resume_settings(model_args, data_args, args, decided=plan.decided_settings))
 
 
-def _mixture_form(data_args: DataArguments) -> str | None:
+def _mixture_form(data_args: DataArguments, is_main: bool) -> str | None:
+    """Which mixture form is given; a dataset beside it is dropped from (the plan's copy of) data_args."""
     given = [name for name in MIXTURE_KEYS if getattr(data_args, name) is not None]
     if len(given) > 1:
         raise UsageError(f"one mixture per run: {' and '.join(given)} are both given")
     if given and data_args.dataset is not None:
         # Both in one place (the recipe, or the command line): TRL's rule, the mixture is trained.
-        print(f"warning: both {given[0]} (a mixture) and dataset {data_args.dataset} are given; the mixture is "
-              "trained, dataset ignored", file=sys.stderr)
+        if is_main:  # said once, not by every process of the run
+            print(f"warning: both {given[0]} (a mixture) and dataset {data_args.dataset} are given; the mixture is "
+                  "trained, dataset ignored", file=sys.stderr)
         data_args.dataset = None
     return given[0] if given else None

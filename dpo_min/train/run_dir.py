@@ -88,7 +88,7 @@ class RunFolder:
         return str(self.named) if self.named == self.output_dir else f"{self.named} (-> {self.output_dir})"
 
     @contextmanager
-    def claimed(self, is_main: bool, resume_from_checkpoint: str | None) -> Iterator["RunFolder"]:
+    def claimed(self, is_main: bool, resumes_here: bool) -> Iterator["RunFolder"]:
         """The folder for one run. The main process locks and checks it (`prepare`) on entry and releases it on exit;
         a failure after `begin` discards the staging folder (its checkpoints kept). The other processes of a run
         neither lock nor look: the main one may have made the folder."""
@@ -96,7 +96,7 @@ class RunFolder:
             self.lock()
         try:
             if is_main:
-                self.prepare(resume_from_checkpoint)
+                self.prepare(resumes_here)
             yield self
         except BaseException as error:
             if self._begun:  # a stop by a signal says in its own line what is kept
@@ -163,18 +163,16 @@ class RunFolder:
         self._made_parents = []
 
     # ---- before the run -----------------------------------------------------------------------------------------
-    def prepare(self, resume_from_checkpoint: str | None) -> None:
-        """Under the lock: finish a publish a kill cut short, then check the folder and the interrupted run."""
+    def prepare(self, resumes_here: bool) -> None:
+        """Under the lock: finish a publish a kill cut short, then check the folder and the interrupted run, which
+        only a run that resumes it (`Plan.resumes_here`) may reuse."""
         self._recover()
         foreign = self.foreign_files(self.output_dir)
         if foreign:
             raise OutputDirError(f"--output_dir {self.shown} holds files that are not a dpo_min run's "
                                  f"({', '.join(foreign[:3])}{', ...' if len(foreign) > 3 else ''}); choose another "
                                  "folder")
-        resuming = resume_from_checkpoint == "latest" or (
-            resume_from_checkpoint is not None
-            and Path(resume_from_checkpoint).resolve().is_relative_to(self.staging.resolve()))
-        if self.staging.exists() and not resuming:
+        if self.staging.exists() and not resumes_here:
             if read_manifest(self.staging).get("complete"):
                 raise OutputDirError(f"{self.staging} holds a finished run that was not published; move it to "
                                      f"{self.output_dir} or delete it")
