@@ -1,5 +1,6 @@
 """DPOMinConfig: transformers.TrainingArguments plus the DPO knobs."""
 
+import copy
 import json
 import logging
 from dataclasses import dataclass, field, fields
@@ -178,6 +179,19 @@ class DPOMinConfig(TrainingArguments):
         # Trainer pickles the whole config into training_args.bin, in the output folder and every checkpoint, and a
         # push uploads it: a pickled copy holds no token. The live config keeps it, for the push.
         return {name: None if name in SECRET_FIELDS else value for name, value in self.__dict__.items()}
+
+    # A copy in memory is the same run (the plan's copy pushes with the token): copy and deepcopy would otherwise go
+    # through __getstate__ and drop it.
+    def __copy__(self) -> "DPOMinConfig":
+        copied = object.__new__(type(self))
+        copied.__dict__.update(self.__dict__)
+        return copied
+
+    def __deepcopy__(self, memo: dict) -> "DPOMinConfig":
+        copied = object.__new__(type(self))
+        memo[id(self)] = copied
+        copied.__dict__.update({name: copy.deepcopy(value, memo) for name, value in self.__dict__.items()})
+        return copied
 
     def _accept_liger_kernel(self) -> None:
         # What TRL 1.16 asks of Liger in DPO is memory: a fused LM head that never holds the [2B, T, V] logits (the

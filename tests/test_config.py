@@ -81,3 +81,18 @@ def test_trls_pad_to_multiple_of_values_read_as_compat_names_them(tmp_path, valu
     # TRL's default "auto" (None off AWS Neuron): the one table of such values is compat's.
     assert make(tmp_path, pad_to_multiple_of=value).pad_to_multiple_of == expected
     assert TRL_AUTO_PAD == ("auto", "none", "null")
+
+
+def test_a_copy_in_memory_keeps_the_hub_token_and_a_pickle_holds_none(tmp_path):
+    # The plan works on a deep copy of the config and pushes with it; training_args.bin is a pickle, written to disk.
+    import copy
+    import pickle
+
+    token = "hf_dpoMinSecret0123456789abcdef"
+    config = make(tmp_path, hub_token=token, loss_type=["sigmoid", "sft"])
+    copied = copy.deepcopy(config)
+    assert copied.hub_token == token and copied.loss_type == ["sigmoid", "sft"]
+    assert copied.loss_type is not config.loss_type  # deep: the copy's lists are its own
+    assert copy.copy(config).hub_token == token
+    assert pickle.loads(pickle.dumps(config)).hub_token is None
+    assert token.encode() not in pickle.dumps(copied)
