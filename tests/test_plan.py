@@ -3,6 +3,7 @@
 import copy
 import dataclasses
 import json
+import re
 
 import pytest
 from conftest import write_hh_rows
@@ -134,14 +135,8 @@ def _snapshot(plan):
     return fields
 
 
-@pytest.mark.parametrize("extra", [
-    ["--eval_fraction", "0.25", "--model_init_kwargs", '{"attn_implementation": "eager"}'],  # used up by the load
-    ["--eval_fraction", "0"],  # no held-out pairs: no step-0 evaluation to run
-])
-def test_running_the_phases_leaves_the_plan_as_resolved(tmp_path, tiny_model_dir, isolated_cache, monkeypatch,
-                                                        extra):
-    # The phases read the plan and never write it: what resolve returned is what the run did, to the last field.
-    data_file = write_hh_rows(tmp_path / "pairs.jsonl", 12)
+def _run_recording_the_plan(monkeypatch, argv):
+    """main(argv), with the plan resolve returned and a deep copy of it taken before any phase ran."""
     resolved = []
 
     def recording_resolve(argv):
@@ -150,10 +145,6 @@ def test_running_the_phases_leaves_the_plan_as_resolved(tmp_path, tiny_model_dir
         return plan
 
     monkeypatch.setattr(dpo_min.train, "resolve", recording_resolve)
-    argv = ["--model", str(tiny_model_dir), "--dataset", str(data_file), "--output_dir", str(tmp_path / "run"),
-            "--max_steps", "2", "--per_device_train_batch_size", "2",
-            "--num_samples", "1", "--max_new_tokens", "2", "--save_strategy", "no", "--disable_tqdm", "true",
-            "--use_peft", "--eval_on_start", "true", *extra]
     assert dpo_min.train.main(argv) == 0
     (plan, before), = resolved
     after = _snapshot(plan)
@@ -161,4 +152,118 @@ def test_running_the_phases_leaves_the_plan_as_resolved(tmp_path, tiny_model_dir
                for key in (value if isinstance(value, dict) else []) if value[key] != before[name].get(key)}
     changed |= {name: (before[name], value) for name, value in after.items()
                 if not isinstance(value, dict) and value != before[name]}
-    assert changed == {}  # field -> (as resolved, after the run)
+    return changed  # field -> (as resolved, after the run)
+
+
+@pytest.mark.parametrize("extra", [
+    ["--eval_fraction", "0.25", "--model_init_kwargs", '{"attn_implementation": "eager"}'],  # used up by the load
+    ["--eval_fraction", "0"],  # no held-out pairs: no step-0 evaluation to run
+    ["--datasets", '[{"path": "DATA"}]', "--test_split_size", "3", "--dtype", "float32"],  # a mixture
+])
+def test_running_the_phases_leaves_the_plan_as_resolved(tmp_path, tiny_model_dir, isolated_cache, monkeypatch,
+                                                        extra):
+    # The phases read the plan and never write it: what resolve returned is what the run did, to the last field.
+    data_file = write_hh_rows(tmp_path / "pairs.jsonl", 12)
+    extra = [value.replace("DATA", str(data_file)) for value in extra]
+    data = [] if "--datasets" in extra else ["--dataset", str(data_file)]
+    argv = ["--model", str(tiny_model_dir), *data, "--output_dir", str(tmp_path / "run"),
+            "--max_steps", "2", "--per_device_train_batch_size", "2",
+            "--num_samples", "1", "--max_new_tokens", "2", "--save_strategy", "no", "--disable_tqdm", "true",
+            "--use_peft", "--eval_on_start", "true", *extra]
+    assert _run_recording_the_plan(monkeypatch, argv) == {}
+
+
+def test_a_resumed_run_leaves_its_plan_as_resolved(tmp_path, tiny_model_dir, isolated_cache, monkeypatch):
+    data_file = write_hh_rows(tmp_path / "pairs.jsonl", 12)
+    argv = ["--model", str(tiny_model_dir), "--dataset", str(data_file), "--max_steps", "2",
+            "--per_device_train_batch_size", "2", "--num_samples", "0", "--save_strategy", "steps",
+            "--save_steps", "1", "--disable_tqdm", "true", "--use_peft"]
+    assert dpo_min.train.main([*argv, "--output_dir", str(tmp_path / "first")]) == 0
+    checkpoint = tmp_path / "first" / "checkpoint-1"
+    assert checkpoint.is_dir()
+    changed = _run_recording_the_plan(monkeypatch, [*argv, "--output_dir", str(tmp_path / "second"),
+                                                    "--resume_from_checkpoint", str(checkpoint)])
+    assert changed == {}
+
+
+def test_the_plan_decides_how_the_model_loads_and_the_load_passes_it_as_decided(tmp_path, monkeypatch):
+    from dpo_min.train import model_setup
+    from dpo_min.train.command_line import parse_args
+
+    plan = resolve(["--model", "m", "--dataset", "p.jsonl", "--model_revision", "v2", "--dtype", "bfloat16",
+                    "--model_init_kwargs", '{"attn_implementation": "eager", "low_cpu_mem_usage": true}',
+                    "--output_dir", str(tmp_path / "o")])
+    assert (plan.load.dtype, plan.load.bits) == ("bfloat16", None)
+    assert plan.load.kwargs == {"revision": "v2", "trust_remote_code": False, "attn_implementation": "eager",
+                                "low_cpu_mem_usage": True}
+    assert (plan.resume_settings["dtype"], plan.resume_settings["model_revision"]) == ("bfloat16", "v2")
+    # A library caller's model_init_kwargs dtype and revision win over the named options, and the resume records
+    # what loads: one owner of the decision.
+    model_args, data_args, args = parse_args(["--model", "m", "--dataset", "p.jsonl", "--use_peft",
+                                              "--output_dir", str(tmp_path / "o")])
+    args.model_init_kwargs = {"torch_dtype": "float16", "revision": "v3"}
+    plan = decide(model_args, data_args, args)
+    assert (plan.load.dtype, plan.load.kwargs["revision"]) == ("float16", "v3")
+    assert (plan.resume_settings["dtype"], plan.resume_settings["model_revision"]) == ("float16", "v3")
+    loaded = []
+    monkeypatch.setattr(model_setup, "load_model_and_tokenizer",
+                        lambda name, dtype, **kwargs: loaded.append((name, dtype, kwargs)) or (object(), object()))
+    model_setup.load_model(plan)
+    assert loaded == [("m", "float16", plan.load.kwargs)] and plan.load.kwargs["revision"] == "v3"
+    quantized = resolve(["--model", "m", "--dataset", "p.jsonl", "--use_peft", "--load_in_4bit",
+                         "--output_dir", str(tmp_path / "o")])
+    assert (quantized.load.bits, quantized.load.compute_dtype, quantized.load.kwargs["device_map"]) == (
+        4, "float32", {"": 0})  # dtype auto: the quantized layers compute in float32
+
+
+@pytest.mark.parametrize("pairs", [1, 2, 7, 10, 20, 33, 658])
+@pytest.mark.parametrize("eval_fraction", [0.01, 0.04, 0.05, 0.1, 0.3, 1 / 3, 0.5, 0.9])
+def test_the_plans_held_out_count_is_what_datasets_holds_out_of_that_fraction(tmp_path, pairs, eval_fraction):
+    from datasets import Dataset
+
+    plan = resolve(["--dataset", "p.jsonl", "--eval_fraction", str(eval_fraction), "--output_dir", str(tmp_path)])
+    rows = Dataset.from_dict({"row": list(range(pairs))})
+    try:  # the independent reference: datasets' own rounding of the fraction
+        theirs = rows.train_test_split(test_size=plan.eval_fraction, seed=plan.seed)
+    except ValueError:  # datasets refuses a split that leaves one side empty
+        count = plan.held_out_count(pairs)
+        assert count < 1 or pairs - count < 1
+        return
+    assert plan.held_out_count(pairs) == len(theirs["test"])
+    ours = rows.train_test_split(test_size=plan.held_out_count(pairs), seed=plan.seed)
+    assert (ours["train"]["row"], ours["test"]["row"]) == (theirs["train"]["row"], theirs["test"]["row"])
+
+
+def test_a_share_that_rounds_to_below_one_pair_holds_out_one_as_datasets_rounds_it(tmp_path):
+    # 10 pairs at 0.04 is 0.4 of a pair: datasets holds out 1 (it rounds up); the check before it rounded to 0 and
+    # refused the run as holding out no pair.
+    from test_data import load_pairs_of
+
+    train, held_out = load_pairs_of(tmp_path, dataset=str(write_hh_rows(tmp_path / "pairs.jsonl", 10)),
+                                    eval_fraction=0.04)
+    assert (len(train), len(held_out)) == (9, 1)
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--dataset", "p.jsonl", "--streaming"], "--streaming needs --max_steps"),
+    (["--dataset", "p.jsonl", "--streaming", "--max_steps", "2", "--precompute_ref_log_probs", "true"],
+     "--streaming computes the reference on the fly"),
+    (["--dataset", "p.jsonl", "--streaming", "--max_steps", "2", "--eval_fraction", "0.5"],
+     "--eval_fraction 0.5: a stream has no length to hold out a fraction of"),
+    (["--dataset", "p.jsonl", "--test_split_size", "2"], "test_split_size belongs to a mixture"),
+    (["--dataset", "FILE", "--eval_split", "test"], "a file has one split, use --eval_fraction"),
+    (["--eval_split", "test"], "a file has one split, use --eval_fraction"),  # the embedded pairs are a file
+    (["--datasets", '[{"path": "p.jsonl"}]', "--strict_pairs"], "--strict_pairs applies to one dataset"),
+    (["--datasets", '[{"path": "p.jsonl"}]', "--eval_split", "test"], "--eval_split picks a split of one dataset"),
+    (["--dataset_mixture", '{"datasets": [{"id": "p.jsonl"}]}', "--streaming", "--max_steps", "2"],
+     "--streaming: dataset_mixture is read whole"),
+    (["--dataset_mixer", '{"p.jsonl": 1.0}', "--test_split_size", "2"], "dataset_mixer holds out its test splits"),
+])
+def test_data_options_that_cannot_go_together_are_refused_by_the_plan_before_any_file_is_read(tmp_path, argv,
+                                                                                            message):
+    # p.jsonl exists nowhere: the refusal needs no row (and comes before the folder is locked or made).
+    file = tmp_path / "pairs.jsonl"
+    file.write_text("")
+    with pytest.raises(UsageError, match=re.escape(message)):
+        resolve([*[value.replace("FILE", str(file)) for value in argv], "--output_dir", str(tmp_path / "run")])
+    assert not (tmp_path / "run").exists() and not (tmp_path / "run.lock").exists()

@@ -3,6 +3,7 @@ one kind. Every other column travels with its prompt to the reward functions (TR
 
 import hashlib
 import json
+import math
 import random
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -43,9 +44,9 @@ def fingerprint(rows: list[dict[str, Any]]) -> str:
 
 
 def split_held_out(count: int, share: float, seed: int) -> tuple[list[int], list[int]]:
-    """(training, held-out) row indices: a seeded share held out, at least one row when the share is > 0, never
-    all of them."""
-    held = min(max(round(share * count), 1 if share > 0 else 0), count - 1)
+    """(training, held-out) row indices: a seeded share held out, rounded up as `datasets` and the command's split
+    round a fraction (so at least one row when the share is > 0), never all of them."""
+    held = min(math.ceil(share * count), count - 1)
     held_out = sorted(random.Random(seed).sample(range(count), held))
     chosen = set(held_out)
     return [i for i in range(count) if i not in chosen], held_out

@@ -91,7 +91,8 @@ class DataArguments:
         "help": "Split to evaluate on (TRL: dataset_test_split). Without it, --eval_fraction of the data is held "
                 "out."})
     eval_fraction: float | None = field(default=None, metadata={
-        "help": "Fraction of the data held out, seeded by --data_seed or --seed (0: no evaluation). Default: "
+        "help": "Fraction of the data held out (rounded up, as datasets rounds it), seeded by --data_seed or --seed "
+                "(0: no evaluation). Default: "
                 f"{EVAL_FRACTION} of "
                 "one dataset; none of a mixture, whose held-out rows are its own (test_split_size, test splits)."})
     max_eval_samples: int | None = field(default=None, metadata={"help": "Most held-out pairs evaluated."})

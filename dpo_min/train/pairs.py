@@ -2,7 +2,6 @@
 the plan says; and the local files and folders it reads, which the output folder must stay apart from."""
 
 import logging
-import math
 import os
 import sys
 from collections import Counter
@@ -22,7 +21,7 @@ from ..data.overlap import count_shared_in_stream, warn_shared_pairs
 from ..data.pairs import SOURCE_DATASET
 from ..data.streams import DROP_REASONS, SKIPPED, StreamCounts, describe_stream_counts, stream_counts
 from ..data.unpaired import UNPAIRED
-from .args import MIXTURE_KEYS, MIXTURE_OPTIONS, DataArguments, InputError, UsageError
+from .args import MIXTURE_KEYS, DataArguments, InputError, UsageError
 from .plan import Plan
 from .recipe import _parse_json
 
@@ -57,7 +56,7 @@ def load_pairs(plan: Plan) -> tuple[Dataset, Dataset | None]:
                          "holds out none: hold some out with test_split_size (dataset_mixer: its test splits) or "
                          "--eval_fraction")
     if held_out is None and plan.eval_fraction > 0:
-        train, held_out = _split(train, plan.eval_fraction, plan.seed)
+        train, held_out = _split(train, plan)
     if held_out is not None and data_args.max_eval_samples is not None:
         held_out = held_out.select(range(min(data_args.max_eval_samples, len(held_out))))
     if plan.reach is not None and len(train) > plan.reach:
@@ -76,8 +75,6 @@ def _load_dataset(plan: Plan) -> tuple[str, Any, Any]:
         raise InputError(f"the embedded pairs ({source}) come with a source checkout of dpo_min; pass --dataset")
     if not os.path.exists(source) and stem.endswith(DATA_SUFFIXES):
         raise UsageError(f"no such dataset file: {source}")
-    if data_args.eval_split and os.path.isfile(source):
-        raise UsageError("--eval_split picks a split of a datasets name; a file has one split, use --eval_fraction")
     counts = None if data_args.streaming else StreamCounts()  # a stream counts into its own
     train = _load(source, data_args.split, data_args, plan.args, counts)
     held_out = _load(source, data_args.eval_split, data_args, plan.args, counts) if data_args.eval_split and not \
@@ -85,12 +82,14 @@ def _load_dataset(plan: Plan) -> tuple[str, Any, Any]:
     return source, _with_dropped_rows(train, counts.snapshot()) if counts else train, held_out
 
 
-def _split(pairs: Dataset, eval_fraction: float, seed: int) -> tuple[Dataset, Dataset]:
-    if round(len(pairs) * eval_fraction) < 1 or len(pairs) < 2:
-        raise UsageError(f"--eval_fraction {eval_fraction} of {len(pairs)} pairs holds out no pair")
-    if len(pairs) - math.ceil(len(pairs) * eval_fraction) < 1:
-        raise UsageError(f"--eval_fraction {eval_fraction} of {len(pairs)} pairs leaves no pair to train on")
-    parts = pairs.train_test_split(test_size=eval_fraction, seed=seed)
+def _split(pairs: Dataset, plan: Plan) -> tuple[Dataset, Dataset]:
+    """The seeded split of one dataset, holding out the plan's count of its pairs."""
+    count = plan.held_out_count(len(pairs))
+    if count < 1:
+        raise UsageError(f"--eval_fraction {plan.eval_fraction} of {len(pairs)} pairs holds out no pair")
+    if len(pairs) - count < 1:
+        raise UsageError(f"--eval_fraction {plan.eval_fraction} of {len(pairs)} pairs leaves no pair to train on")
+    parts = pairs.train_test_split(test_size=count, seed=plan.seed)
     return parts["train"], parts["test"]
 
 
@@ -140,21 +139,13 @@ def _show_data_log(is_main: bool) -> None:
 
 def _stream_pairs(train: Any, source: str, plan: Plan) -> tuple[Any, Any]:
     data_args, args = plan.data, plan.args
-    if args.max_steps <= 0:
-        raise UsageError("--streaming needs --max_steps (a stream has no length to count epochs by)")
-    if args.precompute_ref_log_probs:
-        raise UsageError("--streaming computes the reference on the fly: pass --precompute_ref_log_probs false")
     count = data_args.max_eval_samples
     if data_args.eval_split:  # the whole split, as without --streaming, or its first --max_eval_samples pairs
         split = _load(source, data_args.eval_split, data_args, args)  # a stream of its own, with its own counts
         held_out = _held_out_of_stream(split if count is None else split.take(count), stream_counts(split), source,
                                        f"split {data_args.eval_split!r}", whole=count is None)
         return count_shared_in_stream(train, held_out), held_out
-    if not count:  # a stream has no length to take a fraction of
-        if data_args.eval_fraction:
-            raise UsageError(f"--eval_fraction {data_args.eval_fraction}: a stream has no length to hold out a "
-                             "fraction of; hold out its first pairs with --max_eval_samples N"
-                             + ("" if plan.mixture else ", or give --eval_split"))
+    if not count:  # a stream has no length to take a fraction of (a fraction given is refused by the plan)
         if plan.eval_fraction:  # one dataset's default share, which map-style data would hold out
             print("held out no pairs: a stream has no length to hold out --eval_fraction of; --max_eval_samples N "
                   "holds out its first N pairs (training skips them), --eval_split evaluates a split")
@@ -239,21 +230,9 @@ def _load_mixture(plan: Plan) -> Mixture | None:
     """The recipe's mixture, in whichever of the three published forms it is written; None without one."""
     data_args, form, seed, num_proc = plan.data, plan.mixture, plan.seed, plan.args.dataset_num_proc
     if form is None:
-        for name in MIXTURE_OPTIONS:
-            if getattr(data_args, name) is not None:
-                raise UsageError(f"{name} belongs to a mixture (datasets, dataset_mixture or dataset_mixer); "
-                                 "there is none")
         return None
-    if data_args.strict_pairs:
-        raise UsageError("--strict_pairs applies to one dataset (--dataset); a mixture drops the rows that cannot "
-                         "be preference pairs and names them in its log")
-    if data_args.eval_split:
-        raise UsageError("--eval_split picks a split of one dataset; a mixture holds out --eval_fraction of its "
-                         "pairs, or its own test_split_size (dataset_mixer: its test splits)")
     value = _mapping_or_list(getattr(data_args, form), form)
     options = LayoutOptions(**_layout_options(data_args))
-    if data_args.streaming and form != "datasets":
-        raise UsageError(f"--streaming: {form} is read whole (TRL's datasets: mixture streams)")
     try:
         if form == "datasets":
             mixture = trl_mixture(value, test_split_size=data_args.test_split_size, streaming=data_args.streaming,
@@ -262,8 +241,6 @@ def _load_mixture(plan: Plan) -> Mixture | None:
             mixture = handbook_mixture(value, test_split_size=data_args.test_split_size, num_proc=num_proc,
                                        options=options)
         else:
-            if data_args.test_split_size is not None:
-                raise UsageError("test_split_size: dataset_mixer holds out its test splits (dataset_splits)")
             mixture = legacy_mixer(value, data_args.dataset_splits, data_args.dataset_configs, num_proc=num_proc,
                                    options=options)
     except ValueError as error:

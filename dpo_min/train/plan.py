@@ -1,11 +1,15 @@
 """A run of the command, decided once: `resolve(argv)` reads the command line (and recipe) and makes every choice
 that the phases of `main` (folder, data, model, trainer, train, publish) would otherwise each make again.
 
-What depends on the data (the pairs' digest, how many held-out pairs a mixture has) is decided where the data is read;
-everything else is here, each decision in one place.
+What depends on the data (the pairs' digest, whether a mixture's files hold test splits) is decided where the data
+is read; everything else is here, each decision in one place: how the model loads (`ModelLoad`), how many pairs the
+seeded split holds out (`Plan.held_out_count`), and which options cannot go together with the data named
+(`_check_data_options`, before any file is read or the folder locked).
 """
 
 import copy
+import math
+import os
 import sys
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -14,12 +18,24 @@ from typing import Any
 from ..config import DPOMinConfig
 from ..models import EMBEDDED_MODEL_NAME
 from ..scale import zero
-from .args import EVAL_FRACTION, MIXTURE_KEYS, DataArguments, ModelArguments, UsageError
+from .args import EVAL_FRACTION, MIXTURE_KEYS, MIXTURE_OPTIONS, DataArguments, ModelArguments, UsageError
 from .card import hub_repo_id
 from .command_line import parse_with_rounds
 from .rounds_args import RoundsArguments
 from .resume import resume_settings
 from .run_dir import RunFolder
+
+
+@dataclass(frozen=True)
+class ModelLoad:
+    """How the weights load, decided once: TRL's model_init_kwargs, then the named options (--dtype,
+    --model_revision, --trust_remote_code, --attn_implementation, --load_in_4bit/8bit). `model_setup.load_model`
+    passes them to from_pretrained as they are."""
+
+    dtype: str
+    kwargs: dict[str, Any]  # from_pretrained's keywords, device_map included for quantized weights
+    bits: int | None  # 4 or 8: bitsandbytes, frozen quantized weights under the adapter; None: not quantized
+    compute_dtype: str  # the quantized layers' arithmetic: the weights' dtype, float32 for "auto"
 
 
 @dataclass(frozen=True)
@@ -36,6 +52,7 @@ class Plan:
     eval_fraction: float  # the share of one dataset held out by a seeded split; 0 for none
     seed: int  # the data's: the held-out split, a mixture's shuffle, the pairs kept for max_steps
     saved_as: str  # "adapter", "merged" (the adapter merged into the weights) or "full"
+    load: ModelLoad
     reload_reference: bool  # ZeRO-3 full fine-tuning: the reference is a second load of the model, not a copy
     folder: RunFolder  # the output folder, its links followed once
     repo_id: str  # the hub repository the run is (or would be) pushed to
@@ -61,7 +78,12 @@ class Plan:
         """The resume settings the plan decides rather than an option spelling them: a resume that spells out what
         was decided anyway (--eval_fraction 0.05 where it was left out, --data_seed equal to --seed) is the same run."""
         return {"model": self.model_name, "use_peft": self.saved_as != "full", "eval_fraction": self.eval_fraction,
-                "data_seed": self.seed}
+                "data_seed": self.seed, "dtype": self.load.dtype, "model_revision": self.load.kwargs["revision"]}
+
+    def held_out_count(self, pairs: int) -> int:
+        """How many of `pairs` the seeded split holds out: eval_fraction of them rounded up, as `datasets`'
+        train_test_split rounds a fraction (the split is given this count, so the two cannot differ)."""
+        return math.ceil(pairs * self.eval_fraction)
 
     @property
     def reach(self) -> int | None:
@@ -78,15 +100,18 @@ class Plan:
 def resolve(argv: list[str] | None = None) -> Plan:
     """The command line -> its Plan. Raises UsageError (and OutputDirError for an output folder that cannot be)."""
     model_args, data_args, rounds_args, args, demo = parse_with_rounds(argv)
-    plan = decide(model_args, data_args, args, demo)
-    return plan if rounds_args.rounds is None else replace(plan, rounds=rounds_args)
+    return decide(model_args, data_args, args, demo, rounds=None if rounds_args.rounds is None else rounds_args)
 
 
-def decide(model_args: ModelArguments, data_args: DataArguments, args: DPOMinConfig, demo: bool = False) -> Plan:
+def decide(model_args: ModelArguments, data_args: DataArguments, args: DPOMinConfig, demo: bool = False,
+           rounds: RoundsArguments | None = None) -> Plan:
     """The Plan of parsed options (a library caller's too). The plan holds its own copies: the caller's three
-    objects are left as they were given."""
+    objects are left as they were given. A rounds run (`rounds`) refuses the offline data options itself
+    (train/rounds.py)."""
     model_args, data_args, args = copy.deepcopy(model_args), copy.deepcopy(data_args), copy.deepcopy(args)
     mixture = _mixture_form(data_args, is_main=args.process_index == 0)
+    if rounds is None:
+        _check_data_options(data_args, args, mixture)
     folder = RunFolder(args.output_dir)  # follows links once; refuses the working folder or above it
     push, args.push_to_hub = args.push_to_hub, False  # Trainer would name the repo after the staging folder
     checkpoint = args.resume_from_checkpoint
@@ -99,12 +124,62 @@ def decide(model_args: ModelArguments, data_args: DataArguments, args: DPOMinCon
         eval_fraction=given_fraction if given_fraction is not None else 0.0 if mixture else EVAL_FRACTION,
         seed=args.data_seed if args.data_seed is not None else args.seed,
         saved_as="full" if not model_args.use_peft else "merged" if model_args.merge_adapter else "adapter",
+        load=_model_load(model_args, args),
         reload_reference=(zero.zero_stage(args) == 3 and not model_args.use_peft
                           and not args.precompute_ref_log_probs and args.loss_settings.reads_reference),
         folder=folder, repo_id=hub_repo_id(folder.named, args.hub_model_id), push=push, resuming=resuming,
         resumes_here=checkpoint == "latest" or (
-            resuming and Path(checkpoint).resolve().is_relative_to(folder.staging.resolve())))
+            resuming and Path(checkpoint).resolve().is_relative_to(folder.staging.resolve())), rounds=rounds)
     return replace(plan, resume_settings=resume_settings(model_args, data_args, args, decided=plan.decided_settings))
+
+
+def _model_load(model_args: ModelArguments, args: DPOMinConfig) -> ModelLoad:
+    kwargs = dict(args.model_init_kwargs or {})
+    # The command has moved model_init_kwargs' dtype to --dtype (command_line._one_dtype); a library caller's wins.
+    dtype = kwargs.pop("dtype", kwargs.pop("torch_dtype", model_args.dtype))
+    kwargs.setdefault("revision", model_args.model_revision)
+    kwargs.setdefault("trust_remote_code", args.trust_remote_code)
+    if model_args.attn_implementation:
+        kwargs.setdefault("attn_implementation", model_args.attn_implementation)
+    bits = 4 if model_args.load_in_4bit else 8 if model_args.load_in_8bit else None
+    if bits:
+        kwargs["device_map"] = {"": args.local_process_index}  # each process its own full copy, as TRL
+    return ModelLoad(dtype=dtype, kwargs=kwargs, bits=bits, compute_dtype=dtype if dtype != "auto" else "float32")
+
+
+def _check_data_options(data_args: DataArguments, args: DPOMinConfig, mixture: str | None) -> None:
+    """The data options that cannot go together with the data named (one dataset, a stream, a mixture's form),
+    refused before any file is read; what depends on the rows is refused where they are read (train/pairs.py)."""
+    if mixture is None:
+        for name in MIXTURE_OPTIONS:
+            if getattr(data_args, name) is not None:
+                raise UsageError(f"{name} belongs to a mixture (datasets, dataset_mixture or dataset_mixer); "
+                                 "there is none")
+        if data_args.eval_split and (data_args.dataset is None or os.path.isfile(data_args.dataset)):
+            # the embedded pairs (no --dataset) are a file too
+            raise UsageError("--eval_split picks a split of a datasets name; a file has one split, use "
+                             "--eval_fraction")
+    else:
+        if data_args.strict_pairs:
+            raise UsageError("--strict_pairs applies to one dataset (--dataset); a mixture drops the rows that "
+                             "cannot be preference pairs and names them in its log")
+        if data_args.eval_split:
+            raise UsageError("--eval_split picks a split of one dataset; a mixture holds out --eval_fraction of "
+                             "its pairs, or its own test_split_size (dataset_mixer: its test splits)")
+        if data_args.streaming and mixture != "datasets":
+            raise UsageError(f"--streaming: {mixture} is read whole (TRL's datasets: mixture streams)")
+        if mixture == "dataset_mixer" and data_args.test_split_size is not None:
+            raise UsageError("test_split_size: dataset_mixer holds out its test splits (dataset_splits)")
+    if not data_args.streaming:
+        return
+    if args.max_steps <= 0:
+        raise UsageError("--streaming needs --max_steps (a stream has no length to count epochs by)")
+    if args.precompute_ref_log_probs:
+        raise UsageError("--streaming computes the reference on the fly: pass --precompute_ref_log_probs false")
+    if not data_args.eval_split and not data_args.max_eval_samples and data_args.eval_fraction:
+        raise UsageError(f"--eval_fraction {data_args.eval_fraction}: a stream has no length to hold out a "
+                         "fraction of; hold out its first pairs with --max_eval_samples N"
+                         + ("" if mixture else ", or give --eval_split"))
 
 
 def _mixture_form(data_args: DataArguments, is_main: bool) -> str | None:
