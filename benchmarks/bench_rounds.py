@@ -100,22 +100,40 @@ def bench_sampling(model, tokenizer, prompts, args) -> dict:
                                   seed=args.seed)
     texts = [row["prompt"] for row in prompts]
     eos = eos_token_ids(model, tokenizer)
-    rounds_sample(model, tokenizer, texts[:args.batch_size], settings, args.batch_size)  # warm-up, untimed
-    times = {"plain": [], "rounds": []}
+    for warm_up in (plain_generate, rounds_sample):  # each once, untimed: the first calls ran ~10% slower
+        warm_up(model, tokenizer, texts[:args.batch_size], settings, args.batch_size)
+    # The time inside model.generate, apart: what a sampler adds around it (tokenizing, padding, cutting at EOS,
+    # decoding) is its own work, and that difference is not lost in the machine's run-to-run noise.
+    generate, in_generate = model.generate, []
+
+    def timed_generate(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return generate(*args, **kwargs)
+        finally:
+            in_generate.append(time.perf_counter() - start)
+
+    model.generate = timed_generate
+    times, own_work = {"plain": [], "rounds": []}, {"plain": [], "rounds": []}
     for repeat in range(args.repeats):
         order = [("plain", plain_generate), ("rounds", rounds_sample)]
         for name, run in order if repeat % 2 == 0 else order[::-1]:
+            in_generate.clear()
             ids, seconds = run(model, tokenizer, texts, settings, args.batch_size)
             times[name].append(seconds)
+            own_work[name].append(seconds - sum(in_generate))
             if name == "plain":
                 plain_ids = [up_to_eos(row, eos) for row in ids]
             else:
                 rounds_ids = ids
+    del model.generate
     if plain_ids != rounds_ids:
         sys.exit("the two samplers drew different tokens from the same batch and seed: no fair comparison")
     tokens = sum(len(ids) for ids in rounds_ids)
     return {"tokens": tokens, "samples": len(rounds_ids),
             **{f"{name}_s": statistics.median(values) for name, values in times.items()},
+            **{f"{name}_range_s": [min(values), max(values)] for name, values in times.items()},
+            **{f"{name}_own_work_s": statistics.median(values) for name, values in own_work.items()},
             **{f"{name}_tokens_per_s": tokens / statistics.median(values) for name, values in times.items()}}
 
 
@@ -151,7 +169,7 @@ def main() -> None:
     parser.add_argument("--temperature", type=float, default=0.7)
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=42)
-    parser.add_argument("--repeats", type=int, default=3, help="timed runs of each sampler (median)")
+    parser.add_argument("--repeats", type=int, default=5, help="timed runs of each sampler (median)")
     parser.add_argument("--json", default=None, help="also write the results to this file")
     args = parser.parse_args()
     import torch
@@ -165,9 +183,12 @@ def main() -> None:
     print(f"model: {name}; {args.prompts} prompts x {args.num_generations} samples, {args.max_new_tokens} new tokens "
           f"at most, batches of {args.batch_size} prompts, temperature {args.temperature}, top_p {args.top_p}, "
           f"torch threads {torch.get_num_threads()}\n")
-    print("| sampler | s | tokens/s | vs plain generate |\n| --- | ---: | ---: | ---: |")
+    print(f"| sampler | s (median of {args.repeats}) | fastest, slowest | outside model.generate | tokens/s | "
+          "vs plain generate |\n| --- | ---: | ---: | ---: | ---: | ---: |")
     for kind in ("plain", "rounds"):
-        print(f"| {kind} | {sampling[f'{kind}_s']:.2f} | {sampling[f'{kind}_tokens_per_s']:.1f} | "
+        low, high = sampling[f"{kind}_range_s"]
+        print(f"| {kind} | {sampling[f'{kind}_s']:.2f} | {low:.2f}, {high:.2f} | "
+              f"{sampling[f'{kind}_own_work_s']:.3f} | {sampling[f'{kind}_tokens_per_s']:.1f} | "
               f"{sampling[f'{kind}_tokens_per_s'] / sampling['plain_tokens_per_s']:.2f}x |")
     print(f"({sampling['tokens']} tokens in {sampling['samples']} samples, each up to its first EOS, the same in "
           "both)\n")

@@ -91,10 +91,10 @@ def run_config(config: str, model_path: str, batch_size: int, warmup: int, steps
 
     from dpo_min import DPOMinConfig, DPOMinTrainer, load_model_and_tokenizer, load_preference_dataset
     from dpo_min.collator import PackedDPODataCollator
-    from dpo_min.tokenizing import tokenize_dataset
     from dpo_min.logps import sequence_logps
     from dpo_min.losses import LossSettings
     from dpo_min.scale.attention import use_packed_attention
+    from dpo_min.tokenizing import tokenize_dataset
 
     mode, method = config.split("/")
     trainer_kind, overrides = METHODS[method]

@@ -13,12 +13,12 @@ from conftest import write_hh_rows
 from dpo_min import dpo_loss
 from dpo_min.config import DPOMinConfig
 from dpo_min.data.mixtures import load_mixture
+from dpo_min.intervals import wilson_interval
 from dpo_min.losses import LOSS_TYPES
 from dpo_min.models import cache_dir
 from dpo_min.train import main, trained_sources
 from dpo_min.train.args import DataArguments
 from dpo_min.train.card import base_model_name, hub_repo_id, model_card
-from dpo_min.intervals import wilson_interval
 
 
 def tiny_args(model_dir, data_file, output_dir, *extra):

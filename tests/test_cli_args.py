@@ -426,7 +426,8 @@ def test_a_recipe_that_is_not_utf8_text_is_one_line(tmp_path, content):
 # ---- nested options, checked before the model loads ---------------------------------------------------------------
 def test_an_unknown_model_init_kwarg_of_the_default_model_is_refused_before_it_loads(smollm_path, monkeypatch):
     # The default model's config is its cached conversion's: read before any weights load.
-    monkeypatch.setattr("dpo_min.train.model_setup.load_model_and_tokenizer", lambda *a, **k: pytest.fail("the model loaded"))
+    monkeypatch.setattr("dpo_min.train.model_setup.load_model_and_tokenizer",
+                        lambda *a, **k: pytest.fail("the model loaded"))
     with pytest.raises(UsageError, match=r"model_init_kwargs: unknown key 'bogus'"):
         parse_args(["--dataset", "pairs.jsonl", "--model_init_kwargs", '{"bogus": 1}'])
 

@@ -680,7 +680,7 @@ def test_a_stream_drops_and_counts_the_upstream_unpaired_rows_naming_them(caplog
 
 
 def test_most_rows_unpaired_is_refused_as_a_wrong_layout_naming_the_first(tmp_path):
-    rows, empty, apart = upstream_unpaired_rows()
+    rows, empty, _ = upstream_unpaired_rows()
     path = write_jsonl(tmp_path / "hh.jsonl", [rows[i] for i in [0, *empty, 1]])
     with pytest.raises(ValueError, match=r"hh\.jsonl: row 1: field 'chosen' is an empty completion; 4 of 6 rows cannot "
                                          r"be preference pairs \(4 with an empty answer\): too many to drop"):

@@ -1,6 +1,6 @@
 """The folders show the design: the DPO core at dpo_min's top, the data, the command (dpo_min.train), scale-out and
-the rounds (dpo_min.rounds, above the core) as folders, and imports that point one way. Every import is read from the source (those inside functions too), so a
-lazy import cannot hide a wrong direction."""
+the rounds (dpo_min.rounds, above the core) as folders, and imports that point one way. Every import is read from
+the source (those inside functions too), so a lazy import cannot hide a wrong direction."""
 
 import ast
 import sys

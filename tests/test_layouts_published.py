@@ -331,20 +331,20 @@ def test_chatbot_arena_winner_is_chosen_ties_and_diverged_turns_are_dropped_and_
                 "language": "English", "tstamp": 1682351591.13}
 
     question = [user("Name a planet.")]
-    rows = [row("model_a", question + [assistant("Mars.")], question + [assistant("The Sun.")]),
-            row("model_b", question + [assistant("The Moon.")], question + [assistant("Venus.")]),
-            row("tie", question + [assistant("Mars.")], question + [assistant("Venus.")]),
-            row("tie (bothbad)", question + [assistant("No.")], question + [assistant("Pass.")]),
-            row("model_a", question + [assistant("Mars."), user("Another?"), assistant("Venus.")],  # answers differ
-                question + [assistant("Pluto."), user("Another?"), assistant("Ceres.")], turn=2),
-            row("model_b", question + [assistant("Mars."), user("Another?"), assistant("Ceres.")],
-                question + [assistant("Mars."), user("Another?"), assistant("Jupiter.")], turn=2)]
+    rows = [row("model_a", [*question, assistant("Mars.")], [*question, assistant("The Sun.")]),
+            row("model_b", [*question, assistant("The Moon.")], [*question, assistant("Venus.")]),
+            row("tie", [*question, assistant("Mars.")], [*question, assistant("Venus.")]),
+            row("tie (bothbad)", [*question, assistant("No.")], [*question, assistant("Pass.")]),
+            row("model_a", [*question, assistant("Mars."), user("Another?"), assistant("Venus.")],  # answers differ
+                [*question, assistant("Pluto."), user("Another?"), assistant("Ceres.")], turn=2),
+            row("model_b", [*question, assistant("Mars."), user("Another?"), assistant("Ceres.")],
+                [*question, assistant("Mars."), user("Another?"), assistant("Jupiter.")], turn=2)]
     with caplog.at_level(logging.WARNING):
         pairs = load(tmp_path, rows)
     assert pairs == [
         {"prompt": question, "chosen": [assistant("Mars.")], "rejected": [assistant("The Sun.")]},
         {"prompt": question, "chosen": [assistant("Venus.")], "rejected": [assistant("The Moon.")]},
-        {"prompt": question + [assistant("Mars."), user("Another?")], "chosen": [assistant("Jupiter.")],
+        {"prompt": [*question, assistant("Mars."), user("Another?")], "chosen": [assistant("Jupiter.")],
          "rejected": [assistant("Ceres.")]}]
     assert "dropped 3 of 6 rows that the chatbot_arena layout skips (ties, and multi-turn rows" in caplog.text
 

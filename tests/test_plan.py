@@ -9,11 +9,9 @@ import pytest
 from conftest import write_hh_rows
 
 import dpo_min.train
-
 from dpo_min.train.args import DEMO_DEFAULTS, EVAL_FRACTION, UsageError
 from dpo_min.train.plan import EMBEDDED_MODEL_NAME, decide, resolve
 from dpo_min.train.run_dir import MANIFEST, OutputDirError, RunFolder
-
 
 
 def test_the_demo_is_decided_once_with_its_held_out_share_and_adapter(tmp_path):

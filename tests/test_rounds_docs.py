@@ -5,8 +5,9 @@ import json
 import re
 from pathlib import Path
 
-import dpo_min
 from test_rounds import tiny_policy
+
+import dpo_min
 
 PAGE = Path(__file__).resolve().parent.parent / "docs" / "rounds.md"
 

@@ -15,8 +15,8 @@ import torch
 from conftest import ROOT, write_hh_rows
 from safetensors.torch import save_file
 
-from dpo_min.models import cache_dir
 from dpo_min import train as train_command
+from dpo_min.models import cache_dir
 from dpo_min.train import main, run_dir
 from dpo_min.train.resume import checkpoint_problems, resolve_checkpoint
 from dpo_min.train.run_dir import MANIFEST, OutputDirError, RunFolder
@@ -184,7 +184,8 @@ class FullDisk:
 
 
 def test_a_full_disk_for_the_locks_pid_is_one_line_and_leaves_no_lock_file(tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(run_dir, "open", lambda *args, **kwargs: FullDisk(open(*args, **kwargs)), raising=False)
+    monkeypatch.setattr(run_dir, "open", lambda *args, **kwargs: FullDisk(open(*args, **kwargs)),  # noqa: SIM115
+                        raising=False)
     code = main(["--model", str(tmp_path / "no-model"), "--output_dir", str(tmp_path / "sub" / "run")])
     assert code == 2
     assert f"cannot write in {tmp_path / 'sub'}: No space left on device" in one_error_line(capsys)

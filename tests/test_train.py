@@ -20,9 +20,9 @@ from dpo_min.data.loading import load_preference_dataset
 from dpo_min.data.pairs import to_preference_rows
 from dpo_min.tokenizing import tokenize_dataset
 from dpo_min.train import DEMO_DEFAULTS, DataArguments, ModelArguments, UsageError, main, parse_args
-from dpo_min.train.report import collapse_warnings, is_empty_completion
 from dpo_min.train.args import ROUNDS_DEMO_DEFAULTS
 from dpo_min.train.plan import resolve
+from dpo_min.train.report import collapse_warnings, is_empty_completion
 
 OUTPUT_FILES = ("adapter_config.json", "adapter_model.safetensors", "tokenizer.json", "trainer_state.json",
                 "metrics.json", "training_curves.png", "samples.jsonl")

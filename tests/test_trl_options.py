@@ -152,9 +152,9 @@ def test_activation_offloading_gives_the_same_steps(tmp_path, tokenizer, hh_pair
 def test_offloaded_activations_come_back_unchanged(tokenizer, hh_pairs):
     """The pack/unpack round trip, forced on CPU tensors (on a CPU run the trainer keeps them, nothing to save)."""
     from dpo_min import DPODataCollator
-    from dpo_min.tokenizing import tokenize_dataset
     from dpo_min.logps import sequence_logps
     from dpo_min.scale.offload import OffloadActivations
+    from dpo_min.tokenizing import tokenize_dataset
 
     batch = DPODataCollator(tokenizer.pad_token_id)(list(tokenize_dataset(hh_pairs.select(range(2)), tokenizer, 1024)))
     grads = []

@@ -18,10 +18,10 @@ from transformers import TrainerState
 from dpo_min import DPOMinConfig, DPOMinTrainer
 
 from . import held_out, pairs, store
-from .config import RoundsConfig, RoundsError
+from .config import RoundsConfig
 from .policy import Policy
 from .prompts import fingerprint, prompt_rows, split_held_out
-from .rewards import Rewards, RewardFunc
+from .rewards import RewardFunc, Rewards
 from .sampling import Completion, GenerateFn, GenerationSettings, sample
 
 logger = logging.getLogger(__name__)

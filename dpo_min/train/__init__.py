@@ -63,7 +63,6 @@ from .report import (
 from .resume import PAIRS_DIGEST, check_same_run, pairs_digest, resolve_checkpoint
 from .run_dir import MANIFEST, OutputDirError
 
-
 # Writes the machine refuses: a full disk or quota, a file system read-only (or remounted so after an error), a
 # failing disk, a file over the system's size limit.
 NO_SPACE = (errno.ENOSPC, errno.EDQUOT)

@@ -11,9 +11,9 @@ import platform
 from pathlib import Path
 from typing import Any
 
+from ..intervals import wilson_interval
 from ..losses import LOSSES, LossSettings
 from ..models import DEFAULT_GGUF, DEFAULT_MODEL
-from ..intervals import wilson_interval
 from .run_dir import STAGING_SUFFIX
 
 DPO_CITATION = """@inproceedings{rafailov2023direct,

@@ -21,15 +21,15 @@ from .args import (
     DEMO_DEFAULTS_SHOWN,
     MIXTURE_KEYS,
     PROG,
-    DataArguments,
     ROUNDS_DEMO_DEFAULTS,
+    DataArguments,
     ModelArguments,
     UsageError,
     shown_argv,
 )
-from .rounds_args import ROUNDS_COMMAND_DEFAULTS, RoundsArguments, without_rounds
 from .kwargs_checks import check_nested_kwargs
 from .recipe import did_you_mean, recipe_and_flags
+from .rounds_args import ROUNDS_COMMAND_DEFAULTS, RoundsArguments, without_rounds
 
 
 class _Parser(HfArgumentParser):

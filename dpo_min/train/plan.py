@@ -21,8 +21,8 @@ from ..scale import zero
 from .args import EVAL_FRACTION, MIXTURE_KEYS, MIXTURE_OPTIONS, DataArguments, ModelArguments, UsageError
 from .card import hub_repo_id
 from .command_line import parse_with_rounds
-from .rounds_args import RoundsArguments
 from .resume import resume_settings
+from .rounds_args import RoundsArguments
 from .run_dir import RunFolder
 
 

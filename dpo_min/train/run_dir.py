@@ -18,11 +18,10 @@ import shutil
 import signal
 import sys
 import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
-
 
 MANIFEST = "dpo_min_run.json"
 STAGING_SUFFIX, BACKUP_SUFFIX, LOCK_SUFFIX = ".partial", ".replaced", ".lock"
