@@ -476,3 +476,23 @@ def test_the_command_reads_the_label_and_row_split_options(tmp_path):
         (["--dataset", str(helpsteer2), "--row_split", "val"], [("Name a colour.", "Blue.")])]:
         pairs, _ = train.load_pairs(train.decide(*parse_args([*given, *common])))
         assert [(pair["prompt"], pair["chosen"]) for pair in pairs] == expected
+
+
+@pytest.mark.parametrize("row", [
+    {"prompt": "What is 2 + 3?", "solution": "5"},  # TRL's prompt-only layout (GRPO's math data)
+    {"prompt": [{"role": "user", "content": "What is 2 + 3?"}]},  # ... conversational
+], ids=["text", "messages"])
+def test_prompt_only_rows_are_refused_offline_pointing_to_dpo_in_rounds_which_reads_them(tmp_path, row):
+    from dpo_min.rounds.prompts import prompt_rows
+
+    path = tmp_path / "prompts.jsonl"
+    path.write_text((json.dumps(row) + "\n") * 3)
+    with pytest.raises(ValueError, match=r"prompts\.jsonl.*are prompt-only data \(a prompt, no chosen and rejected "
+                                         r"answers\): DPO in rounds samples and scores their answers \(--rounds N"):
+        load_preference_dataset(str(path))
+    assert [checked["prompt"] for checked in prompt_rows([row] * 3)] == [row["prompt"]] * 3  # the rounds read them
+    # A prompt beside answers under other names is no prompt-only data: the other refusal, naming the columns
+    path.write_text(json.dumps({"prompt": "Q", "good": "a", "bad": "b"}) + "\n")
+    with pytest.raises(ValueError, match=r"prompt-only data .*if the answers are there, name the columns with "
+                                         r"--prompt_column/--chosen_column/--rejected_column"):
+        load_preference_dataset(str(path))
