@@ -151,6 +151,17 @@ def test_every_loss_type_trains_a_round(tmp_path, tokenizer, loss_type):
     assert result.rounds[0]["status"] == "trained" and result.rounds[0]["dpo"]["steps"] == 1
 
 
+def test_a_round_says_its_dpo_figures_in_its_line_not_trainers_dict_per_step(tmp_path, tokenizer, capsys):
+    config = settings(tmp_path, rounds=1, held_out_share=0.0, num_generations=2,
+                      training={"save_strategy": "no", "per_device_train_batch_size": 1})
+    line = run_rounds(tiny_policy(), tokenizer, PROMPTS[:2], letters, config).rounds[0]
+    out = capsys.readouterr().out
+    dpo = line["dpo"]
+    assert dpo["steps"] == 2 and f"; DPO: 2 steps, mean loss {dpo['loss']:.4f}, reward accuracy " \
+        f"{dpo['rewards/accuracies']:.2f}, margin {dpo['rewards/margins']:+.4f}" in out
+    assert "{'loss'" not in out and "'train_runtime'" not in out  # Trainer's dicts, one a step, every round
+
+
 def test_a_round_with_no_pair_stops_or_skips_as_chosen(tmp_path, tokenizer):
     stopped = run_rounds(tiny_policy(), tokenizer, PROMPTS, constant, settings(tmp_path, name="stop"))
     assert stopped.stopped == "round 1: no prompt gave a pair (3 all_tied); stopped (on_no_pairs='skip' goes on)"

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from accelerate import PartialState
 from datasets import Dataset
-from transformers import TrainerState
+from transformers import PrinterCallback, ProgressCallback, TrainerState
 
 from dpo_min import DPOMinConfig, DPOMinTrainer
 
@@ -178,6 +178,10 @@ def _train(run: _Run, policy: Policy, made: list[dict[str, Any]], folder: Path,
                            **run.config.training, "output_dir": str(folder / "train")})
     data = Dataset.from_list([{key: pair[key] for key in ("prompt", "chosen", "rejected")} for pair in made])
     trainer = DPOMinTrainer(**policy.trainer_models(), args=args, train_dataset=data, processing_class=run.tokenizer)
+    # The round's one line says the pass's figures (_summary); Trainer would print every step's dict, every round.
+    trainer.remove_callback(PrinterCallback)
+    if trainer.pop_callback(ProgressCallback) is not None:
+        trainer.add_callback(_BarWithoutLogs())
     policy.warm_start(trainer)
     resume = any((folder / "train").glob("checkpoint-*"))
     output = trainer.train(resume_from_checkpoint=True if resume else None)
@@ -186,6 +190,13 @@ def _train(run: _Run, policy: Policy, made: list[dict[str, Any]], folder: Path,
     metrics = {key: sum(e[key] for e in steps if key in e) / sum(key in e for e in steps) for key in keys}
     # Not Trainer's training_loss: after a resume it averages only the steps that call ran.
     return {**metrics, "steps": output.global_step}, trainer
+
+
+class _BarWithoutLogs(ProgressCallback):
+    """Trainer's progress bar, without its lines of logged dicts (rounds.jsonl keeps the metrics)."""
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        pass
 
 
 def _round(run: _Run, policy: Policy, round_index: int, steps: int) -> tuple[dict[str, Any], Any]:
@@ -293,4 +304,10 @@ def _summary(line: dict[str, Any]) -> str:
                 f"{line['reward_worst']:.3f})"
     if line["status"] == "no pair: stop":
         return f"{text}; {_no_pair_message(line)}"
-    return text if line["status"] == "trained" else f"{text}; no pair, round skipped (on_no_pairs='skip')"
+    if line["status"] != "trained":
+        return f"{text}; no pair, round skipped (on_no_pairs='skip')"
+    dpo = line["dpo"]
+    shown = (("loss", "loss", ".4f"), ("reward accuracy", "rewards/accuracies", ".2f"),
+             ("margin", "rewards/margins", "+.4f"))
+    figures = [f"{name} {dpo[key]:{form}}" for name, key, form in shown if key in dpo]
+    return f"{text}; DPO: {dpo['steps']} steps{', mean ' + ', '.join(figures) if figures else ''}"
