@@ -487,8 +487,9 @@ def test_prompt_only_rows_are_refused_offline_pointing_to_dpo_in_rounds_which_re
 
     path = tmp_path / "prompts.jsonl"
     path.write_text((json.dumps(row) + "\n") * 3)
-    with pytest.raises(ValueError, match=r"prompts\.jsonl.*are prompt-only data \(a prompt, no chosen and rejected "
-                                         r"answers\): DPO in rounds samples and scores their answers \(--rounds N"):
+    with pytest.raises(ValueError, match=r"prompts\.jsonl.*no known preference layout has the columns \[prompt.*\]: "
+                                         r"they are prompt-only data \(a prompt, no chosen and rejected answers\), "
+                                         r"whose answers DPO in rounds samples and scores \(--rounds N"):
         load_preference_dataset(str(path))
     assert [checked["prompt"] for checked in prompt_rows([row] * 3)] == [row["prompt"]] * 3  # the rounds read them
     # A prompt beside answers under other names is no prompt-only data: the other refusal, naming the columns

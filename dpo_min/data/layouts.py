@@ -264,9 +264,10 @@ def detect_layout(kinds: Mapping[str, str], first_row: Mapping[str, Any] | None 
             return layout
     if "prompt" in kinds and not {"chosen", "rejected", "completion"} & set(kinds):
         # TRL's prompt-only layout (GRPO's data): no answers to prefer. DPO in rounds writes and scores them.
-        raise ValueError(f"the columns [{', '.join(kinds)}] are prompt-only data (a prompt, no chosen and rejected "
-                         "answers): DPO in rounds samples and scores their answers (--rounds N --reward_funcs "
-                         f"module:function; dpo_min.rounds.run_rounds); if the answers are there, {MAPPING_HINT}")
+        raise ValueError(f"no known preference layout has the columns [{', '.join(kinds)}]: they are prompt-only "
+                         "data (a prompt, no chosen and rejected answers), whose answers DPO in rounds samples and "
+                         "scores (--rounds N --reward_funcs module:function; dpo_min.rounds.run_rounds); if the "
+                         f"answers are there, {MAPPING_HINT}")
     raise ValueError(f"no known preference layout has the columns [{', '.join(kinds)}]: {MAPPING_HINT}")
 
 
