@@ -7,13 +7,14 @@
 # The lent GPU machine has torch, transformers, peft and accelerate but no trl and no datasets, and no network.
 # Their wheels travel with the call: first, where pip reaches PyPI, in the repository's root,
 #
-#   bash benchmarks/gpu_check.sh --fetch-wheels           # trl, datasets, dill, multiprocess (py3.12) into .whl/
+#   bash benchmarks/gpu_check.sh --fetch-wheels           # trl, transformers, datasets, dill, multiprocess into .whl/
 #
 # then name `.whl` in the device call's `carry`. This script installs them into /tmp/site when trl or datasets is
 # missing, and runs dpo_min from this checkout.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-WHEELS=(trl==1.16.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19)
+# transformers too: the machine's 5.17 predates the boolean logits_to_keep dpo_min passes (pyproject.toml).
+WHEELS=(trl==1.16.0 transformers==5.24.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19)
 
 if [[ "${1:-}" == "--fetch-wheels" ]]; then
     exclude="$(git rev-parse --git-path info/exclude)"
@@ -24,7 +25,7 @@ if [[ "${1:-}" == "--fetch-wheels" ]]; then
     exit 0
 fi
 
-if ! python3 -c "import trl, datasets" 2>/dev/null; then
+if ! python3 -c "import trl, datasets, transformers.modeling_utils as m; m.slice_logits_to_keep" 2>/dev/null; then
     if ! compgen -G ".whl/*.whl" > /dev/null; then
         echo "trl and datasets are not installed and .whl/ holds no wheels: run 'bash benchmarks/gpu_check.sh" \
              "--fetch-wheels' where pip reaches PyPI, and carry .whl" >&2

@@ -21,12 +21,14 @@ The mask is half of it: the model must also place each segment by its restarting
 a model family runs packed layouts only once a test has shown them to give its padded log-probs.
 """
 
+import contextlib
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 from transformers import AttentionInterface
 from transformers.integrations.flex_attention import flex_attention_forward
@@ -35,6 +37,11 @@ from transformers.masking_utils import AttentionMaskInterface, flex_attention_ma
 
 SEGMENTED_SDPA = "dpo_min_segmented_sdpa"
 FLEX = "dpo_min_flex_attention"
+# The segment calls of the segmented sdpa on a GPU, without cuDNN's attention: cuDNN builds an execution plan per
+# (query, key) shape, and every segment has its own length. On an H200 (torch 2.11) it made padding_free 3x slower
+# than padded (4.06 against 1.16 s a step) and failed on share_prompt's masked segments ("mha_graph.execute ... is
+# good"); without it the same steps took 1.38 and 1.13 s (docs/speed.md, "On a GPU").
+SEGMENT_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 def _segmented_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -43,11 +50,12 @@ def _segmented_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
     if dpo_min_segments is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     outputs = []
-    for start, stop in itertools.pairwise(dpo_min_segments):
-        mask = None if attention_mask is None else attention_mask[..., start:stop, start:stop]
-        output, _ = sdpa_attention_forward(module, query[:, :, start:stop], key[:, :, start:stop],
-                                           value[:, :, start:stop], mask, **kwargs)
-        outputs.append(output)  # [batch, segment length, heads, head dim]
+    with sdpa_kernel(SEGMENT_BACKENDS) if query.is_cuda else contextlib.nullcontext():
+        for start, stop in itertools.pairwise(dpo_min_segments):
+            mask = None if attention_mask is None else attention_mask[..., start:stop, start:stop]
+            output, _ = sdpa_attention_forward(module, query[:, :, start:stop], key[:, :, start:stop],
+                                               value[:, :, start:stop], mask, **kwargs)
+            outputs.append(output)  # [batch, segment length, heads, head dim]
     return torch.cat(outputs, dim=1), None
 
 
