@@ -29,11 +29,13 @@ sys.path.insert(0, str(ROOT))  # this checkout's dpo_min, when it is not install
 def sample_like_the_rounds(model, tokenizer, rows, indices, settings, batch_size):
     """The samples of `indices` as the rounds loop draws them: batches of batch_size prompts, batch b seeded
     settings.seed + b (one process)."""
+    from dpo_min.rounds.loop import rendered_prompts
     from dpo_min.rounds.sampling import sample
 
+    prompt_ids = rendered_prompts(tokenizer, rows, None)
     groups = []
     for b, start in enumerate(range(0, len(indices), batch_size)):
-        batch = [rows[i]["prompt"] for i in indices[start:start + batch_size]]
+        batch = [prompt_ids[i] for i in indices[start:start + batch_size]]
         groups += sample(model, tokenizer, batch, replace(settings, seed=settings.seed + b), batch_size)
     return groups
 
@@ -41,17 +43,21 @@ def sample_like_the_rounds(model, tokenizer, rows, indices, settings, batch_size
 def pi0_pairs(model, tokenizer, rows, train_rows, config, rewards, round_index):
     """Pairs of pi_0's samples drawn with round `round_index`'s seed, by the rounds' rule."""
     from dpo_min.rounds import make_pairs
+    from dpo_min.rounds.loop import rendered_prompts
     from dpo_min.rounds.sampling import GenerationSettings
 
     settings = GenerationSettings(config.num_generations, config.max_completion_length, True, config.temperature,
                                   config.top_p, seed=config.seed + 1000 * round_index)
     groups = sample_like_the_rounds(model, tokenizer, rows, train_rows, settings, config.generation_batch_size)
+    prompt_ids = rendered_prompts(tokenizer, rows, None)
     prompt_groups = []
     for i, group in zip(train_rows, groups):
         columns = {"solution": [rows[i]["solution"]] * len(group)}
         totals = rewards.score([rows[i]["prompt"]] * len(group), group, columns, round_index).total
         prompt_groups.append({"prompt_index": i, "prompt": rows[i]["prompt"],
-                              "samples": [{"completion": c.text, "total": t} for c, t in zip(group, totals)]})
+                              "prompt_ids": prompt_ids[i],
+                              "samples": [{"completion": c.text, "completion_ids": c.ids, "total": t}
+                                          for c, t in zip(group, totals)]})
     made, _ = make_pairs(prompt_groups, config.min_margin)
     return made
 
@@ -112,7 +118,8 @@ def offline_arm(on: dict, out: Path) -> dict:
     chosen = pool[:pairs_count]
     args = DPOMinConfig(**{"report_to": "none", "logging_steps": 1, "seed": config.seed + 1, **config.training,
                            "output_dir": str(out / "offline" / "train"), "max_steps": steps})
-    data = Dataset.from_list([{key: pair[key] for key in ("prompt", "chosen", "rejected")} for pair in chosen])
+    columns = ("prompt", "chosen", "rejected", "prompt_ids", "chosen_ids", "rejected_ids")  # the sampled ids
+    data = Dataset.from_list([{key: pair[key] for key in columns} for pair in chosen])
     trainer = DPOMinTrainer(model=model, peft_config=peft_config, args=args, train_dataset=data,
                             processing_class=tokenizer)
     trainer.train()

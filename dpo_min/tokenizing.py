@@ -14,7 +14,7 @@ import numpy as np
 from datasets import Dataset, IterableDataset
 
 from .collator import REFERENCE_COLUMNS, TOKEN_COLUMNS
-from .data.layouts import CARRIED_COLUMNS
+from .data.layouts import CARRIED_COLUMNS, GIVEN_IDS
 from .data.pairs import PAIR_COLUMNS, SOURCE_ROW, batch_rows, column_names, row_label, to_pairs, to_preference_dataset
 from .data.sources import AnyDataset
 from .data.streams import DROP_REASONS, NO_COMPLETION, SAME_COMPLETIONS, StreamCounts, carrying, counts_for
@@ -25,7 +25,7 @@ DROPPED = "dropped_because"  # a pair's reason in DROP_REASONS ('' for a kept pa
 # The datasets cache keys a map by its function's own code and arguments, not by the helpers it calls: a change
 # to what tokenizing writes (the drop reasons became names, not 0/1/2) must change this, or a cached map of
 # the old form is read back.
-TOKENIZED_VERSION = 2
+TOKENIZED_VERSION = 3  # 3: a pair's given ids (GIVEN_IDS) are trained as given
 
 
 def tokenize_row(row: Mapping[str, Any], tokenizer: Any,
@@ -35,39 +35,60 @@ def tokenize_row(row: Mapping[str, Any], tokenizer: Any,
     The prompt is tokenized once; a completion's ids are those of prompt+completion after the prompt, with the EOS
     text appended to plain-string completions (a chat template closes its own turns). Where prompt and
     prompt+completion tokenize differently at the seam, the completion starts where they diverge. A row's `tools`
-    (a list, or JSON text) and `chat_template_kwargs` go to the chat template, after the run's own kwargs.
+    (a list, or JSON text) and `chat_template_kwargs` go to the chat template, after the run's own kwargs. A row
+    that carries its ids (`prompt_ids`, `chosen_ids`, `rejected_ids`: a round's samples) is trained on those ids.
     """
+    if all(row.get(name) is not None for name in GIVEN_IDS):
+        return _given_ids(row, tokenizer)
     return _tokenize_pairs([row], tokenizer, chat_template_kwargs)[0]
+
+
+def template_kwargs_of(row: Mapping[str, Any], chat_template_kwargs: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The chat template's keyword arguments for one row, as TRL passes them: the row's `tools` (a list, or JSON
+    text), the run's `chat_template_kwargs`, then the row's own `chat_template_kwargs`."""
+    tools = row.get("tools")
+    return {"tools": json.loads(tools) if isinstance(tools, str) else tools, **(chat_template_kwargs or {}),
+            **(row.get("chat_template_kwargs") or {})}
+
+
+def render_prompts(tokenizer: Any, prompts: list[Any], template_kwargs: Mapping[str, Any]) -> list[list[int]]:
+    """The prompt ids a policy is given: messages through the chat template with the generation prompt, a text as
+    the tokenizer encodes it. The one renderer of prompts: the DPO pass tokenizes with it, DPO in rounds samples
+    from its ids and trains on them, and the command's greedy samples start from them."""
+    if isinstance(prompts[0], list):
+        return _apply_template(tokenizer, prompts, "prompt", template_kwargs, add_generation_prompt=True)
+    return [list(ids) for ids in tokenizer(text=prompts)["input_ids"]]
+
+
+def _apply_template(tokenizer: Any, conversations: list[Any], field: str, template_kwargs: Mapping[str, Any],
+                    **kwargs: Any) -> list[list[int]]:
+    if tokenizer.chat_template is None:
+        raise ValueError("conversational data needs a tokenizer with a chat template; set "
+                         "tokenizer.chat_template or pass plain-string prompts")
+    try:
+        ids = tokenizer.apply_chat_template(conversations, tokenize=True, return_dict=True, **template_kwargs,
+                                            **kwargs)["input_ids"]
+    except Exception as error:  # templates raise their own errors (e.g. "roles must alternate")
+        raise ValueError(f"field '{field}': the chat template refused it: {error}") from error
+    return [list(one) for one in ids]
 
 
 def _tokenize_pairs(pairs: list[Mapping[str, Any]], tokenizer: Any,
                     chat_template_kwargs: Mapping[str, Any] | None) -> list[dict[str, list[int]]]:
     """`tokenize_row` for pairs of one kind and one set of template arguments, in one tokenizer call per sequence
     kind: the fast tokenizer encodes a batch far faster than one text at a time, to the same ids."""
+    template_kwargs = template_kwargs_of(pairs[0], chat_template_kwargs)
+    prompt_ids = render_prompts(tokenizer, [pair["prompt"] for pair in pairs], template_kwargs)
     if isinstance(pairs[0]["prompt"], list):
-        if tokenizer.chat_template is None:
-            raise ValueError("conversational data needs a tokenizer with a chat template; set "
-                             "tokenizer.chat_template or pass plain-string prompts")
-        tools = pairs[0].get("tools")
-        template_kwargs = {"tools": json.loads(tools) if isinstance(tools, str) else tools,
-                           **(chat_template_kwargs or {}), **(pairs[0].get("chat_template_kwargs") or {})}
-
-        def encode(conversations, field, **kwargs):
-            try:
-                ids = tokenizer.apply_chat_template(conversations, tokenize=True, return_dict=True,
-                                                    **template_kwargs, **kwargs)["input_ids"]
-            except Exception as error:  # templates raise their own errors (e.g. "roles must alternate")
-                raise ValueError(f"field '{field}': the chat template refused it: {error}") from error
-            return [list(one) for one in ids]
-        prompt_ids = encode([pair["prompt"] for pair in pairs], "prompt", add_generation_prompt=True)
-        prompt_chosen_ids = encode([pair["prompt"] + pair["chosen"] for pair in pairs], "chosen")
-        prompt_rejected_ids = encode([pair["prompt"] + pair["rejected"] for pair in pairs], "rejected")
+        prompt_chosen_ids = _apply_template(tokenizer, [pair["prompt"] + pair["chosen"] for pair in pairs],
+                                            "chosen", template_kwargs)
+        prompt_rejected_ids = _apply_template(tokenizer, [pair["prompt"] + pair["rejected"] for pair in pairs],
+                                              "rejected", template_kwargs)
     else:
         eos = tokenizer.eos_token
 
         def with_eos(text: str) -> str:
             return text if text.endswith(eos) else text + eos
-        prompt_ids = tokenizer(text=[pair["prompt"] for pair in pairs])["input_ids"]
         prompt_chosen_ids = tokenizer(text=[pair["prompt"] + with_eos(pair["chosen"]) for pair in pairs])["input_ids"]
         prompt_rejected_ids = tokenizer(text=[pair["prompt"] + with_eos(pair["rejected"])
                                               for pair in pairs])["input_ids"]
@@ -77,6 +98,20 @@ def _tokenize_pairs(pairs: list[Mapping[str, Any]], tokenizer: Any,
         examples.append({"prompt_ids": prompt[:prompt_len], "chosen_ids": chosen[prompt_len:],
                          "rejected_ids": rejected[prompt_len:]})
     return examples
+
+
+def _given_ids(pair: Mapping[str, Any], tokenizer: Any) -> dict[str, list[int]]:
+    """A pair's own ids, checked: what the policy was given and sampled, so no EOS is added where it emitted none."""
+    vocabulary = len(tokenizer)
+    example = {}
+    for name in GIVEN_IDS:
+        ids = pair[name]
+        if not isinstance(ids, (list, tuple)) or not ids or \
+                not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < vocabulary for i in ids):
+            raise ValueError(f"field '{name}': expected a non-empty list of token ids in [0, {vocabulary}), got "
+                             f"{str(ids)[:80]}")
+        example[name] = list(ids)
+    return example
 
 
 def _common_prefix_length(ids: list[int], other_ids: list[int]) -> int:
@@ -108,13 +143,15 @@ def _tokenize_batch(batch: dict[str, list], indices: list[int], tokenizer: Any, 
     `output_version` is not read: it is TOKENIZED_VERSION, passed so that the datasets cache key changes with it."""
     pairs = list(batch_rows(batch))
     labels = [row_label(batch, position, index) for position, index in enumerate(indices)]
-    # Rows with their own tools or template arguments are tokenized alone; the rest together.
-    alone = {i for i, pair in enumerate(pairs) if any(pair.get(name) is not None for name in CARRIED_COLUMNS)}
+    # Rows with their own ids, tools or template arguments are tokenized alone; the rest together.
+    alone = {i for i, pair in enumerate(pairs)
+             if any(pair.get(name) is not None for name in (*CARRIED_COLUMNS, *GIVEN_IDS))}
     together = [i for i in range(len(pairs)) if i not in alone]
     tokenized: list[Any] = [None] * len(pairs)
     for group in [together] * bool(together) + [[i] for i in sorted(alone)]:
         try:
-            examples = _tokenize_pairs([pairs[i] for i in group], tokenizer, chat_template_kwargs)
+            examples = _tokenize_pairs([pairs[i] for i in group], tokenizer, chat_template_kwargs) \
+                if len(group) > 1 else [tokenize_row(pairs[group[0]], tokenizer, chat_template_kwargs)]
         except ValueError:  # tokenize row by row to name the row that fails
             examples = [_tokenize_one(pairs[i], labels[i], tokenizer, chat_template_kwargs) for i in group]
         for i, example in zip(group, examples):
@@ -213,5 +250,7 @@ def _drop_unusable(tokenized: Dataset, truncation: Mapping[str, Any], counts: St
 
 
 def is_tokenized(dataset: Any) -> bool:
+    """Token ids alone, as `tokenize_dataset` leaves them: taken as prepared. Ids beside the pair's text (a round's
+    pairs.jsonl) are pairs whose ids are trained as given, once validated and truncated as any pair."""
     return isinstance(dataset, (Dataset, IterableDataset)) and dataset.column_names is not None and \
-        set(TOKEN_COLUMNS) <= set(dataset.column_names)
+        set(TOKEN_COLUMNS) <= set(dataset.column_names) and not set(PAIR_COLUMNS) <= set(dataset.column_names)

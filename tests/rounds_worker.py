@@ -13,7 +13,8 @@ from peft import LoraConfig
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from dpo_min.rounds import RoundsConfig, run_rounds
-from dpo_min.rounds.sampling import hf_generate, prompt_token_ids
+from dpo_min.rounds.sampling import hf_generate
+from dpo_min.tokenizing import render_prompts
 
 # 10 prompts: 2 held out (held_out_share 0.2), 8 sampled in 4 batches of 2, dealt to 2 processes in turn.
 PROMPTS = [{"prompt": [{"role": "user", "content": f"What is {i} times 3?"}], "row": i} for i in range(10)]
@@ -23,7 +24,7 @@ def run(model_dir: str, output_dir: str, batch_size: int) -> dict:
     """The round's result; every generate call (its prompts' rows, its seed) and every reward call (its rows) of
     this process, in order, to output_dir/calls-<rank>.json."""
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    row_of = {tuple(prompt_token_ids(tokenizer, row["prompt"])): row["row"] for row in PROMPTS}
+    row_of = {tuple(render_prompts(tokenizer, [row["prompt"]], {})[0]): row["row"] for row in PROMPTS}
     calls = {"sampled": [], "scored": []}
 
     def generate_fn(model, prompt_ids, settings):  # the default generate, recording which prompts it was given

@@ -96,8 +96,9 @@ def test_reward_weights_must_match_the_functions():
 
 
 def group(index, *totals, prompt="p"):
-    return {"prompt_index": index, "prompt": prompt,
-            "samples": [{"completion": f"c{i}", "total": total} for i, total in enumerate(totals)]}
+    return {"prompt_index": index, "prompt": prompt, "prompt_ids": [1, 2],
+            "samples": [{"completion": f"c{i}", "completion_ids": [10 + i], "total": total}
+                        for i, total in enumerate(totals)]}
 
 
 def test_the_pair_is_the_best_against_the_worst_the_first_of_equals():

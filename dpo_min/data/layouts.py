@@ -19,6 +19,9 @@ from .unpaired import NO_ANSWER, NO_COMMON_PROMPT, SAME_ANSWERS, Unpaired
 
 # Columns carried from the source row to the pair: TRL hands both to the chat template.
 CARRIED_COLUMNS = ("tools", "chat_template_kwargs")
+# A pair's token ids given beside its text (a round's pairs.jsonl: the ids the policy was given and sampled), carried
+# to the tokenizer, which trains on them as given. The collator's TOKEN_COLUMNS, by the same names.
+GIVEN_IDS = ("prompt_ids", "chosen_ids", "rejected_ids")
 MAPPABLE = ("prompt", "chosen", "rejected", "system")
 _ROLES = ("system", "user", "assistant", "tool")
 _SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
@@ -323,6 +326,12 @@ def to_pair(layout: Layout, row: Mapping[str, Any], index: int, options: LayoutO
     pair["prompt"] = _with_system(pair["prompt"], row.get("system"), index)
     validate_pair(pair, index)
     pair.update({name: row[name] for name in CARRIED_COLUMNS if row.get(name) is not None})
+    given = [name for name in GIVEN_IDS if row.get(name) is not None]
+    if given and len(given) < len(GIVEN_IDS):
+        missing = next(name for name in GIVEN_IDS if name not in given)
+        raise ValueError(f"row {index}: field '{missing}' is missing: a pair's ids are given all three "
+                         f"({', '.join(GIVEN_IDS)}) or none")
+    pair.update({name: row[name] for name in given})
     return pair
 
 

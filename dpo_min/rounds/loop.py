@@ -16,9 +16,10 @@ from datasets import Dataset
 from transformers import PrinterCallback, ProgressCallback, TrainerState
 
 from dpo_min import DPOMinConfig, DPOMinTrainer
+from dpo_min.tokenizing import render_prompts, template_kwargs_of
 
 from . import held_out, pairs, store
-from .config import RoundsConfig
+from .config import RoundsConfig, RoundsError
 from .policy import Policy
 from .prompts import fingerprint, prompt_rows, split_held_out
 from .rewards import RewardFunc, Rewards
@@ -46,6 +47,7 @@ class _Run:
     train_rows: list[int]
     held_rows: list[int]
     rewards: Rewards
+    prompt_ids: list[list[int]]  # each row's prompt as rendered once: sampled from, and trained on
     folder: store.RunFolder
     generate_fn: GenerateFn | None
     state: PartialState = field(default_factory=PartialState)
@@ -89,7 +91,7 @@ def _sample_shared(run: _Run, model: Any, indices: list[int], settings: Generati
     batches = [(b, indices[start:start + size]) for b, start in enumerate(range(0, len(indices), size))]
 
     def work(mine: list[tuple[int, list[int]]]) -> list[list[list[Completion]]]:
-        return [sample(model, run.tokenizer, [run.rows[i]["prompt"] for i in batch],
+        return [sample(model, run.tokenizer, [run.prompt_ids[i] for i in batch],
                        replace(settings, seed=settings.seed + b), size, run.generate_fn) for b, batch in mine]
     return [group for groups in _shared(batches, work, run.state) for group in groups]
 
@@ -124,7 +126,7 @@ def _score(run: _Run, generated: list[dict[str, Any]], round_index: int, steps: 
 
 
 def _pairs(run: _Run, samples: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[str, int]]:
-    groups = [{"prompt_index": i, "prompt": run.rows[i]["prompt"],
+    groups = [{"prompt_index": i, "prompt": run.rows[i]["prompt"], "prompt_ids": run.prompt_ids[i],
                "samples": [row for row in samples if row["prompt_index"] == i]} for i in run.train_rows]
     made, dropped = pairs.make_pairs(groups, run.config.min_margin)
     return made, dict(dropped)
@@ -169,6 +171,13 @@ def _phase(run: _Run, path: Path, times: dict[str, float], name: str, make: Call
     return rows
 
 
+def pair_dataset(made: list[dict[str, Any]]) -> Dataset:
+    """A round's pairs as its DPO pass reads them: the ids the policy was given and sampled, trained as they are (no
+    EOS where the policy emitted none); the text beside them is for reading."""
+    columns = ("prompt", "chosen", "rejected", "prompt_ids", "chosen_ids", "rejected_ids")
+    return Dataset.from_list([{key: pair[key] for key in columns} for pair in made])
+
+
 def _train(run: _Run, policy: Policy, made: list[dict[str, Any]], folder: Path,
            round_index: int) -> tuple[dict[str, Any], DPOMinTrainer]:
     """One DPO pass on the round's pairs, warm-started from the last round; a half-trained round resumes from its
@@ -176,8 +185,8 @@ def _train(run: _Run, policy: Policy, made: list[dict[str, Any]], folder: Path,
     args = DPOMinConfig(**{"report_to": "none", "logging_steps": 1, "num_train_epochs": 1,  # one pass a round
                            "seed": run.config.seed + round_index, "use_cpu": _several_on_cpu(),  # join over gloo
                            **run.config.training, "output_dir": str(folder / "train")})
-    data = Dataset.from_list([{key: pair[key] for key in ("prompt", "chosen", "rejected")} for pair in made])
-    trainer = DPOMinTrainer(**policy.trainer_models(), args=args, train_dataset=data, processing_class=run.tokenizer)
+    trainer = DPOMinTrainer(**policy.trainer_models(), args=args, train_dataset=pair_dataset(made),
+                            processing_class=run.tokenizer)
     # The round's one line says the pass's figures (_summary); Trainer would print every step's dict, every round.
     trainer.remove_callback(PrinterCallback)
     if trainer.pop_callback(ProgressCallback) is not None:
@@ -236,6 +245,18 @@ def _round(run: _Run, policy: Policy, round_index: int, steps: int) -> tuple[dic
     return {**line, "status": "trained", "dpo": metrics, "seconds": times}, trainer
 
 
+def rendered_prompts(tokenizer: Any, rows: list[dict[str, Any]],
+                     chat_template_kwargs: dict[str, Any] | None) -> list[list[int]]:
+    """Each row's prompt ids, by the renderer the DPO pass tokenizes with (its tools and template kwargs too)."""
+    rendered = []
+    for index, row in enumerate(rows):
+        try:
+            rendered += render_prompts(tokenizer, [row["prompt"]], template_kwargs_of(row, chat_template_kwargs))
+        except ValueError as error:
+            raise RoundsError(f"row {index}: {error}") from None
+    return rendered
+
+
 def _open(model: Any, tokenizer: Any, prompts: Any, reward_funcs: Any, config: RoundsConfig,
           generate_fn: GenerateFn | None) -> tuple[_Run, Policy, list[dict[str, Any]]]:
     """Validate, claim the output folder (or check a resume's settings), and load what finished rounds left."""
@@ -243,8 +264,9 @@ def _open(model: Any, tokenizer: Any, prompts: Any, reward_funcs: Any, config: R
     rewards = Rewards(reward_funcs, config.reward_weights, config.missing_eos_penalty)
     train_rows, held_rows = split_held_out(len(rows), config.held_out_share, config.seed)
     state = PartialState(cpu=_several_on_cpu())  # several CPU processes join over gloo, as the trainer's
-    run = _Run(config, tokenizer, rows, train_rows, held_rows, rewards, store.RunFolder(config.output_dir),
-               generate_fn, state)
+    run = _Run(config, tokenizer, rows, train_rows, held_rows, rewards,
+               rendered_prompts(tokenizer, rows, config.training.get("chat_template_kwargs")),
+               store.RunFolder(config.output_dir), generate_fn, state)
     settings = {**config.settings(), "prompts": fingerprint(rows), "reward_funcs": rewards.names,
                 "processes": state.num_processes}
     if state.is_main_process:

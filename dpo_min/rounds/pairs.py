@@ -23,10 +23,12 @@ def best_and_worst(totals: Sequence[float | None], min_margin: float) -> tuple[i
 
 
 def make_pairs(groups: Sequence[dict[str, Any]], min_margin: float) -> tuple[list[dict[str, Any]], Counter]:
-    """`groups`: one per prompt, {"prompt_index", "prompt", "samples": [{"completion", "total", ...}]}.
+    """`groups`: one per prompt, {"prompt_index", "prompt", "prompt_ids", "samples": [{"completion",
+    "completion_ids", "total", ...}]}.
 
     Returns the pairs in explicit-prompt layout (prompt, chosen, rejected; a conversational prompt's completions
-    as one assistant message), which load_preference_dataset reads back, and the drop counts by reason."""
+    as one assistant message) with the ids that were sampled (prompt_ids, chosen_ids, rejected_ids), which
+    load_preference_dataset reads back and the DPO pass trains on as given, and the drop counts by reason."""
     pairs, dropped = [], Counter(dict.fromkeys(DROP_REASONS, 0))
     for group in groups:
         samples = group["samples"]
@@ -37,6 +39,8 @@ def make_pairs(groups: Sequence[dict[str, Any]], min_margin: float) -> tuple[lis
         best, worst = (samples[i] for i in chosen)
         pairs.append({"prompt": group["prompt"], "chosen": _as_completion(group["prompt"], best["completion"]),
                       "rejected": _as_completion(group["prompt"], worst["completion"]),
+                      "prompt_ids": group["prompt_ids"], "chosen_ids": best["completion_ids"],
+                      "rejected_ids": worst["completion_ids"],
                       "chosen_reward": best["total"], "rejected_reward": worst["total"],
                       "prompt_index": group["prompt_index"]})
     return pairs, dropped

@@ -1,6 +1,8 @@
-"""Samples from the current policy: num_generations completions per prompt, in batches of left-padded prompts with
-the KV cache, seeded per batch. A `generate_fn` replaces `model.generate` (an inference engine such as vLLM) and
-only has to return token ids; cutting at EOS, decoding and the truncation flag stay here, the same for both.
+"""Samples from the current policy: num_generations completions per prompt, in batches of left-padded prompts with the
+KV cache, seeded per batch. The prompts come as ids, rendered once by the core's renderer
+(`tokenizing.render_prompts`), so the DPO pass trains on the ids that were sampled from. A `generate_fn` replaces
+`model.generate` (an inference engine such as vLLM) and only has to return token ids; cutting at EOS, decoding and
+the truncation flag stay here, the same for both.
 
 generate_fn(model, prompt_ids, settings) -> completion token ids: `prompt_ids` is a list of token-id lists,
 `settings` a `GenerationSettings`; it returns len(prompt_ids) * settings.num_return_sequences lists, prompt i's
@@ -39,15 +41,6 @@ GenerateFn = Callable[[Any, list[list[int]], GenerationSettings], list[list[int]
 
 def is_conversational(prompt: Any) -> bool:
     return isinstance(prompt, list)
-
-
-def prompt_token_ids(tokenizer: Any, prompt: Any) -> list[int]:
-    """A prompt's ids as the DPO pass tokenizes it: a message list through the chat template with the generation
-    prompt, a text as the tokenizer encodes it."""
-    if is_conversational(prompt):
-        return list(tokenizer.apply_chat_template(prompt, tokenize=True, add_generation_prompt=True,
-                                                  return_dict=True)["input_ids"])
-    return list(tokenizer(text=prompt)["input_ids"])
 
 
 def eos_token_ids(model: Any, tokenizer: Any) -> set[int]:
@@ -94,15 +87,16 @@ def _completion(ids: list[int], eos_ids: set[int], tokenizer: Any, max_new_token
     return Completion(tokenizer.decode(ids, skip_special_tokens=True), ids, end is None)
 
 
-def sample(model: Any, tokenizer: Any, prompts: Sequence[Any], settings: GenerationSettings,
+def sample(model: Any, tokenizer: Any, prompt_ids: Sequence[list[int]], settings: GenerationSettings,
            batch_size: int, generate_fn: GenerateFn | None = None) -> list[list[Completion]]:
-    """settings.num_return_sequences completions for each prompt, in order; batch b is seeded settings.seed + b."""
+    """settings.num_return_sequences completions for each prompt (its ids, as rendered), in order; batch b is seeded
+    settings.seed + b."""
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     generate = generate_fn or (lambda m, ids, s: hf_generate(m, ids, s, pad_id))
     eos_ids, n = eos_token_ids(model, tokenizer), settings.num_return_sequences
     groups = []
-    for b, start in enumerate(range(0, len(prompts), batch_size)):
-        ids = [prompt_token_ids(tokenizer, prompt) for prompt in prompts[start:start + batch_size]]
+    for b, start in enumerate(range(0, len(prompt_ids), batch_size)):
+        ids = [list(one) for one in prompt_ids[start:start + batch_size]]
         batch_settings = GenerationSettings(**{**settings.__dict__, "seed": settings.seed + b})
         outputs = generate(model, ids, batch_settings)
         if len(outputs) != len(ids) * n:

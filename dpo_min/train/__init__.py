@@ -226,13 +226,14 @@ def sample_reference(trainer: DPOMinTrainer, plan: Plan, held_out: Dataset | Non
         f"output {plan.folder.named}")
     if train_pairs is not None:
         say(describe_plan(plan.args, train_pairs))
-    texts = greedy_completions(model, trainer.processing_class, prompts, plan.data.max_new_tokens) \
-        if plan.is_main else []
+    texts = greedy_completions(model, trainer.processing_class, prompts, plan.data.max_new_tokens,
+                               plan.args.chat_template_kwargs) if plan.is_main else []
     margins = logprob_margins(model, trainer.data_collator, pairs) if plan.is_main else []
     if held_out is not None and plan.ties_at_start:
         say(describe_ties(len(trainer.eval_dataset), plan.args.loss_type))
     completions = CompletionLogger(plan.folder.staging / "samples.jsonl", trainer.processing_class, prompts, texts,
-                                   plan.data.max_new_tokens, trainer.callback_handler.callbacks)
+                                   plan.data.max_new_tokens, trainer.callback_handler.callbacks,
+                                   plan.args.chat_template_kwargs)
     trainer.add_callback(completions)
     return Samples(prompts, pairs, texts, margins, completions)
 

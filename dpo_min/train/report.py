@@ -12,6 +12,7 @@ from transformers import ProgressCallback, TrainerCallback
 
 from ..intervals import mean_interval, wilson_interval
 from ..logps import sequence_logps
+from ..tokenizing import render_prompts, template_kwargs_of
 
 # The held-out figures the command prints and compares (TRL's names) and how they are shown.
 HEADLINE = {"reward accuracy": ("eval_rewards/accuracies", ".4f"), "mean margin": ("eval_rewards/margins", "+.4f"),
@@ -174,22 +175,18 @@ def plot_training(log_history: list[dict[str, Any]], path: Path) -> None:
 
 
 @torch.no_grad()
-def greedy_completions(model: torch.nn.Module, tokenizer: Any, prompts: list[Any], max_new_tokens: int) -> list[str]:
-    """Greedy completion of each prompt (strings, or messages rendered with the chat template), in one batch: on a
-    CPU each new token reads every weight once, so three prompts together take about the time of one."""
+def greedy_completions(model: torch.nn.Module, tokenizer: Any, prompts: list[Any], max_new_tokens: int,
+                       chat_template_kwargs: dict[str, Any] | None = None) -> list[str]:
+    """Greedy completion of each prompt (strings, or messages), rendered as the DPO pass renders them, in one batch:
+    on a CPU each new token reads every weight once, so three prompts together take about the time of one."""
     if not prompts:
         return []
-    was_training, padding_side = model.training, tokenizer.padding_side
+    prompt_ids = render_prompts(tokenizer, prompts, template_kwargs_of({}, chat_template_kwargs))
+    was_training = model.training
     model.eval()
-    tokenizer.padding_side = "left"  # every prompt ends where generation starts
-    try:
-        if isinstance(prompts[0], str):
-            inputs = tokenizer(prompts, return_tensors="pt", padding=True)
-        else:
-            inputs = tokenizer.apply_chat_template(prompts, add_generation_prompt=True, return_dict=True,
-                                                   return_tensors="pt", padding=True)
-    finally:
-        tokenizer.padding_side = padding_side
+    # Padded on the left: every prompt ends where generation starts.
+    inputs = tokenizer.pad([{"input_ids": ids} for ids in prompt_ids], padding=True, padding_side="left",
+                           return_tensors="pt")
     inputs = {name: tensor.to(model.device) for name, tensor in inputs.items()}
     output = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False,
                             pad_token_id=tokenizer.pad_token_id)
@@ -213,8 +210,9 @@ class CompletionLogger(TrainerCallback):
     rows as a table to the report_to backends that can show one (BACKEND_TABLES)."""
 
     def __init__(self, path: Path, tokenizer: Any, prompts: list[Any], reference: list[str], max_new_tokens: int,
-                 backends: list[TrainerCallback]):
+                 backends: list[TrainerCallback], chat_template_kwargs: dict[str, Any] | None = None):
         self.path, self.tokenizer, self.prompts, self.reference = path, tokenizer, prompts, reference
+        self.chat_template_kwargs = chat_template_kwargs
         self.backends = backends  # the trainer's callbacks, among them its report_to integrations
         self.max_new_tokens = max_new_tokens
         self.latest: list[str] = []
@@ -223,7 +221,8 @@ class CompletionLogger(TrainerCallback):
     def on_evaluate(self, args, state, control, model=None, **kwargs):
         if not state.is_world_process_zero or not self.prompts:
             return
-        self.latest = greedy_completions(model, self.tokenizer, self.prompts, self.max_new_tokens)
+        self.latest = greedy_completions(model, self.tokenizer, self.prompts, self.max_new_tokens,
+                                         self.chat_template_kwargs)
         with open(self.path, "a") as file:
             for prompt, before, after in zip(self.prompts, self.reference, self.latest):
                 file.write(json.dumps({"step": state.global_step, "prompt": prompt, "reference": before,
