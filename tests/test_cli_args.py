@@ -6,7 +6,6 @@ import logging
 import math
 import os
 from dataclasses import fields
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -337,35 +336,18 @@ warmup_ratio: 0.1
 """
 
 
-def test_hub_model_revision_pushes_to_that_branch(tmp_path, monkeypatch):
-    import huggingface_hub
-
+def test_hub_model_revision_pushes_to_that_branch(tmp_path, fake_hub):
     from dpo_min.train.card import push_to_hub
 
-    calls = []
-
-    class RecordingApi:
-        def __init__(self, token=None):
-            pass
-
-        def create_repo(self, repo_id, private=None, exist_ok=False):
-            return SimpleNamespace(repo_id=repo_id, url=f"https://huggingface.co/{repo_id}")
-
-        def create_branch(self, repo_id, branch, exist_ok=False):
-            calls.append(("create_branch", repo_id, branch))
-
-        def upload_folder(self, repo_id, folder_path, **kwargs):
-            calls.append(("upload_folder", repo_id, kwargs.get("revision")))
-
-    monkeypatch.setattr(huggingface_hub, "HfApi", RecordingApi)
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text("model_name_or_path: org/model\nhub_model_revision: dpo-beta-0.01\n")
     _, _, args = parse_args(["--config", str(recipe)])
     push_to_hub(tmp_path, "me/zephyr", revision=args.hub_revision)
-    assert calls == [("create_branch", "me/zephyr", "dpo-beta-0.01"), ("upload_folder", "me/zephyr", "dpo-beta-0.01")]
-    calls.clear()
+    assert fake_hub.calls == [("create_repo", "me/zephyr", None), ("create_branch", "me/zephyr", "dpo-beta-0.01"),
+                              ("upload_folder", "me/zephyr", "dpo-beta-0.01")]
+    fake_hub.calls.clear()
     push_to_hub(tmp_path, "me/zephyr")  # no revision: the main branch, as before
-    assert calls == [("upload_folder", "me/zephyr", None)]
+    assert fake_hub.calls == [("create_repo", "me/zephyr", None), ("upload_folder", "me/zephyr", None)]
 
 
 def test_a_dataset_flag_overrides_the_recipes_mixture_and_both_in_one_place_train_the_mixture(tmp_path, capsys):
