@@ -151,3 +151,25 @@ def fake_hub(monkeypatch) -> FakeHub:
     hub = FakeHub()
     monkeypatch.setattr(huggingface_hub, "HfApi", hub.client)
     return hub
+
+
+# ---- the command's options: a recipe, a command refused in one line, a secret no message may show -----------------
+SECRET = "hf_SeCrEt0123456789abcdef"
+
+
+def _recipe(tmp_path, text: str) -> list[str]:
+    (tmp_path / "r.yaml").write_text(text)
+    return ["--config", str(tmp_path / "r.yaml")]
+
+
+def _one_line_error(argv: list[str], tmp_path, capsys, monkeypatch) -> str:
+    """The command's only stderr line for argv, refused with exit code 2 before the model loads or any folder is
+    written."""
+    import dpo_min.train
+    from dpo_min.train import main
+
+    monkeypatch.setattr(dpo_min.train, "load_model", lambda *a: pytest.fail("the model was loaded"))
+    assert main([*argv, "--output_dir", str(tmp_path / "run")]) == 2
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert not (tmp_path / "run").exists()
+    return line

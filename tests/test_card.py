@@ -6,7 +6,7 @@ import os
 
 import pytest
 import torch
-from conftest import write_hh_rows
+from conftest import SECRET, write_hh_rows
 
 from dpo_min import dpo_loss
 from dpo_min.config import DPOMinConfig
@@ -17,6 +17,7 @@ from dpo_min.models import cache_dir
 from dpo_min.train import main, trained_sources
 from dpo_min.train.args import DataArguments
 from dpo_min.train.card import base_model_name, hub_repo_id, model_card
+from dpo_min.train.command_line import parse_args
 
 
 def tiny_args(model_dir, data_file, output_dir, *extra):
@@ -211,3 +212,31 @@ def test_a_hub_token_is_used_for_the_push_and_written_nowhere(tmp_path, tiny_mod
     assert [path for path in files if token.encode() in path.read_bytes()] == []
     captured = capsys.readouterr()
     assert token not in captured.out + captured.err + caplog.text
+
+
+def test_hub_model_revision_pushes_to_that_branch(tmp_path, fake_hub):
+    from dpo_min.train.card import push_to_hub
+
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("model_name_or_path: org/model\nhub_model_revision: dpo-beta-0.01\n")
+    _, _, args = parse_args(["--config", str(recipe)])
+    push_to_hub(tmp_path, "me/zephyr", revision=args.hub_revision)
+    assert fake_hub.calls == [("create_repo", "me/zephyr", None), ("create_branch", "me/zephyr", "dpo-beta-0.01"),
+                              ("upload_folder", "me/zephyr", "dpo-beta-0.01")]
+    fake_hub.calls.clear()
+    push_to_hub(tmp_path, "me/zephyr")  # no revision: the main branch, as before
+    assert fake_hub.calls == [("create_repo", "me/zephyr", None), ("upload_folder", "me/zephyr", None)]
+
+
+def test_offline_with_a_hub_token_does_not_ask_for_one(monkeypatch):
+    from huggingface_hub import constants
+
+    from dpo_min.train.card import check_hub_access
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(OSError) as error:
+        check_hub_access("me/model", token=SECRET)
+    assert "offline mode is enabled" in str(error.value) and "pass --hub_token" not in str(error.value)
+    assert "check --hub_token and that the Hub can be reached" in str(error.value) and SECRET not in str(error.value)
+    with pytest.raises(OSError, match="log in with `hf auth login` or pass --hub_token"):
+        check_hub_access("me/model")
