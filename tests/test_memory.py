@@ -1,5 +1,5 @@
 """Memory tools: non-reentrant gradient checkpointing in every layout (use_liger_kernel, accepted with one log line:
-tests/test_cli_args.py)."""
+tests/test_config.py)."""
 
 import pytest
 import torch

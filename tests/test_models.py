@@ -1,6 +1,6 @@
 """convert_gguf when two processes convert the same file at once (two runs, or two test workers, on a fresh
 machine): both get the one finished checkpoint, and no staging folder is left. The default model named once, pad =
-EOS decided once, a dtype as TRL names it."""
+EOS decided once, a dtype as TRL names it, QLoRA refused in one line where bitsandbytes cannot run."""
 
 import ast
 import copy
@@ -12,7 +12,7 @@ import torch
 from conftest import tiny_llama
 
 from dpo_min import compat, models
-from dpo_min.train import card, plan, run_dir
+from dpo_min.train import card, main, plan, run_dir
 
 
 def test_a_conversion_that_loses_the_race_returns_the_winners_checkpoint(tmp_path, monkeypatch, tokenizer):
@@ -77,3 +77,19 @@ def test_a_dtype_given_as_text_is_one_of_trls_names():
                                          r"'float32'\], got 'float64'"):
         models.load_causal_lm("never-loaded", dtype="float64")
     assert {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16} == compat.TRL_DTYPES
+
+
+@pytest.mark.parametrize("installed, message", [
+    (False, "--load_in_4bit needs bitsandbytes, which is not installed: pip install bitsandbytes"),
+    (True, "--load_in_4bit: bitsandbytes quantization needs a CUDA GPU and this machine has none"),
+], ids=["not-installed", "no-gpu"])
+def test_qlora_where_bitsandbytes_cannot_run_is_one_line(tmp_path, capsys, monkeypatch, tiny_model_dir, installed,
+                                                          message):
+    real_find_spec = models.importlib.util.find_spec
+    monkeypatch.setattr(models.importlib.util, "find_spec", lambda name, *args: (
+        object() if installed else None) if name == "bitsandbytes" else real_find_spec(name, *args))
+    monkeypatch.setattr(models.torch.cuda, "is_available", lambda: False)
+    code = main(["--model", str(tiny_model_dir), "--load_in_4bit", "--use_peft", "--output_dir", str(tmp_path / "out")])
+    error_lines = capsys.readouterr().err.strip().splitlines()
+    assert code == 1 and len(error_lines) == 1 and message in error_lines[0], error_lines
+    assert not (tmp_path / "out").exists()
