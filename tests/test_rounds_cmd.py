@@ -90,6 +90,10 @@ def run_main(argv, capsys):
     (["--num_generations", "8"], 2, "num_generations is an option of DPO in rounds: add --rounds N (docs/rounds.md)"),
     (["--rounds", "1", "--reward_funcs", "accuracy_reward", "--num_generations", "1"], 2,
      "--num_generations must be >= 2 to make a pair, got 1"),
+    (["--rounds", "1", "--reward_funcs", "accuracy_reward", "--reward_weights", "nan"], 2,
+     "--reward_weights must be finite numbers, got [nan]"),
+    (["--rounds", "1", "--reward_funcs", "accuracy_reward", "--missing_eos_penalty", "inf"], 2,
+     "--missing_eos_penalty must be a finite number, got inf"),
     (["--rounds", "1", "--reward_funcs", "accuracy_reward", "--max_eval_samples", "8"], 2,
      "--max_eval_samples is not read with --rounds (a share of --dataset's prompts is held out: --eval_fraction)"),
 ])

@@ -2,10 +2,12 @@
 
 import math
 
+import numpy as np
 import pytest
+import torch
 from trl.rewards import accuracy_reward, think_format_reward
 
-from dpo_min.rounds import RoundsError, make_pairs
+from dpo_min.rounds import RoundsConfig, RoundsError, make_pairs
 from dpo_min.rounds.rewards import Rewards
 from dpo_min.rounds.sampling import Completion
 
@@ -87,6 +89,73 @@ def only_none(completions, **_):
 def test_a_bad_reward_is_one_line_naming_the_function_and_the_round(func, message):
     with pytest.raises(RoundsError) as error:
         Rewards(func).score(["p", "p"], completions("a", "b"), {}, round_index=3)
+    assert str(error.value) == message
+
+
+def trl_reads(output, count=2):
+    """TRL GRPOTrainer._calculate_rewards on one function's output: None as NaN, then a float32 column of the
+    rewards-per-function table; or the error it raises."""
+    rewards = [r if r is not None else torch.nan for r in output]
+    if len(rewards) != count:
+        raise ValueError(f"{len(rewards)} rewards for {count} completions")
+    column = torch.zeros(count)
+    column[:] = torch.tensor(rewards, dtype=torch.float32)
+    return column.tolist()
+
+
+def returning(output):
+    def func(completions, **_):
+        return output
+    return func
+
+
+@pytest.mark.parametrize("output", [
+    [np.float32(0.5), np.float32(2.0)], [np.int64(1), np.int64(3)], [torch.tensor(0.5), torch.tensor(2)],
+    [torch.tensor([0.5]), 1], np.array([0.5, 2.0]), np.array([1, 3], dtype=np.int32), torch.tensor([0.5, 2.0]),
+    torch.tensor([[0.5], [2.0]]), [np.float64(1.0), None], [True, 2], (1, 2.5),
+    # refused by TRL too:
+    np.float32(1.0), torch.tensor(1.0), [10 ** 400, 1.0], [10 ** 5000, 1.0], ["1", "2"], [1 + 2j, 1.0],
+    [np.array([1.0]), 1.0], [[1.0], [2.0]], np.array([[1.0, 2.0]]),
+])
+def test_a_reward_output_is_read_as_trl_reads_it_and_what_trl_refuses_is_one_line(output):
+    try:
+        expected = trl_reads(output)
+    except Exception:  # any error of TRL's conversion is a refusal
+        expected = None
+    if expected is None:
+        with pytest.raises(RoundsError) as error:
+            Rewards(returning(output)).score(["p", "p"], completions("a", "b"), {}, round_index=3)
+        assert str(error.value).startswith("round 3: reward function 'func' returned ")
+        assert "\n" not in str(error.value) and len(str(error.value)) < 200
+        return
+    scores = Rewards(returning(output)).score(["p", "p"], completions("a", "b"), {}, round_index=3)
+    read = [math.nan if sample["func"] is None else sample["func"] for sample in scores.per_function]
+    assert read == pytest.approx(expected, nan_ok=True)
+    assert all(isinstance(value, float) or value is None for value in scores.total)
+
+
+def test_a_dict_is_refused_though_trl_would_read_its_keys_as_rewards():
+    with pytest.raises(RoundsError, match=r"^round 3: reward function 'func' returned dict, not a list of rewards$"):
+        Rewards(returning({0: 1.0, 1: 2.0})).score(["p", "p"], completions("a", "b"), {}, round_index=3)
+
+
+def test_a_weighted_total_that_overflows_is_one_line_naming_the_round():
+    rewards = Rewards([returning([1e308, 1.0]), returning([1e308, 1.0])], weights=[2.0, -2.0])
+    with pytest.raises(RoundsError) as error:
+        rewards.score(["p", "p"], completions("a", "b"), {}, round_index=2)
+    assert str(error.value) == ("round 2: the weighted reward of completion 0 is nan (its rewards times "
+                                "reward_weights overflow a float): scale the rewards down")
+
+
+@pytest.mark.parametrize(("field", "value", "message"), [
+    ("reward_weights", [1.0, math.nan], "reward_weights must be finite numbers, got [1.0, nan]"),
+    ("reward_weights", [math.inf], "reward_weights must be finite numbers, got [inf]"),
+    ("missing_eos_penalty", math.nan, "missing_eos_penalty must be a finite number, got nan"),
+    ("missing_eos_penalty", -math.inf, "missing_eos_penalty must be a finite number, got -inf"),
+])
+def test_a_weight_or_penalty_that_is_not_finite_is_refused_by_the_config(tmp_path, field, value, message):
+    with pytest.raises(RoundsError) as error:
+        RoundsConfig(output_dir=str(tmp_path / "run"), **{field: value})
     assert str(error.value) == message
 
 
