@@ -1,5 +1,6 @@
 """The rounds' reward contract (TRL GRPOTrainer's: TRL's own reward functions run unmodified) and the pair rule."""
 
+import json
 import math
 
 import numpy as np
@@ -7,7 +8,7 @@ import pytest
 import torch
 from trl.rewards import accuracy_reward, think_format_reward
 
-from dpo_min.rounds import RoundsConfig, RoundsError, make_pairs
+from dpo_min.rounds import RoundsConfig, RoundsError, held_out, make_pairs
 from dpo_min.rounds.rewards import Rewards
 from dpo_min.rounds.sampling import Completion
 
@@ -190,3 +191,15 @@ def test_a_conversational_pair_holds_its_completions_as_one_assistant_message():
     made, _ = make_pairs([group(0, 1.0, 0.0, prompt=PROMPT)], min_margin=0.0)
     assert made[0]["chosen"] == [{"role": "assistant", "content": "c0"}]
     assert made[0]["rejected"] == [{"role": "assistant", "content": "c1"}]
+
+
+@pytest.mark.parametrize("values", [[1e308, 1e308, -1e308], [1e308, 1e308], [1.7e308], [-1.7e308, 1.7e308, 1e308],
+                                    [1e300, 2e300, 3e300]])
+def test_finite_rewards_near_the_float_range_keep_the_held_out_figures_finite_and_draw(tmp_path, values):
+    lines = [{"round": 0, **held_out.mean_with_interval(values)},
+             {"round": 1, **held_out.mean_with_interval([0.5, 1.0, 0.25])}]
+    json.dumps(lines, allow_nan=False)  # held_out.jsonl stays JSON: no NaN, no Infinity
+    assert lines[0]["mean"] == pytest.approx(math.fsum(v / 1e300 for v in values) / len(values) * 1e300)
+    assert lines[0]["low"] is None or lines[0]["low"] <= lines[0]["mean"] <= lines[0]["high"]
+    held_out.plot(lines, tmp_path / "held_out.png")
+    assert (tmp_path / "held_out.png").stat().st_size > 0

@@ -215,7 +215,7 @@ def _round(run: _Run, policy: Policy, round_index: int, steps: int) -> tuple[dic
     totals = [row["total"] for row in samples if row["total"] is not None]
     line = {"round": round_index, "prompts": len(run.train_rows), "samples": len(samples), "pairs": len(made),
             "dropped": dropped, "unscorable_samples": len(samples) - len(totals),
-            "reward_mean": sum(totals) / len(totals) if totals else None,
+            "reward_mean": held_out.mean_with_interval(totals)["mean"],  # finite where a sum of 1e308s is not
             "reward_best": max(totals, default=None), "reward_worst": min(totals, default=None)}
     if not made:
         return {**line, "status": f"no pair: {run.config.on_no_pairs}", "seconds": times}, None
