@@ -6,6 +6,7 @@ Whole runs are slow, so the finished runs that several tests read are made once 
 
 import copy
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -260,3 +261,9 @@ def test_a_run_killed_at_any_phase_resumes_where_it_stopped_to_the_same_result(t
     resumed = run_rounds(tiny_policy(), tokenizer, PROMPTS, letters, settings(tmp_path))
     same_rounds(resumed.rounds, whole.rounds[:2])
     assert resumed.held_out == whole.held_out[:3]
+
+
+def test_every_rows_columns_reach_the_rewards_none_where_a_row_lacks_one():
+    rows = [{"prompt": "a"}, {"prompt": "b", "solution": "2"}, {"prompt": "c", "level": 3, "completion": "x"}]
+    columns = rounds_loop._columns(SimpleNamespace(rows=rows), [0, 1, 2], per_row=2)
+    assert columns == {"solution": [None, None, "2", "2", None, None], "level": [None, None, None, None, 3, 3]}

@@ -77,8 +77,10 @@ def _shared(items: list[Any], work: Callable[[list[Any]], list[Any]], state: Par
 
 
 def _columns(run: _Run, row_indices: Sequence[int], per_row: int) -> dict[str, list]:
-    """The prompt rows' other columns, each value repeated once per sample (TRL's reward kwargs)."""
-    names = [name for name in run.rows[row_indices[0]] if name not in ("prompt", "completion", "completion_ids")]
+    """The prompt rows' other columns, each value repeated once per sample (TRL's reward kwargs). A column of any row
+    is passed, None where a row lacks it: TRL's rows come from one dataset, whose every row has every column."""
+    names = dict.fromkeys(name for i in row_indices for name in run.rows[i]
+                          if name not in ("prompt", "completion", "completion_ids"))
     return {name: [run.rows[i].get(name) for i in row_indices for _ in range(per_row)] for name in names}
 
 
