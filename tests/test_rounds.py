@@ -267,3 +267,16 @@ def test_every_rows_columns_reach_the_rewards_none_where_a_row_lacks_one():
     rows = [{"prompt": "a"}, {"prompt": "b", "solution": "2"}, {"prompt": "c", "level": 3, "completion": "x"}]
     columns = rounds_loop._columns(SimpleNamespace(rows=rows), [0, 1, 2], per_row=2)
     assert columns == {"solution": [None, None, "2", "2", None, None], "level": [None, None, None, None, 3, 3]}
+
+
+def test_a_pair_whose_prompt_fills_max_length_is_counted_before_training_and_pairs_is_what_trains(tmp_path,
+                                                                                                  tokenizer):
+    short = len(tokenizer.apply_chat_template(PROMPTS[0]["prompt"], add_generation_prompt=True,
+                                              return_dict=True)["input_ids"])
+    long_prompt = {"prompt": [{"role": "user", "content": "What is " + "1 + " * 60 + "1?"}], "solution": "61"}
+    config = settings(tmp_path, rounds=1, held_out_share=0.0, training={"max_length": short + 8,
+                                                                       "save_strategy": "no"})
+    result = run_rounds(tiny_policy(), tokenizer, [*PROMPTS[:3], long_prompt], letters, config)
+    line = result.rounds[0]
+    assert line["dropped"]["prompt_fills_max_length"] == 1
+    assert line["pairs"] == len(result.trainer.train_dataset) == 4 - sum(line["dropped"].values())

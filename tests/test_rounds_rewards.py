@@ -6,9 +6,12 @@ import math
 import numpy as np
 import pytest
 import torch
+from datasets import Dataset
 from trl.rewards import accuracy_reward, think_format_reward
 
+from dpo_min import DPOMinConfig, tokenize_dataset
 from dpo_min.rounds import RoundsConfig, RoundsError, held_out, make_pairs
+from dpo_min.rounds.pairs import keep_trainable
 from dpo_min.rounds.rewards import Rewards
 from dpo_min.rounds.sampling import Completion
 
@@ -185,6 +188,30 @@ def test_ties_margins_and_unscorable_prompts_are_dropped_and_counted_by_reason()
     assert [p["prompt_index"] for p in made] == [2, 6]
     assert dropped == {"unscorable": 2, "all_tied": 2, "below_min_margin": 1}
     assert sum(dropped.values()) + len(made) == len(groups)
+
+
+def test_a_best_and_worst_of_the_same_text_are_a_tie_not_a_pair():
+    # The same text scored apart: one sample cut at max_completion_length lost missing_eos_penalty.
+    same = {"prompt_index": 0, "prompt": "p", "samples": [{"completion": "abc", "total": 1.0},
+                                                          {"completion": "abc", "total": 0.5}]}
+    made, dropped = make_pairs([same, group(1, 1.0, 0.0)], min_margin=0.0)
+    assert [p["prompt_index"] for p in made] == [1]
+    assert dropped == {"unscorable": 0, "all_tied": 1, "below_min_margin": 0}
+
+
+def test_pairs_the_dpo_pass_would_drop_are_counted_by_reason_and_the_rest_are_what_it_trains(tmp_path, tokenizer):
+    shared = "x " * 40  # both answers' first 30 tokens: max_length cuts them to the same ids
+    pairs = [{"prompt": "Hi", "chosen": "Hello there", "rejected": "Go away"},
+             {"prompt": "word " * 200, "chosen": "Hello there", "rejected": "Go away"},
+             {"prompt": "Hi", "chosen": "Hello", "rejected": "   "},
+             {"prompt": "Hi", "chosen": shared + "a", "rejected": shared + "b"},
+             {"prompt": "Bye", "chosen": "See you", "rejected": "No"}]
+    args = DPOMinConfig(output_dir=str(tmp_path), report_to="none", max_length=32)
+    kept, dropped = keep_trainable([{**pair, "chosen_reward": 1.0} for pair in pairs], tokenizer, args)
+    assert [pair["prompt"] for pair in kept] == ["Hi", "Bye"] and kept[0]["chosen_reward"] == 1.0
+    assert dropped == {"empty_completion": 1, "prompt_fills_max_length": 1, "same_after_truncation": 1}
+    # The DPO pass's own tokenizing (the trainer's) keeps as many.
+    assert len(tokenize_dataset(Dataset.from_list(pairs), tokenizer, max_length=32)) == len(kept)
 
 
 def test_a_conversational_pair_holds_its_completions_as_one_assistant_message():

@@ -125,11 +125,13 @@ def _score(run: _Run, generated: list[dict[str, Any]], round_index: int, steps: 
             for group, results in zip(by_prompt, scored) for row, (per_function, total) in zip(group, results)]
 
 
-def _pairs(run: _Run, samples: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[str, int]]:
+def _pairs(run: _Run, samples: list[dict[str, Any]], args: DPOMinConfig) -> tuple[list[dict[str, Any]], dict]:
+    """The round's pairs, those the DPO pass would drop left out: its `pairs` count is what trains."""
     groups = [{"prompt_index": i, "prompt": run.rows[i]["prompt"],
                "samples": [row for row in samples if row["prompt_index"] == i]} for i in run.train_rows]
     made, dropped = pairs.make_pairs(groups, run.config.min_margin)
-    return made, dict(dropped)
+    kept, untrainable = pairs.keep_trainable(made, run.tokenizer, args)
+    return kept, {**dropped, **untrainable}
 
 
 def _evaluate(run: _Run, model: Any, round_index: int) -> None:
@@ -171,13 +173,17 @@ def _phase(run: _Run, path: Path, times: dict[str, float], name: str, make: Call
     return rows
 
 
-def _train(run: _Run, policy: Policy, made: list[dict[str, Any]], folder: Path,
-           round_index: int) -> tuple[dict[str, Any], DPOMinTrainer]:
-    """One DPO pass on the round's pairs, warm-started from the last round; a half-trained round resumes from its
-    latest checkpoint-N. Returns the mean of the round's logged step metrics, and the trainer."""
-    args = DPOMinConfig(**{"report_to": "none", "logging_steps": 1, "num_train_epochs": 1,  # one pass a round
+def _training_args(run: _Run, folder: Path, round_index: int) -> DPOMinConfig:
+    """The settings of a round's DPO pass."""
+    return DPOMinConfig(**{"report_to": "none", "logging_steps": 1, "num_train_epochs": 1,  # one pass a round
                            "seed": run.config.seed + round_index, "use_cpu": _several_on_cpu(),  # join over gloo
                            **run.config.training, "output_dir": str(folder / "train")})
+
+
+def _train(run: _Run, policy: Policy, made: list[dict[str, Any]], args: DPOMinConfig,
+           folder: Path) -> tuple[dict[str, Any], DPOMinTrainer]:
+    """One DPO pass on the round's pairs, warm-started from the last round; a half-trained round resumes from its
+    latest checkpoint-N. Returns the mean of the round's logged step metrics, and the trainer."""
     data = Dataset.from_list([{key: pair[key] for key in ("prompt", "chosen", "rejected")} for pair in made])
     trainer = DPOMinTrainer(**policy.trainer_models(), args=args, train_dataset=data, processing_class=run.tokenizer)
     # The round's one line says the pass's figures (_summary); Trainer would print every step's dict, every round.
@@ -210,7 +216,8 @@ def _round(run: _Run, policy: Policy, round_index: int, steps: int) -> tuple[dic
                            lambda: _generate(run, model, round_index))
     samples = _phase(run, folder / "samples.jsonl", times, "scoring",
                      lambda: _score(run, generated, round_index, steps))
-    made, dropped = _pairs(run, samples)
+    args = _training_args(run, folder, round_index)
+    made, dropped = _pairs(run, samples, args)
     _phase(run, folder / "pairs.jsonl", {}, "pairing", lambda: made)
     if run.state.is_main_process:
         times_path.write_text(json.dumps(times))
@@ -227,7 +234,7 @@ def _round(run: _Run, policy: Policy, round_index: int, steps: int) -> tuple[dic
         metrics = json.loads((folder / "train_metrics.json").read_text())
     else:
         start = time.perf_counter()
-        metrics, trainer = _train(run, policy, made, folder, round_index)
+        metrics, trainer = _train(run, policy, made, args, folder)
         times["training"] = round(time.perf_counter() - start, 3)
         if run.state.is_main_process:  # before the checkpoint: a checkpoint on disk means both are there
             (folder / "train_metrics.json").write_text(json.dumps(metrics))
