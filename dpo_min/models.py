@@ -79,12 +79,12 @@ def resolve_model_path(model: str | None) -> str:
         if not os.path.exists(model):
             raise FileNotFoundError(f"no such GGUF file: {model}")
         return str(convert_gguf(model))
-    if not os.path.exists(model) and not _is_repo_id(model):  # else the hub's "Repo id must be in the form ..."
+    if not os.path.exists(model) and not is_repo_id(model):  # else the hub's "Repo id must be in the form ..."
         raise FileNotFoundError(f"no such model folder: {model} (and it is not a hub id either)")
     return model
 
 
-def _is_repo_id(name: str) -> bool:
+def is_repo_id(name: str) -> bool:
     from huggingface_hub.utils import HFValidationError, validate_repo_id
 
     try:

@@ -14,10 +14,21 @@ import numpy as np
 from datasets import Dataset, IterableDataset
 
 from .collator import REFERENCE_COLUMNS, TOKEN_COLUMNS
-from .data.layouts import CARRIED_COLUMNS, GIVEN_IDS
-from .data.pairs import PAIR_COLUMNS, SOURCE_ROW, batch_rows, column_names, row_label, to_pairs, to_preference_dataset
+from .data.layouts import CARRIED_COLUMNS, GIVEN_IDS, layout_by_name
+from .data.pairs import (
+    DEFAULT_OPTIONS,
+    PAIR_COLUMNS,
+    SOURCE_ROW,
+    batch_rows,
+    column_names,
+    pair_or_reason,
+    row_label,
+    to_pairs,
+    to_preference_dataset,
+)
 from .data.sources import AnyDataset
 from .data.streams import DROP_REASONS, NO_COMPLETION, SAME_COMPLETIONS, StreamCounts, carrying, counts_for
+from .data.unpaired import NO_ANSWER  # noqa: F401 - drop_reason returns it: its callers name it from here
 
 logger = logging.getLogger("dpo_min.data")  # the data folder's logger: the command shows its lines
 
@@ -164,6 +175,19 @@ def _tokenize_batch(batch: dict[str, list], indices: list[int], tokenizer: Any, 
         out[SOURCE_ROW].append(label)
         out[DROPPED].append(_drop_reason(cut) or "")  # a string column: '' rather than None, so shards concatenate
     return out
+
+
+def drop_reason(row: Mapping[str, Any], tokenizer: Any, max_length: int | None = None,
+                max_prompt_length: int | None = None, truncation_mode: str = "keep_end",
+                chat_template_kwargs: Mapping[str, Any] | None = None) -> str | None:
+    """Why `tokenize_dataset` with these settings drops this prompt/chosen/rejected row (an UNPAIRED reason, such
+    as NO_ANSWER, or one of DROP_REASONS), or None: the same reading and truncation, for a caller that counts its
+    drops before training (DPO in rounds). A malformed row raises, as it does there."""
+    pair = pair_or_reason(layout_by_name("explicit_prompt"), row, 0, DEFAULT_OPTIONS, strict_pairs=False)
+    if isinstance(pair, tuple):
+        return pair[0]
+    return _drop_reason(truncate_pair(tokenize_row(pair, tokenizer, chat_template_kwargs), max_length,
+                                      max_prompt_length, truncation_mode))
 
 
 def _drop_reason(example: Mapping[str, list[int]]) -> str | None:

@@ -6,6 +6,8 @@ Whole runs are slow, so the finished runs that several tests read are made once 
 
 import copy
 import json
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -209,8 +211,10 @@ def kill_in(monkeypatch, target, name, round_to_kill=2):
     original = getattr(target, name)
 
     def killed(*args, **kwargs):
+        # The round by its number, or by its folder (round-K) for a phase that takes the folder alone.
         if any(arg == round_to_kill for arg in args if isinstance(arg, int)) or \
-                kwargs.get("round_index") == round_to_kill:
+                kwargs.get("round_index") == round_to_kill or \
+                any(isinstance(arg, Path) and arg.name == f"round-{round_to_kill}" for arg in args):
             raise Killed(name)
         return original(*args, **kwargs)
     monkeypatch.setattr(target, name, killed)
@@ -260,3 +264,22 @@ def test_a_run_killed_at_any_phase_resumes_where_it_stopped_to_the_same_result(t
     resumed = run_rounds(tiny_policy(), tokenizer, PROMPTS, letters, settings(tmp_path))
     same_rounds(resumed.rounds, whole.rounds[:2])
     assert resumed.held_out == whole.held_out[:3]
+
+
+def test_every_rows_columns_reach_the_rewards_none_where_a_row_lacks_one():
+    rows = [{"prompt": "a"}, {"prompt": "b", "solution": "2"}, {"prompt": "c", "level": 3, "completion": "x"}]
+    columns = rounds_loop._columns(SimpleNamespace(rows=rows), [0, 1, 2], per_row=2)
+    assert columns == {"solution": [None, None, "2", "2", None, None], "level": [None, None, None, None, 3, 3]}
+
+
+def test_a_pair_whose_prompt_fills_max_length_is_counted_before_training_and_pairs_is_what_trains(tmp_path,
+                                                                                                  tokenizer):
+    short = len(tokenizer.apply_chat_template(PROMPTS[0]["prompt"], add_generation_prompt=True,
+                                              return_dict=True)["input_ids"])
+    long_prompt = {"prompt": [{"role": "user", "content": "What is " + "1 + " * 60 + "1?"}], "solution": "61"}
+    config = settings(tmp_path, rounds=1, held_out_share=0.0, training={"max_length": short + 8,
+                                                                       "save_strategy": "no"})
+    result = run_rounds(tiny_policy(), tokenizer, [*PROMPTS[:3], long_prompt], letters, config)
+    line = result.rounds[0]
+    assert line["dropped"]["prompt_fills_max_length"] == 1
+    assert line["pairs"] == len(result.trainer.train_dataset) == 4 - sum(line["dropped"].values())

@@ -16,6 +16,7 @@ import pytest
 from dpo_min import load_preference_dataset
 from dpo_min.rounds.arithmetic import last_integer, last_integer_reward
 from dpo_min.train import main
+from dpo_min.train import rounds as rounds_cmd
 from dpo_min.train.args import ROUNDS_DEMO_DEFAULTS
 from dpo_min.train.plan import resolve
 from dpo_min.train.rounds import EMBEDDED_PROMPTS, load_prompts, rounds_config
@@ -90,6 +91,12 @@ def run_main(argv, capsys):
     (["--num_generations", "8"], 2, "num_generations is an option of DPO in rounds: add --rounds N (docs/rounds.md)"),
     (["--rounds", "1", "--reward_funcs", "accuracy_reward", "--num_generations", "1"], 2,
      "--num_generations must be >= 2 to make a pair, got 1"),
+    (["--rounds", "1", "--reward_funcs", "./no/such/rm"], 2,
+     "--reward_funcs ./no/such/rm: no such reward model folder (and it is not a hub id either)"),
+    (["--rounds", "1", "--reward_funcs", "accuracy_reward", "--reward_weights", "nan"], 2,
+     "--reward_weights must be finite numbers, got [nan]"),
+    (["--rounds", "1", "--reward_funcs", "accuracy_reward", "--missing_eos_penalty", "inf"], 2,
+     "--missing_eos_penalty must be a finite number, got inf"),
     (["--rounds", "1", "--reward_funcs", "accuracy_reward", "--max_eval_samples", "8"], 2,
      "--max_eval_samples is not read with --rounds (a share of --dataset's prompts is held out: --eval_fraction)"),
 ])
@@ -97,6 +104,21 @@ def test_a_bad_command_line_is_one_line(tmp_path, prompts_file, capsys, extra, c
     argv = ["--dataset", str(prompts_file), "--output_dir", str(tmp_path / "out"), *extra]
     assert run_main(argv, capsys) == (code, f"python -m dpo_min.train: error: {message}")
     assert not (tmp_path / "out").exists()
+
+
+def test_trust_remote_code_reaches_the_reward_models_loading(tmp_path, prompts_file, capsys, monkeypatch):
+    seen = {}
+
+    def from_pretrained(path, **kwargs):
+        seen.update(kwargs)
+        raise OSError("stopped before loading")
+    monkeypatch.setattr(rounds_cmd.AutoModelForSequenceClassification, "from_pretrained", from_pretrained)
+    (tmp_path / "rm").mkdir()
+    argv = ["--rounds", "1", "--dataset", str(prompts_file), "--reward_funcs", str(tmp_path / "rm"),
+            "--trust_remote_code", "--output_dir", str(tmp_path / "out")]
+    assert run_main(argv, capsys) == (1, f"python -m dpo_min.train: error: --reward_funcs {tmp_path / 'rm'}: "
+                                         "stopped before loading")
+    assert seen == {"num_labels": 1, "trust_remote_code": True}
 
 
 @pytest.mark.parametrize(("rows", "message"), [

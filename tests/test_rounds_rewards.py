@@ -1,11 +1,17 @@
 """The rounds' reward contract (TRL GRPOTrainer's: TRL's own reward functions run unmodified) and the pair rule."""
 
+import json
 import math
 
+import numpy as np
 import pytest
+import torch
+from datasets import Dataset
 from trl.rewards import accuracy_reward, think_format_reward
 
-from dpo_min.rounds import RoundsError, make_pairs
+from dpo_min import DPOMinConfig, tokenize_dataset
+from dpo_min.rounds import RoundsConfig, RoundsError, held_out, make_pairs
+from dpo_min.rounds.pairs import keep_trainable
 from dpo_min.rounds.rewards import Rewards
 from dpo_min.rounds.sampling import Completion
 
@@ -90,6 +96,73 @@ def test_a_bad_reward_is_one_line_naming_the_function_and_the_round(func, messag
     assert str(error.value) == message
 
 
+def trl_reads(output, count=2):
+    """TRL GRPOTrainer._calculate_rewards on one function's output: None as NaN, then a float32 column of the
+    rewards-per-function table; or the error it raises."""
+    rewards = [r if r is not None else torch.nan for r in output]
+    if len(rewards) != count:
+        raise ValueError(f"{len(rewards)} rewards for {count} completions")
+    column = torch.zeros(count)
+    column[:] = torch.tensor(rewards, dtype=torch.float32)
+    return column.tolist()
+
+
+def returning(output):
+    def func(completions, **_):
+        return output
+    return func
+
+
+@pytest.mark.parametrize("output", [
+    [np.float32(0.5), np.float32(2.0)], [np.int64(1), np.int64(3)], [torch.tensor(0.5), torch.tensor(2)],
+    [torch.tensor([0.5]), 1], np.array([0.5, 2.0]), np.array([1, 3], dtype=np.int32), torch.tensor([0.5, 2.0]),
+    torch.tensor([[0.5], [2.0]]), [np.float64(1.0), None], [True, 2], (1, 2.5),
+    # refused by TRL too:
+    np.float32(1.0), torch.tensor(1.0), [10 ** 400, 1.0], [10 ** 5000, 1.0], ["1", "2"], [1 + 2j, 1.0],
+    [np.array([1.0]), 1.0], [[1.0], [2.0]], np.array([[1.0, 2.0]]),
+])
+def test_a_reward_output_is_read_as_trl_reads_it_and_what_trl_refuses_is_one_line(output):
+    try:
+        expected = trl_reads(output)
+    except Exception:  # any error of TRL's conversion is a refusal
+        expected = None
+    if expected is None:
+        with pytest.raises(RoundsError) as error:
+            Rewards(returning(output)).score(["p", "p"], completions("a", "b"), {}, round_index=3)
+        assert str(error.value).startswith("round 3: reward function 'func' returned ")
+        assert "\n" not in str(error.value) and len(str(error.value)) < 200
+        return
+    scores = Rewards(returning(output)).score(["p", "p"], completions("a", "b"), {}, round_index=3)
+    read = [math.nan if sample["func"] is None else sample["func"] for sample in scores.per_function]
+    assert read == pytest.approx(expected, nan_ok=True)
+    assert all(isinstance(value, float) or value is None for value in scores.total)
+
+
+def test_a_dict_is_refused_though_trl_would_read_its_keys_as_rewards():
+    with pytest.raises(RoundsError, match=r"^round 3: reward function 'func' returned dict, not a list of rewards$"):
+        Rewards(returning({0: 1.0, 1: 2.0})).score(["p", "p"], completions("a", "b"), {}, round_index=3)
+
+
+def test_a_weighted_total_that_overflows_is_one_line_naming_the_round():
+    rewards = Rewards([returning([1e308, 1.0]), returning([1e308, 1.0])], weights=[2.0, -2.0])
+    with pytest.raises(RoundsError) as error:
+        rewards.score(["p", "p"], completions("a", "b"), {}, round_index=2)
+    assert str(error.value) == ("round 2: the weighted reward of completion 0 is nan (its rewards times "
+                                "reward_weights overflow a float): scale the rewards down")
+
+
+@pytest.mark.parametrize(("field", "value", "message"), [
+    ("reward_weights", [1.0, math.nan], "reward_weights must be finite numbers, got [1.0, nan]"),
+    ("reward_weights", [math.inf], "reward_weights must be finite numbers, got [inf]"),
+    ("missing_eos_penalty", math.nan, "missing_eos_penalty must be a finite number, got nan"),
+    ("missing_eos_penalty", -math.inf, "missing_eos_penalty must be a finite number, got -inf"),
+])
+def test_a_weight_or_penalty_that_is_not_finite_is_refused_by_the_config(tmp_path, field, value, message):
+    with pytest.raises(RoundsError) as error:
+        RoundsConfig(output_dir=str(tmp_path / "run"), **{field: value})
+    assert str(error.value) == message
+
+
 def test_reward_weights_must_match_the_functions():
     with pytest.raises(RoundsError, match="reward_weights has 2 weights for 1 reward functions"):
         Rewards(too_few, weights=[1.0, 2.0])
@@ -118,7 +191,43 @@ def test_ties_margins_and_unscorable_prompts_are_dropped_and_counted_by_reason()
     assert sum(dropped.values()) + len(made) == len(groups)
 
 
+def test_a_best_and_worst_of_the_same_text_are_a_tie_not_a_pair():
+    # The same text scored apart: one sample cut at max_completion_length lost missing_eos_penalty.
+    same = {"prompt_index": 0, "prompt": "p", "samples": [{"completion": "abc", "total": 1.0},
+                                                          {"completion": "abc", "total": 0.5}]}
+    made, dropped = make_pairs([same, group(1, 1.0, 0.0)], min_margin=0.0)
+    assert [p["prompt_index"] for p in made] == [1]
+    assert dropped == {"unscorable": 0, "all_tied": 1, "below_min_margin": 0}
+
+
+def test_pairs_the_dpo_pass_would_drop_are_counted_by_reason_and_the_rest_are_what_it_trains(tmp_path, tokenizer):
+    shared = "x " * 40  # both answers' first 30 tokens: max_length cuts them to the same ids
+    pairs = [{"prompt": "Hi", "chosen": "Hello there", "rejected": "Go away"},
+             {"prompt": "word " * 200, "chosen": "Hello there", "rejected": "Go away"},
+             {"prompt": "Hi", "chosen": "Hello", "rejected": "   "},
+             {"prompt": "Hi", "chosen": shared + "a", "rejected": shared + "b"},
+             {"prompt": "Bye", "chosen": "See you", "rejected": "No"}]
+    args = DPOMinConfig(output_dir=str(tmp_path), report_to="none", max_length=32)
+    kept, dropped = keep_trainable([{**pair, "chosen_reward": 1.0} for pair in pairs], tokenizer, args)
+    assert [pair["prompt"] for pair in kept] == ["Hi", "Bye"] and kept[0]["chosen_reward"] == 1.0
+    assert dropped == {"empty_completion": 1, "prompt_fills_max_length": 1, "same_after_truncation": 1}
+    # The DPO pass's own tokenizing (the trainer's) keeps as many.
+    assert len(tokenize_dataset(Dataset.from_list(pairs), tokenizer, max_length=32)) == len(kept)
+
+
 def test_a_conversational_pair_holds_its_completions_as_one_assistant_message():
     made, _ = make_pairs([group(0, 1.0, 0.0, prompt=PROMPT)], min_margin=0.0)
     assert made[0]["chosen"] == [{"role": "assistant", "content": "c0"}]
     assert made[0]["rejected"] == [{"role": "assistant", "content": "c1"}]
+
+
+@pytest.mark.parametrize("values", [[1e308, 1e308, -1e308], [1e308, 1e308], [1.7e308], [-1.7e308, 1.7e308, 1e308],
+                                    [1e300, 2e300, 3e300]])
+def test_finite_rewards_near_the_float_range_keep_the_held_out_figures_finite_and_draw(tmp_path, values):
+    lines = [{"round": 0, **held_out.mean_with_interval(values)},
+             {"round": 1, **held_out.mean_with_interval([0.5, 1.0, 0.25])}]
+    json.dumps(lines, allow_nan=False)  # held_out.jsonl stays JSON: no NaN, no Infinity
+    assert lines[0]["mean"] == pytest.approx(math.fsum(v / 1e300 for v in values) / len(values) * 1e300)
+    assert lines[0]["low"] is None or lines[0]["low"] <= lines[0]["mean"] <= lines[0]["high"]
+    held_out.plot(lines, tmp_path / "held_out.png")
+    assert (tmp_path / "held_out.png").stat().st_size > 0

@@ -47,6 +47,11 @@ class RoundsConfig:
             raise RoundsError(f"top_p must be in (0, 1], got {self.top_p}")
         if not 0 <= self.held_out_share < 1:
             raise RoundsError(f"held_out_share must be in [0, 1), got {self.held_out_share}")
+        # A NaN or infinite weight or penalty makes every total NaN: every sample would tie with itself.
+        if self.reward_weights is not None and not all(math.isfinite(weight) for weight in self.reward_weights):
+            raise RoundsError(f"reward_weights must be finite numbers, got {self.reward_weights}")
+        if self.missing_eos_penalty is not None and not math.isfinite(self.missing_eos_penalty):
+            raise RoundsError(f"missing_eos_penalty must be a finite number, got {self.missing_eos_penalty}")
         if not (math.isfinite(self.min_margin) and self.min_margin >= 0):
             raise RoundsError(f"min_margin must be a finite number >= 0, got {self.min_margin}")
         if self.reference not in REFERENCES:

@@ -1,6 +1,8 @@
 """Held-out prompts, never sampled for training: the mean reward of one greedy completion each, with its 95%
 interval (the normal approximation, dpo_min.intervals), before round 1 and after each round."""
 
+import math
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -8,14 +10,25 @@ from dpo_min.intervals import mean_interval
 
 
 def mean_with_interval(values: list[float]) -> dict[str, Any]:
-    """Mean and 95% interval of the scorable values; the interval needs two of them."""
+    """Mean and 95% interval of the scorable values; the interval needs two of them. Finite rewards near the float
+    range (1e308) overflow a plain sum: they are averaged scaled down, and a bound past the range is its end."""
     n = len(values)
     if n == 0:
         return {"mean": None, "low": None, "high": None, "n": 0}
-    mean, low, high = mean_interval(values)
+    try:
+        mean, low, high = mean_interval(values)
+    except OverflowError:  # a square past the float range
+        mean = low = high = math.inf
+    if not all(map(math.isfinite, (mean, low, high))):
+        scale = max(abs(value) for value in values)
+        mean, low, high = (_clamped(scale * figure) for figure in mean_interval([v / scale for v in values]))
     if n < 2:
         return {"mean": mean, "low": None, "high": None, "n": 1}
     return {"mean": mean, "low": low, "high": high, "n": n}
+
+
+def _clamped(value: float) -> float:
+    return max(-sys.float_info.max, min(sys.float_info.max, value))
 
 
 def describe(line: dict[str, Any]) -> str:
@@ -36,13 +49,17 @@ def plot(lines: list[dict[str, Any]], path: Path) -> None:
     shown = [line for line in lines if line["mean"] is not None]
     if not shown:
         return
+    # Drawn in units of 10**k when the rewards are large: matplotlib's axis limits overflow near 1e308.
+    largest = max(abs(line[key]) for line in shown for key in ("mean", "low", "high") if line[key] is not None)
+    exponent = math.floor(math.log10(largest)) if largest >= 1e6 else 0
+    unit = 10.0 ** exponent
+    means = [line["mean"] / unit for line in shown]
+    low = [mean - (line["low"] / unit if line["low"] is not None else mean) for mean, line in zip(means, shown)]
+    high = [(line["high"] / unit if line["high"] is not None else mean) - mean for mean, line in zip(means, shown)]
     figure, axes = pyplot.subplots(figsize=(5, 3.2))
-    low = [line["mean"] - (line["low"] if line["low"] is not None else line["mean"]) for line in shown]
-    high = [(line["high"] if line["high"] is not None else line["mean"]) - line["mean"] for line in shown]
-    axes.errorbar([line["round"] for line in shown], [line["mean"] for line in shown], yerr=[low, high],
-                  marker="o", capsize=3)
+    axes.errorbar([line["round"] for line in shown], means, yerr=[low, high], marker="o", capsize=3)
     axes.set_xlabel("round (0: before round 1)")
-    axes.set_ylabel("held-out mean reward (greedy)")
+    axes.set_ylabel("held-out mean reward (greedy)" + (f", x 1e{exponent}" if exponent else ""))
     axes.set_xticks([line["round"] for line in shown])
     figure.tight_layout()
     figure.savefig(path, dpi=100)

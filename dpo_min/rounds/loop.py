@@ -79,8 +79,10 @@ def _shared(items: list[Any], work: Callable[[list[Any]], list[Any]], state: Par
 
 
 def _columns(run: _Run, row_indices: Sequence[int], per_row: int) -> dict[str, list]:
-    """The prompt rows' other columns, each value repeated once per sample (TRL's reward kwargs)."""
-    names = [name for name in run.rows[row_indices[0]] if name not in ("prompt", "completion", "completion_ids")]
+    """The prompt rows' other columns, each value repeated once per sample (TRL's reward kwargs). A column of any row
+    is passed, None where a row lacks it: TRL's rows come from one dataset, whose every row has every column."""
+    names = dict.fromkeys(name for i in row_indices for name in run.rows[i]
+                          if name not in ("prompt", "completion", "completion_ids"))
     return {name: [run.rows[i].get(name) for i in row_indices for _ in range(per_row)] for name in names}
 
 
@@ -125,11 +127,13 @@ def _score(run: _Run, generated: list[dict[str, Any]], round_index: int, steps: 
             for group, results in zip(by_prompt, scored) for row, (per_function, total) in zip(group, results)]
 
 
-def _pairs(run: _Run, samples: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[str, int]]:
+def _pairs(run: _Run, samples: list[dict[str, Any]], args: DPOMinConfig) -> tuple[list[dict[str, Any]], dict]:
+    """The round's pairs, those the DPO pass would drop left out: its `pairs` count is what trains."""
     groups = [{"prompt_index": i, "prompt": run.rows[i]["prompt"], "prompt_ids": run.prompt_ids[i],
                "samples": [row for row in samples if row["prompt_index"] == i]} for i in run.train_rows]
     made, dropped = pairs.make_pairs(groups, run.config.min_margin)
-    return made, dict(dropped)
+    kept, untrainable = pairs.keep_trainable(made, run.tokenizer, args)
+    return kept, {**dropped, **untrainable}
 
 
 def _evaluate(run: _Run, model: Any, round_index: int) -> None:
@@ -178,13 +182,17 @@ def pair_dataset(made: list[dict[str, Any]]) -> Dataset:
     return Dataset.from_list([{key: pair[key] for key in columns} for pair in made])
 
 
-def _train(run: _Run, policy: Policy, made: list[dict[str, Any]], folder: Path,
-           round_index: int) -> tuple[dict[str, Any], DPOMinTrainer]:
-    """One DPO pass on the round's pairs, warm-started from the last round; a half-trained round resumes from its
-    latest checkpoint-N. Returns the mean of the round's logged step metrics, and the trainer."""
-    args = DPOMinConfig(**{"report_to": "none", "logging_steps": 1, "num_train_epochs": 1,  # one pass a round
+def _training_args(run: _Run, folder: Path, round_index: int) -> DPOMinConfig:
+    """The settings of a round's DPO pass."""
+    return DPOMinConfig(**{"report_to": "none", "logging_steps": 1, "num_train_epochs": 1,  # one pass a round
                            "seed": run.config.seed + round_index, "use_cpu": _several_on_cpu(),  # join over gloo
                            **run.config.training, "output_dir": str(folder / "train")})
+
+
+def _train(run: _Run, policy: Policy, made: list[dict[str, Any]], args: DPOMinConfig,
+           folder: Path) -> tuple[dict[str, Any], DPOMinTrainer]:
+    """One DPO pass on the round's pairs, warm-started from the last round; a half-trained round resumes from its
+    latest checkpoint-N. Returns the mean of the round's logged step metrics, and the trainer."""
     trainer = DPOMinTrainer(**policy.trainer_models(), args=args, train_dataset=pair_dataset(made),
                             processing_class=run.tokenizer)
     # The round's one line says the pass's figures (_summary); Trainer would print every step's dict, every round.
@@ -217,14 +225,15 @@ def _round(run: _Run, policy: Policy, round_index: int, steps: int) -> tuple[dic
                            lambda: _generate(run, model, round_index))
     samples = _phase(run, folder / "samples.jsonl", times, "scoring",
                      lambda: _score(run, generated, round_index, steps))
-    made, dropped = _pairs(run, samples)
+    args = _training_args(run, folder, round_index)
+    made, dropped = _pairs(run, samples, args)
     _phase(run, folder / "pairs.jsonl", {}, "pairing", lambda: made)
     if run.state.is_main_process:
         times_path.write_text(json.dumps(times))
     totals = [row["total"] for row in samples if row["total"] is not None]
     line = {"round": round_index, "prompts": len(run.train_rows), "samples": len(samples), "pairs": len(made),
             "dropped": dropped, "unscorable_samples": len(samples) - len(totals),
-            "reward_mean": sum(totals) / len(totals) if totals else None,
+            "reward_mean": held_out.mean_with_interval(totals)["mean"],  # finite where a sum of 1e308s is not
             "reward_best": max(totals, default=None), "reward_worst": min(totals, default=None)}
     if not made:
         return {**line, "status": f"no pair: {run.config.on_no_pairs}", "seconds": times}, None
@@ -234,7 +243,7 @@ def _round(run: _Run, policy: Policy, round_index: int, steps: int) -> tuple[dic
         metrics = json.loads((folder / "train_metrics.json").read_text())
     else:
         start = time.perf_counter()
-        metrics, trainer = _train(run, policy, made, folder, round_index)
+        metrics, trainer = _train(run, policy, made, args, folder)
         times["training"] = round(time.perf_counter() - start, 3)
         if run.state.is_main_process:  # before the checkpoint: a checkpoint on disk means both are there
             (folder / "train_metrics.json").write_text(json.dumps(metrics))

@@ -1,12 +1,19 @@
 """The pair rule: per prompt, the best-scored sample against the worst. A prompt gives no pair when fewer than two
-of its samples are scorable, when all its scores tie, or when best - worst < min_margin; each such prompt is
-counted under its reason, never dropped silently."""
+of its samples are scorable, when all its scores tie or its best and worst are the same text, or when best - worst <
+min_margin; a pair the DPO pass would drop (`keep_trainable`) is left out before it. Each is counted under its
+reason, never dropped silently."""
 
 from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
-DROP_REASONS = ("unscorable", "all_tied", "below_min_margin")
+from dpo_min.tokenizing import NO_ANSWER, NO_COMPLETION, SAME_COMPLETIONS, drop_reason
+
+PAIR_RULE_REASONS = ("unscorable", "all_tied", "below_min_margin")
+# Why the DPO pass drops a pair (reading it as data, tokenizing and truncating it), as rounds.jsonl names it.
+TRAINING_REASONS = {NO_ANSWER: "empty_completion", NO_COMPLETION: "prompt_fills_max_length",
+                    SAME_COMPLETIONS: "same_after_truncation"}
+DROP_REASONS = (*PAIR_RULE_REASONS, *TRAINING_REASONS.values())
 
 
 def best_and_worst(totals: Sequence[float | None], min_margin: float) -> tuple[int, int] | str:
@@ -29,7 +36,7 @@ def make_pairs(groups: Sequence[dict[str, Any]], min_margin: float) -> tuple[lis
     Returns the pairs in explicit-prompt layout (prompt, chosen, rejected; a conversational prompt's completions
     as one assistant message) with the ids that were sampled (prompt_ids, chosen_ids, rejected_ids), which
     load_preference_dataset reads back and the DPO pass trains on as given, and the drop counts by reason."""
-    pairs, dropped = [], Counter(dict.fromkeys(DROP_REASONS, 0))
+    pairs, dropped = [], Counter(dict.fromkeys(PAIR_RULE_REASONS, 0))
     for group in groups:
         samples = group["samples"]
         chosen = best_and_worst([sample["total"] for sample in samples], min_margin)
@@ -37,6 +44,9 @@ def make_pairs(groups: Sequence[dict[str, Any]], min_margin: float) -> tuple[lis
             dropped[chosen] += 1
             continue
         best, worst = (samples[i] for i in chosen)
+        if best["completion"] == worst["completion"]:  # scored apart (a cut one's penalty), yet no preference
+            dropped["all_tied"] += 1
+            continue
         pairs.append({"prompt": group["prompt"], "chosen": _as_completion(group["prompt"], best["completion"]),
                       "rejected": _as_completion(group["prompt"], worst["completion"]),
                       "prompt_ids": group["prompt_ids"], "chosen_ids": best["completion_ids"],
@@ -48,3 +58,19 @@ def make_pairs(groups: Sequence[dict[str, Any]], min_margin: float) -> tuple[lis
 
 def _as_completion(prompt: Any, text: str) -> Any:
     return [{"role": "assistant", "content": text}] if isinstance(prompt, list) else text
+
+
+def keep_trainable(pairs: list[dict[str, Any]], tokenizer: Any, args: Any) -> tuple[list[dict[str, Any]], Counter]:
+    """The pairs the DPO pass trains on, and the others counted by reason (TRAINING_REASONS' values), decided by
+    the core's own reading and tokenizing with `args`' (a DPOMinConfig) max_length, max_prompt_length,
+    truncation_mode and chat_template_kwargs, so that rounds.jsonl's `pairs` is what trains."""
+    kept, dropped = [], Counter(dict.fromkeys(TRAINING_REASONS.values(), 0))
+    for pair in pairs:
+        given = ("prompt", "chosen", "rejected", "prompt_ids", "chosen_ids", "rejected_ids")
+        reason = drop_reason({name: pair[name] for name in given if name in pair}, tokenizer,
+                             args.max_length, args.max_prompt_length, args.truncation_mode, args.chat_template_kwargs)
+        if reason is None:
+            kept.append(pair)
+        else:
+            dropped[TRAINING_REASONS.get(reason, reason)] += 1
+    return kept, dropped

@@ -9,11 +9,14 @@ is unscorable. TRL's missing_eos_penalty is taken off a completion that max_comp
 """
 
 import math
+import numbers
+import sys
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer, TrainerState
 
@@ -80,17 +83,44 @@ def as_callables(reward_funcs: RewardFunc | Sequence[RewardFunc]) -> list[Callab
 
 def _checked(output: Any, name: str, expected: int, round_index: int) -> list[float | None]:
     where = f"round {round_index}: reward function {name!r}"
-    if not isinstance(output, (list, tuple)) and not hasattr(output, "tolist"):
+    # TRL iterates over the output: a list, a tuple, or a numpy array or torch tensor of one reward per completion.
+    if not isinstance(output, (list, tuple, np.ndarray, torch.Tensor)) or getattr(output, "ndim", 1) == 0:
         raise RoundsError(f"{where} returned {type(output).__name__}, not a list of rewards")
-    values = list(output.tolist() if hasattr(output, "tolist") else output)
+    values = list(output)
     if len(values) != expected:
         raise RoundsError(f"{where} returned {len(values)} rewards for {expected} completions")
-    for i, value in enumerate(values):
-        if value is not None and not (isinstance(value, (int, float)) and math.isfinite(value)):
-            raise RoundsError(f"{where} returned {value!r} for completion {i}: a reward is a finite number or None")
+    read = [None if value is None else _number(value) for value in values]
+    for i, (value, number) in enumerate(zip(values, read)):
+        if value is not None and (number is None or not math.isfinite(number)):
+            raise RoundsError(f"{where} returned {_shown(value)} for completion {i}: a reward is a finite number or "
+                              "None")
     if all(value is None for value in values):
         raise RoundsError(f"{where} returned only None ({expected} completions): it judged none of them")
-    return [None if value is None else float(value) for value in values]
+    return read
+
+
+def _number(value: Any) -> float | None:
+    """A reward read as TRL reads it (`torch.tensor(rewards, dtype=float32)` takes Python, numpy and one-element
+    torch real numbers), kept in float64; None where TRL would refuse it. An int past the float range is inf, as it
+    is refused."""
+    if isinstance(value, torch.Tensor):
+        value = value.item() if value.numel() == 1 and not value.is_complex() else None
+    elif isinstance(value, (np.ndarray, np.generic)):
+        value = value.item() if value.ndim == 0 and value.dtype.kind in "biuf" else None
+    if not isinstance(value, numbers.Real):
+        return None
+    try:
+        return float(value)
+    except OverflowError:
+        return math.inf
+
+
+def _shown(value: Any) -> str:
+    try:
+        text = repr(value)
+    except ValueError:  # an int of more digits than Python prints
+        text = f"an integer of over {sys.get_int_max_str_digits()} digits"
+    return text if len(text) <= 40 else f"{text[:37]}..."
 
 
 class Rewards:
@@ -123,8 +153,12 @@ class Rewards:
                                   f"{type(error).__name__}: {error}") from error
             by_function.append(_checked(output, name, len(completions), round_index))
         per_sample = [dict(zip(self.names, values)) for values in zip(*by_function)]
-        return Scores(per_sample, [self._total(values, c) for values, c in zip(zip(*by_function), completions)],
-                      {name: sum(values) / len(values) for name, values in logged.items()})
+        totals = [self._total(values, c) for values, c in zip(zip(*by_function), completions)]
+        for i, total in enumerate(totals):
+            if total is not None and not math.isfinite(total):  # finite rewards whose weighted sum overflows
+                raise RoundsError(f"round {round_index}: the weighted reward of completion {i} is {total} (its "
+                                  "rewards times reward_weights overflow a float): scale the rewards down")
+        return Scores(per_sample, totals, {name: sum(values) / len(values) for name, values in logged.items()})
 
     def _total(self, values: Sequence[float | None], completion: Completion) -> float | None:
         if all(value is None for value in values):

@@ -20,6 +20,7 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from ..config import DPOMinConfig
 from ..data.loading import load_rows
+from ..models import is_repo_id
 from ..rounds import RewardModel, RoundsConfig, RoundsError, run_rounds
 from ..rounds.held_out import describe
 from ..rounds.prompts import prompt_rows
@@ -70,7 +71,8 @@ def run(plan: Plan, load_model: Callable[[Plan], tuple]) -> None:
         if plan.is_main:
             _check_folder(folder)
         prompts = load_prompts(plan)
-        reward_funcs = [_reward_model(func) if isinstance(func, str) else func for func in reward_funcs]
+        trust = plan.load.kwargs.get("trust_remote_code", False)  # --trust_remote_code, as the policy loads
+        reward_funcs = [_reward_model(func, trust) if isinstance(func, str) else func for func in reward_funcs]
         model, tokenizer, peft_config, _ = load_model(plan)
         try:
             result = run_rounds(model, tokenizer, prompts, reward_funcs, replace(config, peft_config=peft_config))
@@ -114,6 +116,8 @@ def _imported(spec: str) -> Callable[..., list] | str:
     """A reward function named as module:function, module.function (TRL's script) or a bare name of trl.rewards;
     a folder or a hub id (with a '/') stays a string: a reward model, loaded under the lock."""
     if ":" not in spec and (os.path.isdir(spec) or "/" in spec):
+        if not os.path.exists(spec) and not is_repo_id(spec):  # else the hub's "Repo id must use alphanumeric ..."
+            raise UsageError(f"--reward_funcs {spec}: no such reward model folder (and it is not a hub id either)")
         return spec
     module_name, _, name = spec.partition(":") if ":" in spec else spec.rpartition(".")
     module_name = module_name or "trl.rewards"
@@ -130,10 +134,11 @@ def _imported(spec: str) -> Callable[..., list] | str:
     return func
 
 
-def _reward_model(path: str) -> RewardModel:
+def _reward_model(path: str, trust_remote_code: bool) -> RewardModel:
     try:
-        model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1)
-        return RewardModel(model, AutoTokenizer.from_pretrained(path))
+        model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1,
+                                                                   trust_remote_code=trust_remote_code)
+        return RewardModel(model, AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code))
     except (OSError, ValueError) as error:
         raise InputError(f"--reward_funcs {path}: {str(error).strip().splitlines()[0]}") from None
 
