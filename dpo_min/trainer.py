@@ -271,8 +271,8 @@ class DPOMinTrainer(Trainer):
         # ones; num_tokens the running count of training tokens computed, padding excluded.
         metrics["entropy"].append(((pairs["chosen_entropy"].sum() + pairs["rejected_entropy"].sum()) / tokens).item())
         metrics["mean_token_accuracy"].append((pairs["chosen_top1"].sum() / pairs["chosen_lengths"].sum()).item())
-        # Kept in the trainer state, which every checkpoint saves and a resume loads: a resumed run counts on from
-        # there (as TRL's GRPO keeps its count in state.num_input_tokens_seen, which Trainer adds to itself here).
+        # Kept in the trainer state, which every checkpoint saves and a resume loads, so a resumed run counts on (TRL's
+        # GRPO uses state.num_input_tokens_seen, which Trainer itself adds to under include_num_input_tokens_seen).
         count = self.state.stateful_callbacks.setdefault("dpo_min", {"num_tokens": 0})
         if mode == "train":
             count["num_tokens"] += int(self.accelerator.gather(computed_tokens(inputs)).sum())
