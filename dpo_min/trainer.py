@@ -102,7 +102,6 @@ class DPOMinTrainer(Trainer):
         self.reference.prepare(self.accelerator, self.is_deepspeed_enabled)
         self._precompute_engine = None  # DeepSpeed: the policy's forward-only engine for the precompute pass
         self._metrics: dict[str, dict[str, list[float]]] = {"train": defaultdict(list), "eval": defaultdict(list)}
-        self._total_train_tokens = 0
         self.eval_margins: list[float] = []  # each held-out pair's reward margin at the latest evaluation, in order
         self._pending_margins: list[torch.Tensor] = []  # ... gathered batch by batch until the evaluation logs
         if args.sync_ref_model:
@@ -272,9 +271,12 @@ class DPOMinTrainer(Trainer):
         # ones; num_tokens the running count of training tokens computed, padding excluded.
         metrics["entropy"].append(((pairs["chosen_entropy"].sum() + pairs["rejected_entropy"].sum()) / tokens).item())
         metrics["mean_token_accuracy"].append((pairs["chosen_top1"].sum() / pairs["chosen_lengths"].sum()).item())
+        # Kept in the trainer state, which every checkpoint saves and a resume loads, so a resumed run counts on (TRL's
+        # GRPO uses state.num_input_tokens_seen, which Trainer itself adds to under include_num_input_tokens_seen).
+        count = self.state.stateful_callbacks.setdefault("dpo_min", {"num_tokens": 0})
         if mode == "train":
-            self._total_train_tokens += int(self.accelerator.gather(computed_tokens(inputs)).sum())
-        metrics["num_tokens"] = [self._total_train_tokens]
+            count["num_tokens"] += int(self.accelerator.gather(computed_tokens(inputs)).sum())
+        metrics["num_tokens"] = [count["num_tokens"]]
         if policy.aux_loss is not None:
             metrics["aux_loss"].append(self.accelerator.gather_for_metrics(policy.aux_loss.detach()).mean().item())
         chosen, rejected = pairs["chosen_rewards"], pairs["rejected_rewards"]

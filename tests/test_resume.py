@@ -1,5 +1,5 @@
 """A CLI run killed with SIGKILL and resumed (`--resume_from_checkpoint latest`) ends where an uninterrupted run
-ends: the same weights and the same logged losses, and each resumed process trains only the steps still to do."""
+ends: the same weights, logged losses and token counts, and each resumed process trains only the steps still to do."""
 
 import ast
 import json
@@ -49,9 +49,9 @@ def run_until_killed(argv, staging, checkpoint_step, cache, log):
     return process.returncode
 
 
-def training_losses(output_dir):
+def training_losses(output_dir, figure="loss"):
     state = json.loads((output_dir / "trainer_state.json").read_text())
-    return {entry["step"]: entry["loss"] for entry in state["log_history"] if "loss" in entry}
+    return {entry["step"]: entry[figure] for entry in state["log_history"] if figure in entry and "loss" in entry}
 
 
 def printed_losses(stdout):
@@ -101,6 +101,8 @@ def test_killed_and_resumed_run_equals_an_uninterrupted_run(tmp_path, tiny_model
     assert sorted(actual) == sorted(expected)
     for step in expected:
         assert actual[step] == pytest.approx(expected[step], rel=1e-6), step
+    # The running token count goes on from the checkpoint, as it runs on in the uninterrupted run.
+    assert training_losses(resumed, "num_tokens") == training_losses(whole, "num_tokens")
     whole_weights, resumed_weights = load_file(whole / weights_file), load_file(resumed / weights_file)
     assert whole_weights.keys() == resumed_weights.keys()
     largest = max((whole_weights[name] - resumed_weights[name]).abs().max().item() for name in whole_weights)

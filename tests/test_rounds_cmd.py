@@ -6,6 +6,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 from dataclasses import fields
@@ -145,6 +146,32 @@ def test_an_output_folder_holding_other_files_is_refused_and_left_as_it_was(tmp_
     assert run_main(argv, capsys) == (2, f"python -m dpo_min.train: error: --output_dir {out} holds files that are "
                                          "not a rounds run's (no settings.json); choose another folder")
     assert sorted(path.name for path in tmp_path.iterdir()) == ["out", "prompts.jsonl"]  # no lock left behind
+
+
+def test_a_resume_with_another_model_dtype_or_chat_template_is_refused_naming_old_and_new(tmp_path, tiny_model_dir,
+                                                                                          prompts_file, capsys):
+    # Each would go on: the finished round's adapter on another base, or the next round sampled through another
+    # template or dtype. Refused as the offline resume refuses them, with the values the plan records for it.
+    out = tmp_path / "out"
+    argv = ["--rounds", "1", "--model", str(tiny_model_dir), "--use_peft", "--lora_r", "4", "--dataset",
+            str(prompts_file), "--reward_funcs", "dpo_min.rounds.arithmetic:last_integer_reward",
+            "--num_generations", "2", "--max_completion_length", "4", "--eval_fraction", "0",
+            "--save_strategy", "no", "--output_dir", str(out)]
+    assert run_main(argv, capsys)[0] == 0
+    other_model = tmp_path / "other-model"
+    shutil.copytree(tiny_model_dir, other_model)
+    template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    digest = hashlib.sha256(template.encode()).hexdigest()[:12]
+    for extra, changed in [
+            (["--model", str(other_model)], f"model.model '{tiny_model_dir}' there, '{other_model}' now"),
+            (["--dtype", "bfloat16"], "model.dtype 'float32' there, 'bfloat16' now"),
+            (["--chat_template", template], f"model.chat_template None there, '{digest}' now"),
+            (["--lora_r", "8"], "peft_config.r 4 there, 8 now")]:
+        code, err = run_main([*argv, *extra, "--rounds", "2"], capsys)  # the model loads first: its bar, then
+        assert (code, err.splitlines()[-1]) == (1, f"python -m dpo_min.train: error: {out} holds a run with other "
+                                                   f"settings ({changed}): resume it with the same ones, or give "
+                                                   "another output_dir")
+    assert json.loads((out / "settings.json").read_text())["model"]["model"] == str(tiny_model_dir)
 
 
 def test_rounds_with_no_model_and_no_data_take_the_demos_defaults_and_prompts(tmp_path):

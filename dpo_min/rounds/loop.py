@@ -33,7 +33,9 @@ class RoundsResult:
     rounds: list[dict[str, Any]]  # rounds.jsonl, one line per finished round
     held_out: list[dict[str, Any]]  # held_out.jsonl: round 0 (pi_0), then after each round
     policy: Policy  # the model as trained (with LoRA: policy.current() gives it with its adapter)
-    trainer: DPOMinTrainer | None = None  # the last round's, when this call trained one
+    # The last round's, when this call trained one, holding the trained policy: its save_model() writes it (with LoRA,
+    # the adapter as round-K/checkpoint holds it).
+    trainer: DPOMinTrainer | None = None
     stopped: str | None = None  # why the run stopped before config.rounds, if it did
 
 
@@ -153,7 +155,8 @@ def _evaluate(run: _Run, model: Any, round_index: int) -> None:
             "unscorable": sum(t is None for t in totals)}
     if run.state.is_main_process:
         run.folder.append("held_out.jsonl", line)
-        held_out.plot(run.folder.held_out(), run.folder.root / "held_out.png")
+        with store.writing(run.folder.root / "held_out.png"):
+            held_out.plot(run.folder.held_out(), run.folder.root / "held_out.png")
     run.state.wait_for_everyone()
     run.say(held_out.describe(line))
 
@@ -201,7 +204,8 @@ def _train(run: _Run, policy: Policy, made: list[dict[str, Any]], args: DPOMinCo
         trainer.add_callback(_BarWithoutLogs())
     policy.warm_start(trainer)
     resume = any((folder / "train").glob("checkpoint-*"))
-    output = trainer.train(resume_from_checkpoint=True if resume else None)
+    with store.writing(folder / "train"):  # its checkpoint-N
+        output = trainer.train(resume_from_checkpoint=True if resume else None)
     steps = [entry for entry in trainer.state.log_history if "loss" in entry and "train_loss" not in entry]
     keys = sorted({key for entry in steps for key in entry if key not in ("epoch", "step")})
     metrics = {key: sum(e[key] for e in steps if key in e) / sum(key in e for e in steps) for key in keys}
@@ -229,7 +233,7 @@ def _round(run: _Run, policy: Policy, round_index: int, steps: int) -> tuple[dic
     made, dropped = _pairs(run, samples, args)
     _phase(run, folder / "pairs.jsonl", {}, "pairing", lambda: made)
     if run.state.is_main_process:
-        times_path.write_text(json.dumps(times))
+        store.write_json(times_path, times)
     totals = [row["total"] for row in samples if row["total"] is not None]
     line = {"round": round_index, "prompts": len(run.train_rows), "samples": len(samples), "pairs": len(made),
             "dropped": dropped, "unscorable_samples": len(samples) - len(totals),
@@ -246,9 +250,10 @@ def _round(run: _Run, policy: Policy, round_index: int, steps: int) -> tuple[dic
         metrics, trainer = _train(run, policy, made, args, folder)
         times["training"] = round(time.perf_counter() - start, 3)
         if run.state.is_main_process:  # before the checkpoint: a checkpoint on disk means both are there
-            (folder / "train_metrics.json").write_text(json.dumps(metrics))
-            times_path.write_text(json.dumps(times))
-        policy.finish(trainer, folder / "checkpoint")
+            store.write_json(folder / "train_metrics.json", metrics)
+            store.write_json(times_path, times)
+        with store.writing(folder / "checkpoint"):
+            policy.finish(trainer, folder / "checkpoint")
     with policy.current() as model:
         _evaluate(run, model, round_index)
     return {**line, "status": "trained", "dpo": metrics, "seconds": times}, trainer
@@ -267,7 +272,7 @@ def rendered_prompts(tokenizer: Any, rows: list[dict[str, Any]],
 
 
 def _open(model: Any, tokenizer: Any, prompts: Any, reward_funcs: Any, config: RoundsConfig,
-          generate_fn: GenerateFn | None) -> tuple[_Run, Policy, list[dict[str, Any]]]:
+          generate_fn: GenerateFn | None, model_record: dict[str, Any] | None) -> tuple[_Run, Policy, list[dict]]:
     """Validate, claim the output folder (or check a resume's settings), and load what finished rounds left."""
     rows = prompt_rows(prompts)
     rewards = Rewards(reward_funcs, config.reward_weights, config.missing_eos_penalty)
@@ -277,7 +282,8 @@ def _open(model: Any, tokenizer: Any, prompts: Any, reward_funcs: Any, config: R
                rendered_prompts(tokenizer, rows, config.training.get("chat_template_kwargs")),
                store.RunFolder(config.output_dir), generate_fn, state)
     settings = {**config.settings(), "prompts": fingerprint(rows), "reward_funcs": rewards.names,
-                "processes": state.num_processes}
+                "processes": state.num_processes,
+                "model": store.model_record(model, tokenizer) if model_record is None else model_record}
     if state.is_main_process:
         run.folder.claim(settings)
     state.wait_for_everyone()
@@ -294,16 +300,20 @@ def _open(model: Any, tokenizer: Any, prompts: Any, reward_funcs: Any, config: R
 
 
 def run_rounds(model: torch.nn.Module, tokenizer: Any, prompts: Any, reward_funcs: RewardFunc | list[RewardFunc],
-               config: RoundsConfig, generate_fn: GenerateFn | None = None) -> RoundsResult:
+               config: RoundsConfig, generate_fn: GenerateFn | None = None,
+               model_record: dict[str, Any] | None = None) -> RoundsResult:
     """DPO in rounds: each round samples config.num_generations completions of every training prompt from the
     current policy, scores them with `reward_funcs` (TRL GRPOTrainer's contract), pairs the best against the worst
     and trains one DPO pass on those pairs. Called again on the same output_dir, it resumes.
 
     model: pi_0, as loaded (on a resume too: the finished rounds' weights are loaded into it). prompts: rows with
-    a `prompt` column (text or messages), other columns passed to the reward functions. Raises RoundsError (one
-    line) on bad input, a bad reward, or a resume with other settings."""
-    run, policy, done = _open(model, tokenizer, prompts, reward_funcs, config, generate_fn)
+    a `prompt` column (text or messages), other columns passed to the reward functions. model_record: what decides
+    the numbers about the model, as the caller decided it (the command: its plan's model, revision, dtype and chat
+    template); None reads it off `model` and `tokenizer` (store.model_record). Raises RoundsError (one line) on bad
+    input, a bad reward, a full disk, or a resume with other settings (another model, dtype or chat template too)."""
+    run, policy, done = _open(model, tokenizer, prompts, reward_funcs, config, generate_fn, model_record)
     if done and done[-1]["status"] == "no pair: stop":
+        run.say(_no_pair_message(done[-1]))  # the same call again: said again, not a silent return
         return RoundsResult(done, run.folder.held_out(), policy, stopped=_no_pair_message(done[-1]))
     with policy.current() as current:
         _evaluate(run, current, 0)
@@ -318,13 +328,18 @@ def run_rounds(model: torch.nn.Module, tokenizer: Any, prompts: Any, reward_func
         done.append(line)
         run.say(_summary(line))
         if line["status"] == "no pair: stop":
-            return RoundsResult(done, run.folder.held_out(), policy, trainer, stopped=_no_pair_message(line))
-    return RoundsResult(done, run.folder.held_out(), policy, trainer)
+            break
+    policy.hand_to(trainer)
+    stopped = _no_pair_message(done[-1]) if done[-1]["status"] == "no pair: stop" else None
+    return RoundsResult(done, run.folder.held_out(), policy, trainer, stopped=stopped)
 
 
 def _no_pair_message(line: dict[str, Any]) -> str:
+    # on_no_pairs is a setting a resume must share: the way on is another folder, not the same one with 'skip'.
     reasons = ", ".join(f"{count} {reason}" for reason, count in line["dropped"].items() if count)
-    return f"round {line['round']}: no prompt gave a pair ({reasons}); stopped (on_no_pairs='skip' goes on)"
+    return (f"round {line['round']}: no prompt gave a pair ({reasons}); the run stopped there (on_no_pairs='stop') "
+            "and stops there again when resumed: to go on, start another output_dir with settings that give pairs "
+            "(more num_generations, a higher temperature, another reward, or on_no_pairs='skip')")
 
 
 def _summary(line: dict[str, Any]) -> str:

@@ -33,6 +33,7 @@ class Policy:
     def __init__(self, model: torch.nn.Module, peft_config: Any, reference: str):
         self.model, self.peft_config, self.reference = model, peft_config, reference
         self.adapter: dict[str, torch.Tensor] | None = None  # LoRA: the adapter after the last round; None: fresh
+        self.handed: torch.nn.Module | None = None  # LoRA, after the call's last round: the model wrapped for good
         # Taken before any checkpoint is loaded: on a resume too, the model passed in is pi_0.
         self.initial = copy.deepcopy(model).eval().requires_grad_(False) \
             if peft_config is None and reference == "initial" else None
@@ -54,8 +55,8 @@ class Policy:
     @contextlib.contextmanager
     def current(self) -> Iterator[torch.nn.Module]:
         """The policy as it stands, to sample from."""
-        if self.peft_config is None:
-            yield self.model
+        if self.peft_config is None or self.handed is not None:
+            yield self.model if self.handed is None else self.handed
             return
         wrapped = self._wrapped()
         try:
@@ -90,3 +91,12 @@ class Policy:
             self.adapter = {name: tensor.detach().cpu().clone()
                             for name, tensor in get_peft_model_state_dict(trainer.model).items()}
             self.model = trainer.model.unload()
+
+    def hand_to(self, trainer: Any) -> None:
+        """After the call's last round, the trainer handed back (RoundsResult.trainer) gets the trained policy: with
+        LoRA `finish` took the adapter off its model for the next round (its save_model() would write an empty
+        adapter), so the model is wrapped again with the trained adapter, and `current` gives that same model."""
+        if self.peft_config is None or trainer is None:
+            return
+        self.handed = self._wrapped()
+        trainer.model = trainer.model_wrapped = self.handed

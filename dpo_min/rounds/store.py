@@ -13,18 +13,61 @@
 Every file is written whole to a temporary name, then renamed: a kill leaves it complete or absent.
 """
 
+import errno
+import hashlib
 import json
 import os
+import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 from .config import RoundsError
 
+# A full disk or quota, as the offline command names them (dpo_min/train/__init__.py: NO_SPACE).
+NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+# Settings an earlier version's settings.json lacks: a resume of such a run compares them only once recorded.
+RECORDED_SINCE = ("model",)
+
+
+@contextmanager
+def writing(target: Path) -> Iterator[None]:
+    """A full disk while writing `target` is one line naming it (RoundsError), not a traceback from deep in the
+    writer; the file it was writing is left absent or whole (each is staged, then renamed)."""
+    try:
+        yield
+    except Exception as error:
+        # safetensors' Rust writer raises its own error, saying "(os error 28)" in its text.
+        number = error.errno if isinstance(error, OSError) else next(
+            (int(found) for found in re.findall(r"\(os error (\d+)\)", str(error))), None)
+        if number not in NO_SPACE:
+            raise
+        raise RoundsError(f"no space left on device writing {target}") from None
+
 
 def write_jsonl(path: Path, rows: list[dict[str, Any]]) -> None:
     staging = path.with_name(f".{path.name}.tmp")
-    staging.write_text("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows))
-    os.replace(staging, path)
+    with writing(path):
+        staging.write_text("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows))
+        os.replace(staging, path)
+
+
+def write_json(path: Path, value: Any) -> None:
+    with writing(path):
+        path.write_text(json.dumps(value))
+
+
+def model_record(model: Any, tokenizer: Any) -> dict[str, Any]:
+    """What the numbers depend on that a library caller's model and tokenizer say of themselves: the weights' name or
+    folder, their dtype, and the chat template by sha256 (a resume on another base would put the finished rounds'
+    adapter on it)."""
+    template = getattr(tokenizer, "chat_template", None)
+    if template is not None and not isinstance(template, str):  # a mapping of named templates
+        template = json.dumps(template, sort_keys=True)
+    return {"name_or_path": getattr(getattr(model, "config", None), "_name_or_path", None),
+            "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+            "chat_template (sha256)": None if template is None else hashlib.sha256(template.encode()).hexdigest()}
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
@@ -46,14 +89,16 @@ class RunFolder:
         settings = json.loads(json.dumps(settings))  # as JSON reads it back: tuples as lists
         if path.exists():
             saved = json.loads(path.read_text())
-            changed = [f"{name} {saved.get(name)!r} there, {settings.get(name)!r} now"
-                       for name in sorted(set(saved) | set(settings)) if saved.get(name) != settings.get(name)]
+            changed = [change for name in sorted(set(saved) | set(settings))
+                       if name in saved or name not in RECORDED_SINCE
+                       for change in _changes(name, saved.get(name), settings.get(name))]
             if changed:
                 raise RoundsError(f"{self.root} holds a run with other settings ({'; '.join(changed)}): resume it "
                                   "with the same ones, or give another output_dir")
             return True
         self.root.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(settings, indent=1) + "\n")
+        with writing(path):
+            path.write_text(json.dumps(settings, indent=1) + "\n")
         return False
 
     def finished_rounds(self) -> list[dict[str, Any]]:
@@ -73,3 +118,21 @@ class RunFolder:
             if folder.is_dir():
                 return folder
         return None
+
+
+def _changes(name: str, old: Any, new: Any) -> list[str]:
+    """`name old there, new now`; for a mapping (training, peft_config, model) one per key that differs, named
+    `training.learning_rate`, rather than both mappings whole."""
+    if old == new:
+        return []
+    if isinstance(old, dict) and isinstance(new, dict):
+        return [change for key in sorted(set(old) | set(new))
+                for change in _changes(f"{name}.{key}", old.get(key), new.get(key))]
+    return [f"{name} {_shown(old)} there, {_shown(new)} now"]
+
+
+def _shown(value: Any) -> str:
+    """repr, a sha256 (a chat template's) cut to its first 12 hex digits as the offline resume shows one."""
+    if isinstance(value, str) and len(value) == 64 and re.fullmatch(r"[0-9a-f]+", value):
+        value = value[:12]
+    return repr(value)

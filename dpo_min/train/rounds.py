@@ -46,6 +46,10 @@ NOT_IN_ROUNDS = {
     "merge_adapter": "each round saves its adapter (round-K/checkpoint)",
     "load_in_4bit": "not tried with rounds", "load_in_8bit": "not tried with rounds",
 }
+# What decides the numbers about the model, recorded in the rounds' settings.json as the plan decided it for the
+# offline record (resume.resume_keys); LoRA is recorded as RoundsConfig.peft_config, the training options as training.
+MODEL_SETTINGS = ("model", "model_revision", "dtype", "load_in_4bit", "load_in_8bit", "bnb_4bit_quant_type",
+                  "use_bnb_nested_quant", "chat_template", "chat_template_kwargs")
 # Training options that are the rounds' own: the loop sets a round's folder and seed (seed + K).
 NOT_PER_ROUND = {"output_dir", "seed", "eval_on_start", "push_to_hub", "resume_from_checkpoint",
                  "model_init_kwargs"}
@@ -75,7 +79,8 @@ def run(plan: Plan, load_model: Callable[[Plan], tuple]) -> None:
         reward_funcs = [_reward_model(func, trust) if isinstance(func, str) else func for func in reward_funcs]
         model, tokenizer, peft_config, _ = load_model(plan)
         try:
-            result = run_rounds(model, tokenizer, prompts, reward_funcs, replace(config, peft_config=peft_config))
+            result = run_rounds(model, tokenizer, prompts, reward_funcs, replace(config, peft_config=peft_config),
+                                model_record={name: plan.resume_settings[name] for name in MODEL_SETTINGS})
         except RoundsError as error:
             raise InputError(str(error)) from None
     finally:
