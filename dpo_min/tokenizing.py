@@ -14,7 +14,7 @@ import numpy as np
 from datasets import Dataset, IterableDataset
 
 from .collator import REFERENCE_COLUMNS, TOKEN_COLUMNS
-from .data.layouts import CARRIED_COLUMNS
+from .data.layouts import CARRIED_COLUMNS, validate_text, validate_turns
 from .data.pairs import PAIR_COLUMNS, SOURCE_ROW, batch_rows, column_names, row_label, to_pairs, to_preference_dataset
 from .data.sources import AnyDataset
 from .data.streams import DROP_REASONS, NO_COMPLETION, SAME_COMPLETIONS, StreamCounts, carrying, counts_for
@@ -77,6 +77,15 @@ def _tokenize_pairs(pairs: list[Mapping[str, Any]], tokenizer: Any,
         examples.append({"prompt_ids": prompt[:prompt_len], "chosen_ids": chosen[prompt_len:],
                          "rejected_ids": rejected[prompt_len:]})
     return examples
+
+
+def check_prompt(prompt: str | list, index: int) -> None:
+    """A prompt by the rules its pairs are validated with (data/layouts.py), before any answer exists: DPO in rounds
+    checks its prompts so before it samples them. Raises ValueError("row N: field 'prompt' ...")."""
+    if isinstance(prompt, list):
+        validate_turns(prompt, index, "prompt")
+    else:
+        validate_text(prompt, index, "prompt")
 
 
 def _common_prefix_length(ids: list[int], other_ids: list[int]) -> int:

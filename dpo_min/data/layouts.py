@@ -342,14 +342,14 @@ def validate_pair(pair: dict[str, Any], index: int) -> None:
         elif not isinstance(value, str):
             raise ValueError(f"row {index}: field '{name}' must be a string, got {type(value).__name__}")
         else:
-            _validate_text(value, index, name)
+            validate_text(value, index, name)
             if name != "prompt" and not value.strip():
                 raise Unpaired(NO_ANSWER, f"row {index}: field '{name}' is an empty completion")
     if pair["chosen"] == pair["rejected"]:
         raise Unpaired(SAME_ANSWERS, f"row {index}: field 'rejected' is identical to 'chosen'")
 
 
-def _validate_text(text: str, index: int, name: str) -> None:
+def validate_text(text: str, index: int, name: str) -> None:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as error:  # lone surrogates: no tokenizer can encode them
@@ -357,6 +357,21 @@ def _validate_text(text: str, index: int, name: str) -> None:
 
 
 def _validate_messages(messages: Any, index: int, name: str, need_assistant: bool) -> None:
+    validate_turns(messages, index, name)
+    if need_assistant:
+        if messages[0]["role"] != "assistant":
+            raise ValueError(f"row {index}: field '{name}' must start with an assistant turn, "
+                             f"not {messages[0]['role']!r}")
+        if not any((turn["content"] or "").strip() or turn.get("tool_calls")
+                   for turn in messages if turn["role"] == "assistant"):
+            raise Unpaired(NO_ANSWER, f"row {index}: field '{name}' is an empty completion")
+    elif messages[-1]["role"] == "assistant":
+        raise ValueError(f"row {index}: field 'prompt' ends with an assistant turn; the completion goes in chosen")
+
+
+def validate_turns(messages: Any, index: int, name: str) -> None:
+    """Each message of a non-empty list: a known role, text content (none only for an assistant turn that calls
+    tools), valid unicode, a system turn only as the prompt's first. The prompt-only layout checks its rows by it."""
     if not isinstance(messages, list) or not messages:
         raise ValueError(f"row {index}: field '{name}' must be a non-empty list of messages")
     for position, turn in enumerate(messages):
@@ -367,15 +382,6 @@ def _validate_messages(messages: Any, index: int, name: str, need_assistant: boo
             raise ValueError(f"row {index}: field '{name}' has a message that is not {{'role': "
                              f"{'|'.join(_ROLES)}, 'content': str}}: {str(turn)[:80]}")
         if turn["content"] is not None:
-            _validate_text(turn["content"], index, name)
+            validate_text(turn["content"], index, name)
         if turn["role"] == "system" and (position > 0 or name != "prompt"):
             raise ValueError(f"row {index}: field '{name}' has a system message that is not the prompt's first")
-    if need_assistant:
-        if messages[0]["role"] != "assistant":
-            raise ValueError(f"row {index}: field '{name}' must start with an assistant turn, "
-                             f"not {messages[0]['role']!r}")
-        if not any((turn["content"] or "").strip() or turn.get("tool_calls")
-                   for turn in messages if turn["role"] == "assistant"):
-            raise Unpaired(NO_ANSWER, f"row {index}: field '{name}' is an empty completion")
-    elif messages[-1]["role"] == "assistant":
-        raise ValueError(f"row {index}: field 'prompt' ends with an assistant turn; the completion goes in chosen")

@@ -18,7 +18,7 @@ from transformers import PrinterCallback, ProgressCallback, TrainerState
 from dpo_min import DPOMinConfig, DPOMinTrainer
 
 from . import held_out, pairs, store
-from .config import RoundsConfig
+from .config import RoundsConfig, RoundsError
 from .policy import Policy
 from .prompts import fingerprint, prompt_rows, split_held_out
 from .rewards import RewardFunc, Rewards
@@ -177,7 +177,12 @@ def _train(run: _Run, policy: Policy, made: list[dict[str, Any]], folder: Path,
                            "seed": run.config.seed + round_index, "use_cpu": _several_on_cpu(),  # join over gloo
                            **run.config.training, "output_dir": str(folder / "train")})
     data = Dataset.from_list([{key: pair[key] for key in ("prompt", "chosen", "rejected")} for pair in made])
-    trainer = DPOMinTrainer(**policy.trainer_models(), args=args, train_dataset=data, processing_class=run.tokenizer)
+    try:  # the pass validates and tokenizes its pairs here: what it refuses is the round's one line, not a traceback
+        trainer = DPOMinTrainer(**policy.trainer_models(), args=args, train_dataset=data,
+                                processing_class=run.tokenizer)
+    except ValueError as error:
+        raise RoundsError(f"round {round_index}: the DPO pass refused {folder.name}/pairs.jsonl: "
+                          f"{(str(error).strip().splitlines() or [type(error).__name__])[0]}") from None
     # The round's one line says the pass's figures (_summary); Trainer would print every step's dict, every round.
     trainer.remove_callback(PrinterCallback)
     if trainer.pop_callback(ProgressCallback) is not None:
