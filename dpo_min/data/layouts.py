@@ -262,13 +262,19 @@ def detect_layout(kinds: Mapping[str, str], first_row: Mapping[str, Any] | None 
             check_label_option(layout.name, layout.labels, kinds, options)
             check_labels_read(layout.name, kinds, (*layout.labels, options.label_column or ""), bool(layout.labels))
             return layout
+    columns = f"no known preference layout has the columns [{', '.join(kinds)}]"
+    if "response" in kinds and not {"chosen", "rejected"} & set(kinds):
+        # One answer with its scores (HelpSteer2's attribute files): it has an answer, so it is no prompt-only data.
+        raise ValueError(f"{columns}: a 'response' is one answer (with scores, as HelpSteer2's attribute files), "
+                         "neither a pair nor prompt-only data; DPO reads pairs: HelpSteer2's are its preference file "
+                         "(preference/preference.jsonl.gz, the helpsteer2 layout)")
     if "prompt" in kinds and not {"chosen", "rejected", "completion"} & set(kinds):
         # TRL's prompt-only layout (GRPO's data): no answers to prefer. DPO in rounds writes and scores them.
-        raise ValueError(f"no known preference layout has the columns [{', '.join(kinds)}]: they are prompt-only "
+        raise ValueError(f"{columns}: they are prompt-only "
                          "data (a prompt, no chosen and rejected answers), whose answers DPO in rounds samples and "
                          "scores (--rounds N --reward_funcs module:function; dpo_min.rounds.run_rounds); if the "
                          f"answers are there, {MAPPING_HINT}")
-    raise ValueError(f"no known preference layout has the columns [{', '.join(kinds)}]: {MAPPING_HINT}")
+    raise ValueError(f"{columns}: {MAPPING_HINT}")
 
 
 def _check_nothing_unread(layout: Layout, kinds: Mapping[str, str], options: LayoutOptions) -> None:
