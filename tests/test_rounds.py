@@ -206,15 +206,19 @@ def by_position(completions, **_):
     return [float(i) for i in range(len(completions))]
 
 
-def test_an_error_of_a_rounds_dpo_pass_is_one_line_naming_the_round_and_its_pairs(tmp_path, tokenizer):
-    # Two samples of one text, told apart by the reward: a pair the DPO pass refuses (chosen identical to rejected).
-    same_text = lambda model, prompt_ids, s: [[28, 29]] * (len(prompt_ids) * s.num_return_sequences)  # noqa: E731
+def refusing_pass(*args, **kwargs):
+    """A DPO pass that refuses its pairs as the core does (tokenizing's message for a template that refuses a row):
+    since the pair rule leaves out what the pass would drop, the rounds' own data cannot make it refuse."""
+    raise ValueError("row 0: field 'chosen': the chat template refused it: roles must alternate\nmore lines")
+
+
+def test_an_error_of_a_rounds_dpo_pass_is_one_line_naming_the_round_and_its_pairs(tmp_path, tokenizer, monkeypatch):
+    monkeypatch.setattr(rounds_loop, "DPOMinTrainer", refusing_pass)
     config = settings(tmp_path, rounds=1, held_out_share=0.0, num_generations=2, training={"save_strategy": "no"})
     with pytest.raises(RoundsError) as error:
-        run_rounds(tiny_policy(), tokenizer, PROMPTS[:2], by_position, config, generate_fn=same_text)
-    assert str(error.value) == ("round 1: the DPO pass refused round-1/pairs.jsonl: row 0: field 'rejected' is "
-                                "identical to 'chosen'; 2 of 2 rows cannot be preference pairs (2 with chosen "
-                                "identical to rejected): too many to drop, check the layout and columns")
+        run_rounds(tiny_policy(), tokenizer, PROMPTS[:2], by_position, config)
+    assert str(error.value) == ("round 1: the DPO pass refused round-1/pairs.jsonl: row 0: field 'chosen': the chat "
+                                "template refused it: roles must alternate")
     assert len((tmp_path / "run/round-1/pairs.jsonl").read_text().splitlines()) == 2  # the round's files kept
 
 

@@ -149,23 +149,28 @@ def test_a_share_that_holds_out_every_prompt_is_refused_before_the_model_loads(t
                                          "out every one, leaving none to train on: lower it, or give more prompts")
 
 
-IDENTICAL_SAMPLES_REWARDS = '''
+BY_POSITION = '''
 def by_position(completions, **_):
-    """Tells apart samples that a near-greedy policy made identical: a pair of one text twice."""
     return [float(i) for i in range(len(completions))]
 '''
 
 
 def test_an_error_of_a_rounds_dpo_pass_is_one_line(tmp_path, tiny_model_dir, prompts_file, capsys, monkeypatch):
-    (tmp_path / "same_rewards.py").write_text(IDENTICAL_SAMPLES_REWARDS)
+    from dpo_min.rounds import loop
+
+    def refusing_pass(*args, **kwargs):  # as the core refuses a pair (the rounds' own pairs leave it nothing to)
+        raise ValueError("row 0: field 'chosen': the chat template refused it: roles must alternate")
+    monkeypatch.setattr(loop, "DPOMinTrainer", refusing_pass)
+    (tmp_path / "position_rewards.py").write_text(BY_POSITION)
     monkeypatch.chdir(tmp_path)  # the reward module imports from the working folder
     argv = ["--rounds", "1", "--model", str(tiny_model_dir), "--dataset", str(prompts_file), "--reward_funcs",
-            "same_rewards:by_position", "--temperature", "1e-6", "--max_completion_length", "2",
-            "--eval_fraction", "0", "--output_dir", str(tmp_path / "out")]
+            "position_rewards:by_position", "--max_completion_length", "2", "--eval_fraction", "0",
+            "--output_dir", str(tmp_path / "out")]
     code, err = run_main(argv, capsys)
     assert code == 1 and "Traceback" not in err, err
-    assert err.splitlines()[-1].startswith("python -m dpo_min.train: error: round 1: the DPO pass refused "
-                                           "round-1/pairs.jsonl: row 0: field 'rejected' is identical to 'chosen'"), err
+    assert err.splitlines()[-1] == ("python -m dpo_min.train: error: round 1: the DPO pass refused "
+                                    "round-1/pairs.jsonl: row 0: field 'chosen': the chat template refused it: roles "
+                                    "must alternate"), err
 
 
 def test_an_output_folder_holding_other_files_is_refused_and_left_as_it_was(tmp_path, prompts_file, capsys):
