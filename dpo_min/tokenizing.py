@@ -14,7 +14,7 @@ import numpy as np
 from datasets import Dataset, IterableDataset
 
 from .collator import REFERENCE_COLUMNS, TOKEN_COLUMNS
-from .data.layouts import CARRIED_COLUMNS, GIVEN_IDS, layout_by_name
+from .data.layouts import CARRIED_COLUMNS, GIVEN_IDS, layout_by_name, validate_text, validate_turns
 from .data.pairs import (
     DEFAULT_OPTIONS,
     PAIR_COLUMNS,
@@ -123,6 +123,15 @@ def _given_ids(pair: Mapping[str, Any], tokenizer: Any) -> dict[str, list[int]]:
                              f"{str(ids)[:80]}")
         example[name] = list(ids)
     return example
+
+
+def check_prompt(prompt: str | list, index: int) -> None:
+    """A prompt by the rules its pairs are validated with (data/layouts.py), before any answer exists: DPO in rounds
+    checks its prompts so before it samples them. Raises ValueError("row N: field 'prompt' ...")."""
+    if isinstance(prompt, list):
+        validate_turns(prompt, index, "prompt")
+    else:
+        validate_text(prompt, index, "prompt")
 
 
 def _common_prefix_length(ids: list[int], other_ids: list[int]) -> int:

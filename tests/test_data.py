@@ -687,6 +687,26 @@ def test_most_rows_unpaired_is_refused_as_a_wrong_layout_naming_the_first(tmp_pa
         load_preference_dataset(str(path))
 
 
+def test_a_file_whose_every_row_ties_is_one_line_naming_it(tmp_path, capsys, tiny_model_dir):
+    from dpo_min.train import main
+
+    ties = write_jsonl(tmp_path / "ties.jsonl", [{"prompt": f"Q{i}", "chosen": "a", "rejected": "a"} for i in range(3)])
+    message = (f"{ties}: row 0: field 'rejected' is identical to 'chosen'; 3 of 3 rows cannot be preference pairs (3 "
+               "with chosen identical to rejected): too many to drop, check the layout and columns")
+    with pytest.raises(ValueError) as error:  # was: Column 'source_row' doesn't exist.
+        load_preference_dataset(str(ties))
+    assert str(error.value) == message
+    capsys.readouterr()  # the library's progress bars
+    code = main(["--model", str(tiny_model_dir), "--dataset", str(ties), "--output_dir", str(tmp_path / "out")])
+    assert (code, capsys.readouterr().err.strip()) == (1, f"python -m dpo_min.train: error: {message}")
+    # Every row a tie that the layout itself skips (HelpSteer3's overall_preference 0): said as such
+    helpsteer3 = write_jsonl(tmp_path / "hs3.jsonl", [{"context": [{"role": "user", "content": "Hi"}], "response1": "a",
+                                                       "response2": "b", "overall_preference": 0}] * 2)
+    with pytest.raises(ValueError, match=r"^.*hs3\.jsonl: no pair in its 2 rows: 2 that the helpsteer3 layout skips "
+                                         r"\(ties\)$"):
+        load_preference_dataset(str(helpsteer3))
+
+
 def test_the_command_counts_unpaired_rows_in_its_metrics_and_strict_pairs_refuses_in_one_line(tmp_path, capsys,
                                                                                            tiny_model_dir):
     from dpo_min.data.unpaired import NO_ANSWER, NO_COMMON_PROMPT

@@ -497,3 +497,19 @@ def test_prompt_only_rows_are_refused_offline_pointing_to_dpo_in_rounds_which_re
     with pytest.raises(ValueError, match=r"prompt-only data .*if the answers are there, name the columns with "
                                          r"--prompt_column/--chosen_column/--rejected_column"):
         load_preference_dataset(str(path))
+
+
+def test_helpsteer2_attribute_rows_are_one_answer_with_scores_not_prompt_only_data(tmp_path):
+    # nvidia/HelpSteer2's train.jsonl.gz: one response per row, scored 0-4 on five attributes
+    path = tmp_path / "train.jsonl"
+    path.write_text(json.dumps({"prompt": "Name a fruit.", "response": "Apple.", "helpfulness": 3, "correctness": 4,
+                                "coherence": 4, "complexity": 1, "verbosity": 1}) + "\n")
+    with pytest.raises(ValueError) as error:
+        load_preference_dataset(str(path))
+    message = str(error.value)
+    assert message == (f"{path}: no known preference layout has the columns [prompt, response, helpfulness, "
+                       "correctness, coherence, complexity, verbosity]: a 'response' is one answer (with scores, as "
+                       "HelpSteer2's attribute files), neither a pair nor prompt-only data; DPO reads pairs: "
+                       "HelpSteer2's are its preference file (preference/preference.jsonl.gz, the helpsteer2 layout)")
+    assert "--rounds" not in message
+

@@ -21,6 +21,7 @@ from dpo_min import DPOMinTrainer, load_preference_dataset, sequence_logps
 from dpo_min.losses import LOSS_TYPES
 from dpo_min.rounds import RoundsConfig, RoundsError, run_rounds
 from dpo_min.rounds import loop as rounds_loop
+from dpo_min.rounds.prompts import check_room, prompt_rows, split_held_out
 
 PROMPTS = [{"prompt": [{"role": "user", "content": f"What is {i} + {i}?"}], "solution": str(2 * i)}
            for i in range(5)]
@@ -274,6 +275,74 @@ def test_a_reward_that_fails_in_round_2_keeps_round_1_and_the_round_resumes_unsa
     monkeypatch.setattr(rounds_loop, "_generate", lambda *a: pytest.fail("round 2's samples were generated again"))
     result = run_rounds(tiny_policy(), tokenizer, PROMPTS, flaky, config)
     assert [line["round"] for line in result.rounds] == [1, 2]
+
+
+def by_position(completions, **_):
+    return [float(i) for i in range(len(completions))]
+
+
+def refusing_pass(*args, **kwargs):
+    """A DPO pass that refuses its pairs as the core does (tokenizing's message for a template that refuses a row):
+    since the pair rule leaves out what the pass would drop, the rounds' own data cannot make it refuse."""
+    raise ValueError("row 0: field 'chosen': the chat template refused it: roles must alternate\nmore lines")
+
+
+def test_an_error_of_a_rounds_dpo_pass_is_one_line_naming_the_round_and_its_pairs(tmp_path, tokenizer, monkeypatch):
+    monkeypatch.setattr(rounds_loop, "DPOMinTrainer", refusing_pass)
+    config = settings(tmp_path, rounds=1, held_out_share=0.0, num_generations=2, training={"save_strategy": "no"})
+    with pytest.raises(RoundsError) as error:
+        run_rounds(tiny_policy(), tokenizer, PROMPTS[:2], by_position, config)
+    assert str(error.value) == ("round 1: the DPO pass refused round-1/pairs.jsonl: row 0: field 'chosen': the chat "
+                                "template refused it: roles must alternate")
+    assert len((tmp_path / "run/round-1/pairs.jsonl").read_text().splitlines()) == 2  # the round's files kept
+
+
+TOOL_CALL = {"role": "assistant", "content": None, "tool_calls": [{"type": "function",
+                                                                   "function": {"name": "add", "arguments": {}}}]}
+
+
+@pytest.mark.parametrize(("prompt", "message"), [
+    ([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}],
+     "row 0: field 'prompt' ends with an assistant turn; a prompt ends where the answer the rounds sample begins"),
+    ([{"role": "user", "content": None}], "row 0: field 'prompt' has a message that is not {'role': "
+     "system|user|assistant|tool, 'content': str}: {'role': 'user', 'content': None}"),
+    ([{"role": "user", "content": [{"type": "text", "text": "Hi"}]}], "row 0: field 'prompt' has a message that is "
+     "not {'role': system|user|assistant|tool, 'content': str}: {'role': 'user', 'content': [{'type': 'text', "
+     "'text': 'Hi'}]}"),
+    ([{"role": "user", "content": ""}], "row 0: field 'prompt' has an empty message: {'role': 'user', 'content': ''}"),
+    ([{"role": "user", "content": "Hi"}, {"role": "system", "content": "Be brief."}],
+     "row 0: field 'prompt' has a system message that is not the prompt's first"),
+    ("\ud800 lone surrogate", "row 0: field 'prompt' is not valid unicode (surrogates not allowed)"),
+    ([{"role": "user", "content": "Add 2 and 3."}, TOOL_CALL, {"role": "tool", "content": "5"}], None),
+], ids=["assistant-last", "null-content", "content-parts", "empty-message", "system-later", "surrogate",
+        "tool-call-accepted"])
+def test_a_prompt_the_dpo_pass_would_refuse_is_refused_before_anything_is_sampled(prompt, message):
+    # The DPO pass's own rules (dpo_min.tokenizing.check_prompt); a tool call without text passes there and here.
+    if message is None:
+        assert prompt_rows([{"prompt": prompt}]) == [{"prompt": prompt}]
+        return
+    with pytest.raises(RoundsError) as error:
+        prompt_rows([{"prompt": prompt}])
+    assert str(error.value) == message
+
+
+def test_a_held_out_share_that_would_hold_out_every_prompt_is_refused_not_capped():
+    assert split_held_out(2, 0.5, seed=0)[1] != [] and len(split_held_out(2, 0.5, seed=0)[0]) == 1
+    with pytest.raises(RoundsError, match=r"^held_out_share 0\.5 of 1 prompt\(s\) holds out every one, leaving none "
+                                          r"to train on: lower it, or give more prompts$"):
+        split_held_out(1, 0.5, seed=0)  # it held out none: the share was capped at count - 1
+
+
+def test_training_prompts_that_all_fill_max_length_are_refused_before_sampling(tokenizer):
+    rows = [{"prompt": PROMPTS[0]["prompt"]}]
+    length = len(tokenizer.apply_chat_template(rows[0]["prompt"], add_generation_prompt=True, return_dict=True)[
+        "input_ids"])
+    with pytest.raises(RoundsError, match=rf"^every training prompt fills max_length={length} \(the shortest has "
+                                          rf"{length} tokens\): a round's DPO pass would drop every pair"):
+        check_room(rows, [0], tokenizer, {"max_length": length})
+    check_room(rows, [0], tokenizer, {"max_length": length + 1})  # one token of room: a pair can be trained
+    check_room(rows, [0], tokenizer, {"max_length": length, "max_prompt_length": length - 1})  # cut first
+    check_room(rows, [], tokenizer, {"max_length": 2})  # no training prompt: nothing to fill
 
 
 class Killed(BaseException):

@@ -129,12 +129,70 @@ def test_trust_remote_code_reaches_the_reward_models_loading(tmp_path, prompts_f
     ([{"question": "What is 2 + 2?"}],
      "{file}: no 'prompt' column (it has question); --rounds reads prompt-only rows (--prompt_column names yours)"),
     ([{"prompt": "What is 2 + 2?"}, {"prompt": ""}], "{file}: row 1: field 'prompt' is empty"),
-])
-def test_a_dataset_that_is_not_prompt_only_is_one_line(tmp_path, tiny_model_dir, capsys, rows, message):
+    # What the DPO pass refuses, refused before the model loads: not after sampling and scoring
+    ([{"prompt": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]}],
+     "{file}: row 0: field 'prompt' ends with an assistant turn; a prompt ends where the answer the rounds sample "
+     "begins"),
+    ([{"prompt": [{"role": "user", "content": "Hi"}]}, {"prompt": [{"role": "user", "content": None}]}],
+     "{file}: row 1: field 'prompt' has a message that is not {{'role': system|user|assistant|tool, 'content': str}}: "
+     "{{'role': 'user', 'content': None}}"),
+    ([{"prompt": [{"role": "user", "content": [{"type": "text", "text": "Hi"}]}]}],
+     "{file}: row 0: field 'prompt' has a message that is not {{'role': system|user|assistant|tool, 'content': str}}: "
+     "{{'role': 'user', 'content': [{{'type': 'text', 'text': 'Hi'}}]}}"),
+    ([{"prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": " "}]}],
+     "{file}: row 0: field 'prompt' has an empty message: {{'role': 'user', 'content': ' '}}"),
+], ids=["pairs", "no-prompt", "empty-text", "assistant-last", "null-content", "content-parts", "empty-message"])
+def test_a_dataset_that_is_not_prompt_only_is_one_line(tmp_path, tiny_model_dir, capsys, monkeypatch, rows,
+                                                       message):
     data = write_jsonl(tmp_path / "data.jsonl", rows)
+    monkeypatch.setattr(rounds_cmd, "run_rounds", lambda *a, **k: pytest.fail("the rounds started"))
     argv = ["--rounds", "1", "--model", str(tiny_model_dir), "--dataset", str(data), "--reward_funcs",
             "accuracy_reward", "--output_dir", str(tmp_path / "out")]
     assert run_main(argv, capsys) == (1, f"python -m dpo_min.train: error: {message.format(file=data)}")
+
+
+def test_prompts_that_all_fill_max_length_are_refused_before_the_first_sample(tmp_path, tiny_model_dir, capsys,
+                                                                               prompts_file, monkeypatch):
+    monkeypatch.setattr(rounds_cmd, "run_rounds", lambda *a, **k: pytest.fail("the rounds started"))
+    argv = ["--rounds", "1", "--model", str(tiny_model_dir), "--dataset", str(prompts_file), "--reward_funcs",
+            "accuracy_reward", "--max_length", "8", "--output_dir", str(tmp_path / "out")]
+    code, err = run_main(argv, capsys)
+    assert code == 1 and "Traceback" not in err, err
+    assert err.splitlines()[-1] == (f"python -m dpo_min.train: error: {prompts_file}: every training prompt fills "
+                                    "max_length=8 (the shortest has 43 tokens): a round's DPO pass would drop every "
+                                    "pair; raise max_length")
+
+
+def test_a_share_that_holds_out_every_prompt_is_refused_before_the_model_loads(tmp_path, capsys):
+    data = write_jsonl(tmp_path / "one.jsonl", PROMPTS[:1])
+    argv = ["--rounds", "1", "--model", str(tmp_path / "no_model"), "--dataset", str(data), "--reward_funcs",
+            "accuracy_reward", "--eval_fraction", "0.5", "--output_dir", str(tmp_path / "out")]
+    assert run_main(argv, capsys) == (2, "python -m dpo_min.train: error: --eval_fraction 0.5 of 1 prompt(s) holds "
+                                         "out every one, leaving none to train on: lower it, or give more prompts")
+
+
+BY_POSITION = '''
+def by_position(completions, **_):
+    return [float(i) for i in range(len(completions))]
+'''
+
+
+def test_an_error_of_a_rounds_dpo_pass_is_one_line(tmp_path, tiny_model_dir, prompts_file, capsys, monkeypatch):
+    from dpo_min.rounds import loop
+
+    def refusing_pass(*args, **kwargs):  # as the core refuses a pair (the rounds' own pairs leave it nothing to)
+        raise ValueError("row 0: field 'chosen': the chat template refused it: roles must alternate")
+    monkeypatch.setattr(loop, "DPOMinTrainer", refusing_pass)
+    (tmp_path / "position_rewards.py").write_text(BY_POSITION)
+    monkeypatch.chdir(tmp_path)  # the reward module imports from the working folder
+    argv = ["--rounds", "1", "--model", str(tiny_model_dir), "--dataset", str(prompts_file), "--reward_funcs",
+            "position_rewards:by_position", "--max_completion_length", "2", "--eval_fraction", "0",
+            "--output_dir", str(tmp_path / "out")]
+    code, err = run_main(argv, capsys)
+    assert code == 1 and "Traceback" not in err, err
+    assert err.splitlines()[-1] == ("python -m dpo_min.train: error: round 1: the DPO pass refused "
+                                    "round-1/pairs.jsonl: row 0: field 'chosen': the chat template refused it: roles "
+                                    "must alternate"), err
 
 
 def test_an_output_folder_holding_other_files_is_refused_and_left_as_it_was(tmp_path, prompts_file, capsys):

@@ -265,13 +265,19 @@ def detect_layout(kinds: Mapping[str, str], first_row: Mapping[str, Any] | None 
             check_label_option(layout.name, layout.labels, kinds, options)
             check_labels_read(layout.name, kinds, (*layout.labels, options.label_column or ""), bool(layout.labels))
             return layout
+    columns = f"no known preference layout has the columns [{', '.join(kinds)}]"
+    if "response" in kinds and not {"chosen", "rejected"} & set(kinds):
+        # One answer with its scores (HelpSteer2's attribute files): it has an answer, so it is no prompt-only data.
+        raise ValueError(f"{columns}: a 'response' is one answer (with scores, as HelpSteer2's attribute files), "
+                         "neither a pair nor prompt-only data; DPO reads pairs: HelpSteer2's are its preference file "
+                         "(preference/preference.jsonl.gz, the helpsteer2 layout)")
     if "prompt" in kinds and not {"chosen", "rejected", "completion"} & set(kinds):
         # TRL's prompt-only layout (GRPO's data): no answers to prefer. DPO in rounds writes and scores them.
-        raise ValueError(f"no known preference layout has the columns [{', '.join(kinds)}]: they are prompt-only "
+        raise ValueError(f"{columns}: they are prompt-only "
                          "data (a prompt, no chosen and rejected answers), whose answers DPO in rounds samples and "
                          "scores (--rounds N --reward_funcs module:function; dpo_min.rounds.run_rounds); if the "
                          f"answers are there, {MAPPING_HINT}")
-    raise ValueError(f"no known preference layout has the columns [{', '.join(kinds)}]: {MAPPING_HINT}")
+    raise ValueError(f"{columns}: {MAPPING_HINT}")
 
 
 def _check_nothing_unread(layout: Layout, kinds: Mapping[str, str], options: LayoutOptions) -> None:
@@ -351,14 +357,14 @@ def validate_pair(pair: dict[str, Any], index: int) -> None:
         elif not isinstance(value, str):
             raise ValueError(f"row {index}: field '{name}' must be a string, got {type(value).__name__}")
         else:
-            _validate_text(value, index, name)
+            validate_text(value, index, name)
             if name != "prompt" and not value.strip():
                 raise Unpaired(NO_ANSWER, f"row {index}: field '{name}' is an empty completion")
     if pair["chosen"] == pair["rejected"]:
         raise Unpaired(SAME_ANSWERS, f"row {index}: field 'rejected' is identical to 'chosen'")
 
 
-def _validate_text(text: str, index: int, name: str) -> None:
+def validate_text(text: str, index: int, name: str) -> None:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as error:  # lone surrogates: no tokenizer can encode them
@@ -366,6 +372,21 @@ def _validate_text(text: str, index: int, name: str) -> None:
 
 
 def _validate_messages(messages: Any, index: int, name: str, need_assistant: bool) -> None:
+    validate_turns(messages, index, name)
+    if need_assistant:
+        if messages[0]["role"] != "assistant":
+            raise ValueError(f"row {index}: field '{name}' must start with an assistant turn, "
+                             f"not {messages[0]['role']!r}")
+        if not any((turn["content"] or "").strip() or turn.get("tool_calls")
+                   for turn in messages if turn["role"] == "assistant"):
+            raise Unpaired(NO_ANSWER, f"row {index}: field '{name}' is an empty completion")
+    elif messages[-1]["role"] == "assistant":
+        raise ValueError(f"row {index}: field 'prompt' ends with an assistant turn; the completion goes in chosen")
+
+
+def validate_turns(messages: Any, index: int, name: str) -> None:
+    """Each message of a non-empty list: a known role, text content (none only for an assistant turn that calls
+    tools), valid unicode, a system turn only as the prompt's first. The prompt-only layout checks its rows by it."""
     if not isinstance(messages, list) or not messages:
         raise ValueError(f"row {index}: field '{name}' must be a non-empty list of messages")
     for position, turn in enumerate(messages):
@@ -376,15 +397,6 @@ def _validate_messages(messages: Any, index: int, name: str, need_assistant: boo
             raise ValueError(f"row {index}: field '{name}' has a message that is not {{'role': "
                              f"{'|'.join(_ROLES)}, 'content': str}}: {str(turn)[:80]}")
         if turn["content"] is not None:
-            _validate_text(turn["content"], index, name)
+            validate_text(turn["content"], index, name)
         if turn["role"] == "system" and (position > 0 or name != "prompt"):
             raise ValueError(f"row {index}: field '{name}' has a system message that is not the prompt's first")
-    if need_assistant:
-        if messages[0]["role"] != "assistant":
-            raise ValueError(f"row {index}: field '{name}' must start with an assistant turn, "
-                             f"not {messages[0]['role']!r}")
-        if not any((turn["content"] or "").strip() or turn.get("tool_calls")
-                   for turn in messages if turn["role"] == "assistant"):
-            raise Unpaired(NO_ANSWER, f"row {index}: field '{name}' is an empty completion")
-    elif messages[-1]["role"] == "assistant":
-        raise ValueError(f"row {index}: field 'prompt' ends with an assistant turn; the completion goes in chosen")

@@ -166,11 +166,17 @@ def _note_map_drops(dataset: Dataset, converted: Dataset, layout: Layout, option
     left_out: LeftOut = {}
     if len(converted) < len(dataset):
         labels = dataset[SOURCE_ROW] if SOURCE_ROW in dataset.column_names else range(len(dataset))
-        left_out = left_out_rows(dataset, labels, converted[SOURCE_ROW], layout, options, columns)
+        # A map that kept no row writes no columns at all: no source_row to read.
+        kept = converted[SOURCE_ROW] if len(converted) else []
+        left_out = left_out_rows(dataset, labels, kept, layout, options, columns)
     ties = len(dataset) - len(converted) - sum(map(len, left_out.values()))
     if left_out:
         refuse_most_unpaired(min(rows[0] for rows in left_out.values())[1],
                              {reason: len(rows) for reason, rows in left_out.items()}, len(dataset))
+    if not len(converted):  # the rows the layout skips are most of them, or all
+        listed = ", ".join([f"{ties} that the {layout.name} layout skips ({layout.skips})"] +
+                           [f"{len(rows)} {reason}" for reason, rows in left_out.items()])
+        raise ValueError(f"no pair in its {len(dataset)} rows: {listed}")
     if counts is not None:
         counts.add({"read": len(dataset), SKIPPED: ties, **{reason: len(rows) for reason, rows in left_out.items()}})
     if ties:

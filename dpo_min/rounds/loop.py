@@ -196,8 +196,12 @@ def _train(run: _Run, policy: Policy, made: list[dict[str, Any]], args: DPOMinCo
            folder: Path) -> tuple[dict[str, Any], DPOMinTrainer]:
     """One DPO pass on the round's pairs, warm-started from the last round; a half-trained round resumes from its
     latest checkpoint-N. Returns the mean of the round's logged step metrics, and the trainer."""
-    trainer = DPOMinTrainer(**policy.trainer_models(), args=args, train_dataset=pair_dataset(made),
-                            processing_class=run.tokenizer)
+    try:  # the pass validates and tokenizes its pairs here: what it refuses is the round's one line, not a traceback
+        trainer = DPOMinTrainer(**policy.trainer_models(), args=args, train_dataset=pair_dataset(made),
+                                processing_class=run.tokenizer)
+    except ValueError as error:
+        raise RoundsError(f"{folder.name.replace('-', ' ')}: the DPO pass refused {folder.name}/pairs.jsonl: "
+                          f"{(str(error).strip().splitlines() or [type(error).__name__])[0]}") from None
     # The round's one line says the pass's figures (_summary); Trainer would print every step's dict, every round.
     trainer.remove_callback(PrinterCallback)
     if trainer.pop_callback(ProgressCallback) is not None:

@@ -1,26 +1,48 @@
 """The prompt-only layout: rows with a `prompt` column, a text or a message list ({role, content} dicts), all of
-one kind. Every other column travels with its prompt to the reward functions (TRL's `solution`, say)."""
+one kind. Every other column travels with its prompt to the reward functions (TRL's `solution`, say). What a round's
+DPO pass would refuse of a prompt is refused here, before anything is sampled: its rows' rules (`prompt_rows`, before
+the model loads) and, once the tokenizer is there, prompts that leave no room for an answer (`check_room`)."""
 
 import hashlib
 import json
 import math
 import random
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import fields
 from typing import Any
 
+from ..config import DPOMinConfig
+from ..tokenizing import check_prompt, render_prompts, template_kwargs_of, truncate_pair
 from .config import RoundsError
 
 
 def _prompt_kind(prompt: Any, index: int) -> str:
+    """'text' or 'messages', checked before the model loads by the rules a round's DPO pass validates its pairs'
+    prompts with (`tokenizing.check_prompt`), so that no prompt is refused after it has been sampled and scored."""
     if isinstance(prompt, str):
         if not prompt.strip():
             raise RoundsError(f"row {index}: field 'prompt' is empty")
+        _checked(prompt, index)
         return "text"
     if isinstance(prompt, list) and prompt and all(isinstance(m, Mapping) and {"role", "content"} <= set(m)
                                                    for m in prompt):
+        _checked(prompt, index)
+        for turn in prompt:  # as an empty text prompt; an assistant turn that calls tools may have no text
+            if not turn.get("tool_calls") and not turn["content"].strip():
+                raise RoundsError(f"row {index}: field 'prompt' has an empty message: {str(turn)[:80]}")
+        if prompt[-1]["role"] == "assistant":
+            raise RoundsError(f"row {index}: field 'prompt' ends with an assistant turn; a prompt ends where the "
+                              "answer the rounds sample begins")
         return "messages"
     raise RoundsError(f"row {index}: field 'prompt' must be a text or a list of {{role, content}} messages, got "
                       f"{type(prompt).__name__}")
+
+
+def _checked(prompt: Any, index: int) -> None:
+    try:
+        check_prompt(prompt, index)
+    except ValueError as error:
+        raise RoundsError(str(error)) from None
 
 
 def prompt_rows(prompts: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
@@ -45,8 +67,35 @@ def fingerprint(rows: list[dict[str, Any]]) -> str:
 
 def split_held_out(count: int, share: float, seed: int) -> tuple[list[int], list[int]]:
     """(training, held-out) row indices: a seeded share held out, rounded up as `datasets` and the command's split
-    round a fraction (so at least one row when the share is > 0), never all of them."""
-    held = min(math.ceil(share * count), count - 1)
+    round a fraction (so at least one row when the share is > 0); a share that would hold out every row is refused,
+    as the command's split refuses one (a capped share would hold out none of one prompt, without a word)."""
+    held = math.ceil(share * count)
+    if held >= count:
+        raise RoundsError(f"held_out_share {share} of {count} prompt(s) holds out every one, leaving none to train "
+                          "on: lower it, or give more prompts")
     held_out = sorted(random.Random(seed).sample(range(count), held))
     chosen = set(held_out)
     return [i for i in range(count) if i not in chosen], held_out
+
+
+def check_room(rows: list[dict[str, Any]], train_rows: Sequence[int], tokenizer: Any,
+               training: Mapping[str, Any]) -> None:
+    """Refuses, before the first sample, training prompts that all fill the DPO pass's max_length: it would drop
+    every pair, after sampling and scoring them. Each prompt is rendered as it is sampled and cut as the pass cuts
+    it (`truncate_pair`, with `training`'s max_length, max_prompt_length and truncation_mode, or their defaults)."""
+    defaults = {option.name: option.default for option in fields(DPOMinConfig)}
+    cut = {name: training.get(name, defaults[name]) for name in ("max_length", "max_prompt_length", "truncation_mode")}
+    if cut["max_length"] is None or not train_rows:
+        return
+    lengths = []
+    for index in train_rows:
+        try:  # rendered as it is sampled: the one renderer, with the run's and the row's template kwargs
+            ids = render_prompts(tokenizer, [rows[index]["prompt"]],
+                                 template_kwargs_of(rows[index], training.get("chat_template_kwargs")))[0]
+        except ValueError as error:
+            raise RoundsError(f"row {index}: {(str(error).strip().splitlines() or ['?'])[0]}") from None
+        if truncate_pair({"prompt_ids": ids, "chosen_ids": [0], "rejected_ids": [0]}, **cut)["chosen_ids"]:
+            return  # one prompt leaves room: the pass has a pair to train on
+        lengths.append(len(ids))
+    raise RoundsError(f"every training prompt fills max_length={cut['max_length']} (the shortest has {min(lengths)} "
+                      "tokens): a round's DPO pass would drop every pair; raise max_length")

@@ -23,7 +23,7 @@ from ..data.loading import load_rows
 from ..models import is_repo_id
 from ..rounds import RewardModel, RoundsConfig, RoundsError, run_rounds
 from ..rounds.held_out import describe
-from ..rounds.prompts import prompt_rows
+from ..rounds.prompts import check_room, prompt_rows, split_held_out
 from .args import ROUNDS_DEMO_DEFAULTS, InputError, UsageError
 from .pairs import DATA_SUFFIXES
 from .plan import Plan
@@ -75,9 +75,14 @@ def run(plan: Plan, load_model: Callable[[Plan], tuple]) -> None:
         if plan.is_main:
             _check_folder(folder)
         prompts = load_prompts(plan)
+        train_rows = _training_rows(prompts, config)
         trust = plan.load.kwargs.get("trust_remote_code", False)  # --trust_remote_code, as the policy loads
         reward_funcs = [_reward_model(func, trust) if isinstance(func, str) else func for func in reward_funcs]
         model, tokenizer, peft_config, _ = load_model(plan)
+        try:
+            check_room(prompts, train_rows, tokenizer, config.training)  # before the first sample
+        except RoundsError as error:
+            raise InputError(f"{_source(plan)}: {error}") from None
         try:
             result = run_rounds(model, tokenizer, prompts, reward_funcs, replace(config, peft_config=peft_config),
                                 model_record={name: plan.resume_settings[name] for name in MODEL_SETTINGS})
@@ -148,10 +153,23 @@ def _reward_model(path: str, trust_remote_code: bool) -> RewardModel:
         raise InputError(f"--reward_funcs {path}: {str(error).strip().splitlines()[0]}") from None
 
 
+def _source(plan: Plan) -> str:
+    return plan.data.dataset or str(EMBEDDED_PROMPTS)
+
+
+def _training_rows(prompts: list[dict[str, Any]], config: RoundsConfig) -> list[int]:
+    """The prompts the rounds train on: the run's own split, taken here to refuse a bad share before the model loads
+    (its message names the library's field; the command's option is --eval_fraction)."""
+    try:
+        return split_held_out(len(prompts), config.held_out_share, config.seed)[0]
+    except RoundsError as error:
+        raise UsageError(f"--eval_fraction{str(error).removeprefix('held_out_share')}") from None
+
+
 def load_prompts(plan: Plan) -> list[dict[str, Any]]:
     """The prompt-only rows of --dataset (read as the command reads data), or the embedded arithmetic prompts."""
     data_args = plan.data
-    source = data_args.dataset or str(EMBEDDED_PROMPTS)
+    source = _source(plan)
     stem = source[:-3] if source.endswith(".gz") else source
     if not os.path.exists(source) and (data_args.dataset is None or stem.endswith(DATA_SUFFIXES)):
         raise UsageError(f"no such dataset file: {source}")
