@@ -110,7 +110,7 @@ def _in_training(trainer: DPOMinTrainer, staging: Path) -> Callable[[BaseExcepti
         passed = {frame.f_code.co_name for frame, _ in traceback.walk_tb(error.__traceback__)}
         if "_save_checkpoint" in passed:
             return f"checkpoint-{trainer.state.global_step} to {staging}"
-        if "_with_reference_logps" in passed:
+        if "with_reference_logps" in passed:
             return f"the reference log-probs to their cache ({cache_dir() / 'ref_logps'})"
         return f"the samples or TensorBoard events to {staging}"
     return target
