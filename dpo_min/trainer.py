@@ -15,9 +15,9 @@ from typing import Any
 import torch
 from datasets import Dataset, IterableDataset
 from torch.utils.data import DataLoader
-from transformers import EvalPrediction, PreTrainedModel, TrainerCallback, set_seed
+from transformers import EvalPrediction, PreTrainedModel, Trainer, TrainerCallback, set_seed
 
-from . import precompute, trainer_setup
+from . import precompute, safe_steps, trainer_setup
 from .collator import NON_MODEL_KEYS, REFERENCE_COLUMNS
 from .compat import trl_hub_tags
 from .config import DPOMinConfig
@@ -25,7 +25,6 @@ from .logps import SequenceLogps, sequence_logps
 from .losses import dpo_loss
 from .metrics import StepMetrics
 from .reference import ModelReference, NoReference, SyncReferenceCallback, choose_reference
-from .safe_steps import SafeSteps
 from .scale.offload import OffloadActivations
 from .tokenizing import is_tokenized, tokenize_dataset
 
@@ -45,11 +44,10 @@ def _tokenized(dataset: Any, tokenizer: Any, args: DPOMinConfig) -> Any:
                                 num_proc=args.dataset_num_proc, chat_template_kwargs=args.chat_template_kwargs)
 
 
-class DPOMinTrainer(SafeSteps):
+class DPOMinTrainer(Trainer):
     """Direct Preference Optimization on `transformers.Trainer`; the constructor is TRL 1.16 `DPOTrainer`'s (see
     README, "Coming from TRL"). Which reference applies is decided once, in `reference.choose_reference`;
-    `precompute_ref_log_probs=True` computes its log-probs once, up front (cached on disk). Its `Trainer` hooks for
-    faults and checkpoints are `SafeSteps`' (safe_steps.py)."""
+    `precompute_ref_log_probs=True` computes its log-probs once, up front (cached on disk)."""
 
     # TRL DPOTrainer's public attributes that scripts read, with TRL's meaning: read from args each time, not copied.
     beta = property(lambda self: self.args.beta)
@@ -208,7 +206,8 @@ class DPOMinTrainer(SafeSteps):
         if policy.aux_loss is not None:
             loss = loss + self.router_aux_loss_coef * policy.aux_loss
         if not torch.isfinite(loss):
-            self._raise_non_finite(loss, chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps)
+            safe_steps.raise_non_finite(self.state.global_step, loss, chosen_logps, rejected_logps, ref_chosen_logps,
+                                        ref_rejected_logps)
         self.step_metrics.record(self.accelerator, "train" if self.model.training else "eval", policy,
                                  (chosen_logps, rejected_logps), (chosen_rewards, rejected_rewards),
                                  (ref_chosen_logps, ref_rejected_logps), inputs)
@@ -257,3 +256,23 @@ class DPOMinTrainer(SafeSteps):
         prefix = "eval_" if mode == "eval" else ""
         logs.update({f"{prefix}{key}": value for key, value in self.step_metrics.averages(mode).items()})
         super().log(logs, start_time)
+
+    # ---- Trainer's hooks for faults and checkpoints (safe_steps.py) ----------------------------------------------
+    def _check_finite_gradients(self, model) -> None:
+        safe_steps.check_finite_gradients(model, self.accelerator, self.state.global_step)
+
+    def _clip_grad_norm(self, model):
+        self._check_finite_gradients(model)
+        return super()._clip_grad_norm(model)
+
+    def _get_grad_norm(self, model, grad_norm=None):
+        if grad_norm is None:  # no clipping this run: the check has not happened yet
+            self._check_finite_gradients(model)
+        return super()._get_grad_norm(model, grad_norm=grad_norm)
+
+    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
+        super()._save(output_dir, state_dict=safe_steps.whole_state_dict(self.model, state_dict))
+
+    def _save_checkpoint(self, model, trial):
+        save = super()._save_checkpoint
+        safe_steps.save_checkpoint_staged(self, trial, lambda: save(model, trial))
