@@ -1,4 +1,4 @@
-"""dpo_min: Direct Preference Optimization on transformers.Trainer, small enough to read in an hour."""
+"""dpo_min: Direct Preference Optimization (DPO) of causal language models on transformers.Trainer."""
 
 from .collator import DPODataCollator, PackedDPODataCollator
 from .config import DPOMinConfig

@@ -1,32 +1,25 @@
-"""Collators: B tokenized pairs -> one forward batch of 2B sequences, in one of three layouts.
+"""Collators: B tokenized pairs -> one forward batch of 2B sequences; the padded layout, the default.
 
 The batch is the seam between data and model. Whatever the layout, it holds
 - the model inputs (`input_ids` and `attention_mask`; other layouts use `position_ids` or a 4D mask),
 - `labels`: the token id at completion tokens, -100 elsewhere (aligned with `input_ids`, not shifted: position t
   predicts the label at t + 1 of the same row),
 - `sequence_index`: for each label, which of the 2B sequences it belongs to: chosen i -> i, rejected i -> B + i,
-so the trainer sums log-probs per sequence without knowing how the rows were laid out.
-
-Layouts:
-- `DPODataCollator`: 2B rows padded to the longest (as TRL).
-- `PackedDPODataCollator(padding_free=True)`: the 2B sequences in one row, `position_ids` restarting at 0 for each;
-  no `attention_mask`, from which transformers keeps each sequence to itself (a block-diagonal causal mask).
-- `PackedDPODataCollator(share_prompt=True)`: one segment per pair, prompt[:-1] | prompt[-1] chosen | prompt[-1]
-  rejected. Both answers continue the prompt's positions, and a 4D mask lets each answer see the shared prefix and
-  itself only. The prompt's last token is repeated at the head of each answer so that, in every layout, the
-  position just before a completion token predicts it; it costs one token per pair.
+so the trainer sums log-probs per sequence without knowing how the rows were laid out. The columns' names are in
+batch.py. `DPODataCollator` pads the 2B rows to the longest (as TRL); `make_collator` picks the padding-free and
+shared-prompt layouts of collator_packed.py when the config asks for them.
 """
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-TOKEN_COLUMNS = ("prompt_ids", "chosen_ids", "rejected_ids")  # a tokenized pair, as the collators read it
-REFERENCE_COLUMNS = ("ref_chosen_logps", "ref_rejected_logps")  # a pair's precomputed reference log-probs, if any
-IGNORE_INDEX = -100
-# Keys of a batch that are not model inputs.
-NON_MODEL_KEYS = ("labels", "sequence_index", "segment_bounds", "segment_ids", "branch_ids", *REFERENCE_COLUMNS)
+from .batch import IGNORE_INDEX, NON_MODEL_KEYS, REFERENCE_COLUMNS, TOKEN_COLUMNS, add_reference_logps
+from .collator_packed import PackedDPODataCollator
+
+__all__ = ["IGNORE_INDEX", "NON_MODEL_KEYS", "REFERENCE_COLUMNS", "TOKEN_COLUMNS", "DPODataCollator",
+           "PackedDPODataCollator", "add_reference_logps", "make_collator"]
 
 
 @dataclass
@@ -59,114 +52,6 @@ class DPODataCollator:
         batch = {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels,
                  "sequence_index": sequence_index}
         return add_reference_logps(batch, examples)
-
-
-def add_reference_logps(batch: dict[str, torch.Tensor], examples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
-    """Carry precomputed reference log-probs, when the examples have them, as [B] float tensors."""
-    for name in REFERENCE_COLUMNS:
-        if name in examples[0]:
-            batch[name] = torch.tensor([ex[name] for ex in examples], dtype=torch.float32)
-    return batch
-
-
-@dataclass
-class _Row:
-    """Per-token columns of one row, named as the batch names them. A token may attend to an earlier token of its
-    segment whose branch is its own or 0 (the shared prompt prefix); padding is segment -1."""
-
-    input_ids: list[int] = field(default_factory=list)
-    position_ids: list[int] = field(default_factory=list)
-    labels: list[int] = field(default_factory=list)
-    sequence_index: list[int] = field(default_factory=list)
-    segment_ids: list[int] = field(default_factory=list)
-    branch_ids: list[int] = field(default_factory=list)
-
-    def add(self, ids: list[int], first_position: int, segment: int, branch: int, sequence: int | None = None) -> None:
-        """Append `ids` at positions first_position, first_position + 1, ...; score them when `sequence` is given."""
-        scored = sequence is not None
-        self.input_ids += ids
-        self.position_ids += range(first_position, first_position + len(ids))
-        self.labels += ids if scored else [IGNORE_INDEX] * len(ids)
-        self.sequence_index += [sequence if scored else -1] * len(ids)
-        if scored and first_position == 0 and ids:
-            # Nothing precedes a sequence's first token, so nothing predicts it (as in the padded layout).
-            self.labels[-len(ids)], self.sequence_index[-len(ids)] = IGNORE_INDEX, -1
-        self.segment_ids += [segment] * len(ids)
-        self.branch_ids += [branch] * len(ids)
-
-
-@dataclass
-class PackedDPODataCollator:
-    """The padding-free and shared-prompt layouts (see the module docstring).
-
-    padding_free: every sequence of the batch in one row [1, N], so no pad token is computed; otherwise one row per
-        sequence (or per pair with share_prompt), right-padded. Adds `segment_bounds` [S + 1], where each of the row's
-        S independent segments (a sequence, or a pair with share_prompt) starts, then N: attention runs per segment.
-    share_prompt: one segment per pair, the prompt computed once; adds a boolean 4D `attention_mask` [rows, 1, T, T]
-        (True = may attend), which `sequence_logps` turns into the additive mask the model expects.
-    dense_mask: False skips that [rows, 1, T, T] mask, for an attention that builds its own (flex attention).
-    Every packed batch has `segment_ids` and `branch_ids` [rows, T]: a token may attend to an earlier token of its
-    segment whose branch is its own or 0 (the shared prompt); padding is -1 in both.
-    """
-
-    pad_token_id: int
-    padding_free: bool = True
-    share_prompt: bool = False
-    pad_to_multiple_of: int | None = None
-    dense_mask: bool = True
-
-    def __post_init__(self):
-        if not (self.padding_free or self.share_prompt):
-            raise ValueError("PackedDPODataCollator needs padding_free or share_prompt; DPODataCollator pads")
-
-    def __call__(self, examples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
-        num_pairs = len(examples)
-        rows = []
-        for pair, ex in enumerate(examples):
-            prompt, chosen, rejected = ex["prompt_ids"], ex["chosen_ids"], ex["rejected_ids"]
-            if self.share_prompt:
-                row, shared = _Row(), len(prompt) - 1 if prompt else 0
-                row.add(prompt[:shared], 0, segment=pair, branch=0)
-                for branch, completion, sequence in ((1, chosen, pair), (2, rejected, num_pairs + pair)):
-                    row.add(prompt[shared:], shared, segment=pair, branch=branch)
-                    row.add(completion, len(prompt), segment=pair, branch=branch, sequence=sequence)
-                rows.append(row)
-        if not self.share_prompt:
-            for sequence in range(2 * num_pairs):
-                ex = examples[sequence % num_pairs]
-                completion = ex["chosen_ids"] if sequence < num_pairs else ex["rejected_ids"]
-                row = _Row()
-                row.add(ex["prompt_ids"], 0, segment=sequence, branch=1)
-                row.add(completion, len(ex["prompt_ids"]), segment=sequence, branch=1, sequence=sequence)
-                rows.append(row)
-        segment_bounds = None
-        if self.padding_free:
-            segment_bounds = torch.tensor([0] + [len(row.input_ids) for row in rows]).cumsum(0)
-            packed = _Row()
-            for row in rows:
-                for name, values in vars(row).items():
-                    getattr(packed, name).extend(values)
-            rows = [packed]
-        batch = self._to_tensors(rows)
-        if segment_bounds is not None:
-            batch["segment_bounds"] = segment_bounds
-        return add_reference_logps(batch, examples)
-
-    def _to_tensors(self, rows: list[_Row]) -> dict[str, torch.Tensor]:
-        length = max(len(row.input_ids) for row in rows)
-        if self.pad_to_multiple_of and not self.padding_free:
-            length = -(-length // self.pad_to_multiple_of) * self.pad_to_multiple_of
-        pads = {"input_ids": self.pad_token_id, "position_ids": 0, "labels": IGNORE_INDEX, "sequence_index": -1,
-                "segment_ids": -1, "branch_ids": -1}
-        columns = {name: torch.tensor([getattr(row, name) + [pad] * (length - len(row.input_ids)) for row in rows])
-                   for name, pad in pads.items()}
-        segment, branch = columns["segment_ids"], columns["branch_ids"]
-        if self.share_prompt and self.dense_mask:
-            causal = torch.ones(length, length, dtype=torch.bool).tril()
-            same_segment = segment[:, :, None] == segment[:, None, :]
-            visible_branch = (branch[:, None, :] == 0) | (branch[:, :, None] == branch[:, None, :])
-            columns["attention_mask"] = (causal & same_segment & visible_branch)[:, None]
-        return columns
 
 
 def make_collator(pad_token_id: int, padding_free: bool = False, share_prompt: bool = False,

@@ -51,7 +51,9 @@ class DPOMinConfig(TrainingArguments):
     trust_remote_code: bool = field(
         default=False, metadata={"help": "Allow hub code for a model and tokenizer loaded from an id, as TRL."}
     )
-    beta: float = field(default=0.1, metadata={"help": "Strength of the implicit KL penalty towards the reference."})
+    # The loss's fields default to what the loss says (LossSettings.default), so that the two cannot differ.
+    beta: float = field(default=LossSettings.default("beta"),
+                        metadata={"help": "Strength of the implicit KL penalty towards the reference."})
     loss_type: list[str] = field(
         default_factory=lambda: ["sigmoid"],
         metadata={"help": f"Preference loss(es), space- or comma-separated, from {', '.join(LOSS_TYPES)}."},
@@ -60,7 +62,7 @@ class DPOMinConfig(TrainingArguments):
         default=None, metadata={"help": "One weight per loss_type: total = sum_i w_i * mean(L_i). Default all 1."}
     )
     label_smoothing: float = field(
-        default=0.0,
+        default=LossSettings.default("label_smoothing"),
         metadata={"help": f"eps, read by {', '.join(SMOOTHED_LOSSES)}: the label-flip probability (sigmoid's is "
                           "conservative DPO; robust needs < 0.5); exo_pair's eps (> 0)."},
     )
@@ -69,7 +71,8 @@ class DPOMinConfig(TrainingArguments):
         default=None, metadata={"help": "LD-DPO: weight in [0, 1] of the tokens beyond the shorter completion."}
     )
     use_weighting: bool = field(default=False, metadata={"help": "WPO: weight each pair by its policy probability."})
-    discopop_tau: float = field(default=0.05, metadata={"help": "Temperature of the discopop loss."})
+    discopop_tau: float = field(default=LossSettings.default("discopop_tau"),
+                                metadata={"help": "Temperature of the discopop loss."})
     dataset_num_proc: int | None = field(
         default=None, metadata={"help": "Processes that tokenize the data (datasets.map num_proc); None: one."}
     )
@@ -79,17 +82,20 @@ class DPOMinConfig(TrainingArguments):
                           "'{\"enable_thinking\": false}'; a row's own chat_template_kwargs column wins."},
     )
     f_divergence_type: str = field(
-        default="reverse_kl",
+        default=LossSettings.default("f_divergence_type"),
         metadata={"help": f"f-DPO regulariser, one of {', '.join(F_DIVERGENCES)}; other than reverse_kl only for "
                           f"{', '.join(name for name, entry in LOSSES.items() if entry.f_divergence)}."},
     )
-    f_alpha_divergence_coef: float = field(default=0.5, metadata={"help": "The alpha of alpha_divergence."})
-    simpo_gamma: float = field(default=0.5, metadata={"help": "SimPO's target reward margin (loss_type simpo)."})
+    f_alpha_divergence_coef: float = field(default=LossSettings.default("f_alpha_divergence_coef"),
+                                           metadata={"help": "The alpha of alpha_divergence."})
+    simpo_gamma: float = field(default=LossSettings.default("simpo_gamma"),
+                               metadata={"help": "SimPO's target reward margin (loss_type simpo)."})
     alpha: float = field(
-        default=0.0, metadata={"help": "AlphaPO: rewards (1 - p^-alpha) / alpha for cpo and simpo; 0 keeps log p."}
+        default=LossSettings.default("alpha"),
+        metadata={"help": "AlphaPO: rewards (1 - p^-alpha) / alpha for cpo and simpo; 0 keeps log p."}
     )
     cpo_alpha: float = field(
-        default=0.0,
+        default=LossSettings.default("cpo_alpha"),
         metadata={"help": "Weight of the mean NLL of the chosen tokens added to the loss (CPO's behaviour cloning; "
                           "the CPO paper and TRL's CPOConfig use 1.0)."},
     )

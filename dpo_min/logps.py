@@ -2,9 +2,8 @@
 
 Only positions whose next token is a completion token need the output layer, so the model is asked for those
 logits alone (`logits_to_keep` as a boolean mask: a [K, V] tensor, K = completion tokens in the batch). The
-log-prob of each label is its logit minus the logsumexp of its row, taken in float32 (or the logits' own dtype when
-wider) chunk by chunk, and the backward recomputes the softmax per chunk: no float32 [2B, T, V] log-softmax is ever
-held.
+log-prob of each label is its logit minus the logsumexp of its row, in float32 (`logps_chunked.LabelLogProbs`, which
+takes it chunk by chunk so that no float32 [K, V] log-softmax is ever held).
 """
 
 from dataclasses import dataclass
@@ -12,10 +11,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .collator import IGNORE_INDEX, NON_MODEL_KEYS
+from .batch import IGNORE_INDEX, NON_MODEL_KEYS
+from .logps_chunked import LabelLogProbs
 from .scale.attention import packed_forward_kwargs
 
-CHUNK_TOKENS = 256
+CHUNK_TOKENS = 256  # rows of logits per float32 chunk (logps_chunked.py)
 
 
 @dataclass
@@ -77,52 +77,6 @@ class SequenceLogps:
                 for half, value in zip(("chosen", "rejected"), values.chunk(2))}
 
 
-class _LabelLogProbs(torch.autograd.Function):
-    """log_softmax(logits)[label] for [K, V] logits, in float32 chunks; saves only the logits and a [K] logsumexp.
-
-    Also returns, without gradient, the mean logit of each row, its entropy, whether its argmax is the label, and
-    (when asked) log sum_v p(v)^2 for WPO."""
-
-    @staticmethod
-    def forward(ctx, logits: torch.Tensor, labels: torch.Tensor, with_sum_sq_probs: bool):
-        dtype = torch.promote_types(logits.dtype, torch.float32)
-        token_logps = logits.new_empty(labels.shape, dtype=dtype)
-        logsumexp = torch.empty_like(token_logps)
-        mean_logits = torch.empty_like(token_logps)
-        entropy = torch.empty_like(token_logps)
-        is_top1 = torch.empty_like(token_logps)
-        log_sum_sq_probs = torch.empty_like(token_logps) if with_sum_sq_probs else None
-        for start in range(0, logits.size(0), CHUNK_TOKENS):
-            rows = slice(start, start + CHUNK_TOKENS)
-            chunk = logits[rows].to(dtype)
-            logsumexp[rows] = torch.logsumexp(chunk, dim=-1)
-            token_logps[rows] = chunk.gather(-1, labels[rows, None]).squeeze(-1) - logsumexp[rows]
-            mean_logits[rows] = chunk.mean(dim=-1)
-            # H = lse - sum_v p(v) z_v: one exp of the chunk, no log of a probability that may underflow
-            entropy[rows] = logsumexp[rows] - (chunk - logsumexp[rows, None]).exp_().mul_(chunk).sum(dim=-1)
-            is_top1[rows] = (chunk.argmax(dim=-1) == labels[rows]).to(dtype)
-            if with_sum_sq_probs:
-                # log sum exp(2 z - 2 lse) without forming the probabilities
-                log_sum_sq_probs[rows] = torch.logsumexp(2 * chunk, dim=-1) - 2 * logsumexp[rows]
-        ctx.save_for_backward(logits, labels, logsumexp)
-        ctx.mark_non_differentiable(*(t for t in (mean_logits, entropy, is_top1, log_sum_sq_probs) if t is not None))
-        return token_logps, mean_logits, entropy, is_top1, log_sum_sq_probs
-
-    @staticmethod
-    def backward(ctx, grad_token_logps: torch.Tensor, *_grads_without_use):
-        logits, labels, logsumexp = ctx.saved_tensors
-        grad_logits = torch.empty_like(logits)
-        for start in range(0, logits.size(0), CHUNK_TOKENS):
-            stop = start + CHUNK_TOKENS
-            # d/dlogits of (logit[label] - logsumexp) = onehot(label) - softmax; in place, so that one float32
-            # [CHUNK_TOKENS, V] buffer is the only temporary while every activation of the model is still held.
-            grad = torch.sub(logits[start:stop].to(logsumexp.dtype), logsumexp[start:stop, None]).exp_()
-            grad.mul_(-grad_token_logps[start:stop, None])
-            grad.scatter_add_(-1, labels[start:stop, None], grad_token_logps[start:stop, None])
-            grad_logits[start:stop] = grad
-        return grad_logits, None, None
-
-
 def sequence_logps(model: torch.nn.Module, batch: dict[str, torch.Tensor],
                    with_sum_sq_probs: bool = False, with_aux_loss: bool = False) -> SequenceLogps:
     """One forward of `model` over a collated batch -> log-probs of each of its sequences.
@@ -135,7 +89,9 @@ def sequence_logps(model: torch.nn.Module, batch: dict[str, torch.Tensor],
     next_labels = labels[:, 1:]
     predicts_completion = F.pad(next_labels != IGNORE_INDEX, (0, 1), value=False)
     model_inputs = {key: value for key, value in batch.items() if key not in NON_MODEL_KEYS}
-    model_inputs |= packed_forward_kwargs(model, batch)
+    mask = batch.get("attention_mask")
+    if "segment_ids" in batch or mask is None or mask.dim() != 2:  # a packed layout (collator_packed.py)
+        model_inputs |= packed_forward_kwargs(model, batch)
     # No cache: with one, transformers would not keep packed sequences apart.
     if with_aux_loss:
         model_inputs["output_router_logits"] = True
@@ -145,8 +101,8 @@ def sequence_logps(model: torch.nn.Module, batch: dict[str, torch.Tensor],
     keep = predicts_completion[:, :-1]
     token_labels = next_labels[keep]
     token_sequence = sequence_index[:, 1:][keep]
-    token_logps, mean_logits, entropy, is_top1, log_sum_sq_probs = _LabelLogProbs.apply(logits, token_labels,
-                                                                                         with_sum_sq_probs)
+    token_logps, mean_logits, entropy, is_top1, log_sum_sq_probs = LabelLogProbs.apply(logits, token_labels,
+                                                                                        with_sum_sq_probs, CHUNK_TOKENS)
 
     def per_sequence(values: torch.Tensor) -> torch.Tensor:
         return values.new_zeros(num_sequences).index_add(0, token_sequence, values)

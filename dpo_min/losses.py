@@ -110,11 +110,12 @@ class LossEntry:
     sorts_batch: bool = False
     f_divergence: bool = False
     rewards: Callable[[PairTerms], tuple[torch.Tensor, torch.Tensor]] | None = None
+    tie: float | None = None  # its loss of a pair whose policy is its reference, when the same for every pair
 
 
 READS_LABEL_SMOOTHING = {"label_smoothing": SMOOTHING}  # a label-flip probability in [0, 1)
 LOSSES: dict[str, LossEntry] = {
-    "sigmoid": LossEntry(_sigmoid, READS_LABEL_SMOOTHING, f_divergence=True),
+    "sigmoid": LossEntry(_sigmoid, READS_LABEL_SMOOTHING, f_divergence=True, tie=math.log(2)),  # -logsigmoid(0)
     "robust": LossEntry(family.robust, {"label_smoothing": Knob(0.0, 0.0, 0.5, open_high=True)}, f_divergence=True),
     "hinge": LossEntry(family.hinge, f_divergence=True),
     "ipo": LossEntry(family.ipo, needs_lengths=True, f_divergence=True),
@@ -188,6 +189,13 @@ class LossSettings:
                    hyperparameters={name: getattr(config, name) for name in _hyperparameter_defaults()})
 
     @classmethod
+    def default(cls, name: str) -> Any:
+        """The default of a config field the loss reads (`DPOMinConfig` reads its own from here): a field of these
+        settings, or a hyperparameter some entry reads (its `Knob`)."""
+        own = {f.name: f.default for f in fields(cls) if f.name not in _RENAMED_FIELDS}
+        return own[name] if name in own else _hyperparameter_defaults()[name]
+
+    @classmethod
     def config_fields(cls) -> tuple[str, ...]:
         """The config fields `from_config` reads (an entry's new hyperparameter included): a resumed run must share
         them to train the same loss."""
@@ -239,6 +247,12 @@ class LossSettings:
               "ld_alpha": self.ld_alpha is not None, "use_weighting": self.use_weighting,
               "reference_free": self.reference_free}
         return read | {name: getattr(self, name) for name, is_on in on.items() if is_on}
+
+    @property
+    def tie_loss(self) -> float | None:
+        """The loss of a pair whose policy is its reference (every pair before training), from the loss table: ln 2
+        for DPO's sigmoid alone; None where it is not one known value."""
+        return LOSSES[self.loss_types[0]].tie if len(self.loss_types) == 1 else None
 
     @property
     def needs_lengths(self) -> bool:

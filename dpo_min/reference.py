@@ -279,6 +279,14 @@ def _set_up_adapters(model: Any, args: Any, ref_model: Any, peft_config: Any) ->
     return model, False
 
 
+def needs_second_load(args: Any, trains_adapter: bool) -> bool:
+    """Whether the reference must be passed as ref_model, the model loaded a second time: full fine-tuning under ZeRO-3
+    whose loss reads a reference it does not precompute (the partitioned policy cannot be copied, and
+    `choose_reference` refuses it). The command asks this (`Plan.reload_reference`) before it loads the model."""
+    return (zero.zero_stage(args) == 3 and not trains_adapter and not args.precompute_ref_log_probs
+            and args.loss_settings.reads_reference)
+
+
 def choose_reference(model: Any, ref_model: Any, args: Any, peft_config: Any,
                      reads_reference: bool) -> tuple[Any, Reference]:
     """The model (wrapped in `peft_config`, if given) and its reference, checked against TR-DPO's needs."""

@@ -64,3 +64,13 @@ def test_every_local_link_in_the_pages_exists(page):
     targets = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", page.read_text())
     missing = [target for target in targets if "://" not in target and not (page.parent / target).exists()]
     assert not missing, f"{page.name} links to missing files: {missing}"
+
+
+def test_readme_gives_the_default_paths_line_counts():
+    # README's "What is where" names the four files of the default path with their line counts, and their sum.
+    text = (ROOT / "README.md").read_text()
+    quoted = dict(re.findall(r"`(\w+\.py)`\s+\((\d+) lines", text.split("**The default path**", 1)[1].split("\n\n")[0]))
+    assert sorted(quoted) == ["collator.py", "logps.py", "losses.py", "trainer.py"]
+    counts = {name: len((ROOT / "dpo_min" / name).read_text().splitlines()) for name in quoted}
+    assert {name: int(lines) for name, lines in quoted.items()} == counts
+    assert f"{sum(counts.values())} lines in all" in text

@@ -110,7 +110,7 @@ def _in_training(trainer: DPOMinTrainer, staging: Path) -> Callable[[BaseExcepti
         passed = {frame.f_code.co_name for frame, _ in traceback.walk_tb(error.__traceback__)}
         if "_save_checkpoint" in passed:
             return f"checkpoint-{trainer.state.global_step} to {staging}"
-        if "_with_reference_logps" in passed:
+        if "with_reference_logps" in passed:
             return f"the reference log-probs to their cache ({cache_dir() / 'ref_logps'})"
         return f"the samples or TensorBoard events to {staging}"
     return target
@@ -222,7 +222,7 @@ def sample_reference(trainer: DPOMinTrainer, plan: Plan, held_out: Dataset | Non
     train_pairs = pair_count(trainer.train_dataset)
     say(f"model {plan.model_name} | {'streamed' if train_pairs is None else train_pairs} train pairs, "
         f"{0 if held_out is None else len(trainer.eval_dataset)} held-out | "
-        f"{'LoRA r=' + str(plan.model.lora_r) if plan.model.use_peft else 'full fine-tuning'} | "
+        f"{'LoRA r=' + str(plan.model.lora_r) if plan.trains_adapter else 'full fine-tuning'} | "
         f"output {plan.folder.named}")
     if train_pairs is not None:
         say(describe_plan(plan.args, train_pairs))
@@ -361,7 +361,7 @@ def run_card(plan: Plan, metrics: dict[str, Any], sources: dict[str, Any], refer
     model_args = plan.model
     lora = {"r": model_args.lora_r, "alpha": model_args.lora_alpha, "dropout": model_args.lora_dropout,
             "target_modules": ", ".join(model_args.lora_target_modules), "use_rslora": model_args.use_rslora,
-            "use_dora": model_args.use_dora} if model_args.use_peft else None
+            "use_dora": model_args.use_dora} if plan.trains_adapter else None
     return model_card(model=model_args.model, kind=plan.saved_as, datasets=sources,
                       train_pairs=metrics["train_pairs"], held_out_pairs=metrics["held_out_pairs"], args=plan.args,
                       reference=reference, lora=lora, before=metrics["before"], after=metrics["after"],

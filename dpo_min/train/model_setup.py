@@ -32,7 +32,7 @@ def load_model(plan: Plan) -> tuple[Any, Any, LoraConfig | None, Any]:
         from peft import prepare_model_for_kbit_training
 
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=args.gradient_checkpointing)
-    if not model_args.use_peft:
+    if not plan.trains_adapter:
         return model, tokenizer, None, reference
     targets = model_args.lora_target_modules
     peft_config = LoraConfig(r=model_args.lora_r, lora_alpha=model_args.lora_alpha,

@@ -17,7 +17,8 @@ from typing import Any
 
 from ..config import DPOMinConfig
 from ..models import EMBEDDED_MODEL_NAME
-from ..scale import zero
+from ..reference import needs_second_load
+from ..scale import zero  # noqa: F401 (tests patch zero.zero_stage here: the module needs_second_load reads)
 from .args import EVAL_FRACTION, MIXTURE_KEYS, MIXTURE_OPTIONS, DataArguments, ModelArguments, UsageError
 from .card import hub_repo_id
 from .command_line import parse_with_rounds
@@ -70,6 +71,11 @@ class Plan:
         return self.args.process_index == 0
 
     @property
+    def trains_adapter(self) -> bool:
+        """LoRA (saved as an adapter or merged) rather than full fine-tuning: `saved_as` says it, once."""
+        return self.saved_as != "full"
+
+    @property
     def model_name(self) -> str:
         return self.model.model or EMBEDDED_MODEL_NAME
 
@@ -77,7 +83,7 @@ class Plan:
     def decided_settings(self) -> dict[str, Any]:
         """The resume settings the plan decides rather than an option spelling them: a resume that spells out what
         was decided anyway (--eval_fraction 0.05 where it was left out, --data_seed equal to --seed) is the same run."""
-        return {"model": self.model_name, "use_peft": self.saved_as != "full", "eval_fraction": self.eval_fraction,
+        return {"model": self.model_name, "use_peft": self.trains_adapter, "eval_fraction": self.eval_fraction,
                 "data_seed": self.seed, "dtype": self.load.dtype, "model_revision": self.load.kwargs["revision"]}
 
     def held_out_count(self, pairs: int) -> int:
@@ -125,8 +131,7 @@ def decide(model_args: ModelArguments, data_args: DataArguments, args: DPOMinCon
         seed=args.data_seed if args.data_seed is not None else args.seed,
         saved_as="full" if not model_args.use_peft else "merged" if model_args.merge_adapter else "adapter",
         load=_model_load(model_args, args),
-        reload_reference=(zero.zero_stage(args) == 3 and not model_args.use_peft
-                          and not args.precompute_ref_log_probs and args.loss_settings.reads_reference),
+        reload_reference=needs_second_load(args, trains_adapter=model_args.use_peft),
         folder=folder, repo_id=hub_repo_id(folder.named, args.hub_model_id), push=push, resuming=resuming,
         resumes_here=checkpoint == "latest" or (
             resuming and Path(checkpoint).resolve().is_relative_to(folder.staging.resolve())), rounds=rounds)

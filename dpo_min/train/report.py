@@ -12,6 +12,7 @@ from transformers import ProgressCallback, TrainerCallback
 
 from ..intervals import mean_interval, wilson_interval
 from ..logps import sequence_logps
+from ..losses import LossSettings
 from ..tokenizing import render_prompts, template_kwargs_of
 
 # The held-out figures the command prints and compares (TRL's names) and how they are shown.
@@ -103,14 +104,16 @@ def collapse_warnings(after: dict[str, float], policy_texts: list[str]) -> list[
 
 def describe_ties(pairs: int, loss_type: Any) -> str:
     """Before training, when the policy is the reference: what every held-out figure is by definition."""
-    loss = f", loss ln 2 = {math.log(2):.4f}" if tie_loss(loss_type) is not None else ""
+    tie = tie_loss(loss_type)
+    loss = f", loss ln 2 = {tie:.4f}" if tie is not None else ""
     return (f"held-out before training: all {pairs} pairs are ties by definition (the policy starts as the reference, "
             f"so every reward is 0): reward accuracy 0/{pairs}, mean margin 0{loss}; no pass is spent measuring it")
 
 
 def tie_loss(loss_type: Any) -> float | None:
-    """The sigmoid (DPO) loss of a pair whose margin is 0, or None for the loss types whose tie value differs."""
-    return math.log(2) if loss_type in ("sigmoid", ["sigmoid"]) else None
+    """The loss of a pair whose policy is its reference, as the loss table gives it (`LossSettings.tie_loss`: ln 2
+    for sigmoid alone), or None."""
+    return LossSettings.of([loss_type] if isinstance(loss_type, str) else loss_type).tie_loss
 
 
 def tie_figures(loss_type: Any) -> dict[str, float]:
