@@ -15,9 +15,10 @@ NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 
 
 def staging_path(path: str | os.PathLike) -> Path:
-    """The hidden sibling `path` is staged at (a writer that reads the format from the name, as matplotlib does, is
-    told the format: the staging name ends in `.writing`). One name per target, not per process: each file has one writer (a run's main process), and a writer killed before its
-    rename leaves a staging that the next write of the same name clears rather than leaves behind for good."""
+    """The hidden sibling `path` is staged at, `.<name>.writing` (a writer that reads the format from the name, as
+    matplotlib does, is told the format). One name per target, not per process: each file has one writer (a run's
+    main process), and a writer killed before its rename leaves a staging that the next write of the same name
+    clears, rather than one left behind for good."""
     path = Path(path)
     return path.with_name(f".{path.name}.writing")
 
