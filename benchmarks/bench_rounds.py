@@ -144,7 +144,7 @@ def bench_round(model, tokenizer, prompts, args, scratch: Path) -> dict:
 
     config = RoundsConfig(output_dir=str(scratch / "round"), rounds=1, num_generations=args.num_generations,
                           max_completion_length=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                          generation_batch_size=args.batch_size, seed=args.seed,
+                          generation_batch_size=args.batch_size * args.num_generations, seed=args.seed,
                           peft_config=LoraConfig(r=16, lora_alpha=32, target_modules="all-linear",
                                                  task_type="CAUSAL_LM"),
                           training={"learning_rate": 5e-5, "per_device_train_batch_size": 4, "save_strategy": "no",

@@ -48,7 +48,7 @@ def pi0_pairs(model, tokenizer, rows, train_rows, config, rewards, round_index):
 
     settings = GenerationSettings(config.num_generations, config.max_completion_length, True, config.temperature,
                                   config.top_p, seed=config.seed + 1000 * round_index)
-    groups = sample_like_the_rounds(model, tokenizer, rows, train_rows, settings, config.generation_batch_size)
+    groups = sample_like_the_rounds(model, tokenizer, rows, train_rows, settings, config.prompts_per_batch)
     prompt_ids = rendered_prompts(tokenizer, rows, None)
     prompt_groups = []
     for i, group in zip(train_rows, groups):
@@ -68,7 +68,7 @@ def held_out_count(model, tokenizer, rows, held_rows, config, rewards) -> tuple[
 
     greedy = sample_like_the_rounds(model, tokenizer, rows, held_rows,
                                     GenerationSettings(1, config.max_completion_length, False),
-                                    config.generation_batch_size)
+                                    config.prompts_per_batch)
     completions = [group[0] for group in greedy]
     totals = rewards.score([rows[i]["prompt"] for i in held_rows], completions,
                            {"solution": [rows[i]["solution"] for i in held_rows]}, 0).total

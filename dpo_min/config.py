@@ -11,6 +11,8 @@ from transformers import TrainingArguments
 from .compat import TRL_FIELDS, apply_trl_negations, check_trl_fields, trl_pad_to_multiple_of
 from .losses import F_DIVERGENCES, LOSS_TYPES, LOSSES, LossSettings
 
+# The references DPOMinConfig.reference_mode names (reference._named_reference builds each).
+REFERENCE_MODES = ("ref_model", "adapter_off", "adapter_at_start", "policy_at_start")
 TRUNCATION_MODES = ("keep_end", "keep_start")
 # The loss types that read label_smoothing, named in its help.
 SMOOTHED_LOSSES = tuple(name for name, entry in LOSSES.items() if "label_smoothing" in entry.reads)
@@ -67,6 +69,14 @@ class DPOMinConfig(TrainingArguments):
                           "conservative DPO; robust needs < 0.5); exo_pair's eps (> 0)."},
     )
     reference_free: bool = field(default=False, metadata={"help": "Take the reference log-probs as 0."})
+    reference_mode: str | None = field(
+        default=None,
+        metadata={"help": "The reference named, rather than chosen from what the trainer is given: ref_model (the "
+                          "ref_model passed), adapter_off (a bare model and a peft_config: the adapter disabled), "
+                          "adapter_at_start (a PeftModel: a frozen copy of its adapter as it starts), policy_at_start "
+                          "(a frozen copy of the model, or with precompute_ref_log_probs the model before its first "
+                          "step). The models given must fit it. Default: chosen from them."},
+    )
     ld_alpha: float | None = field(
         default=None, metadata={"help": "LD-DPO: weight in [0, 1] of the tokens beyond the shorter completion."}
     )
@@ -247,6 +257,8 @@ class DPOMinConfig(TrainingArguments):
         self.loss_settings.validate()
 
     def _check_reference(self) -> None:
+        if self.reference_mode is not None and self.reference_mode not in REFERENCE_MODES:
+            raise ValueError(f"reference_mode must be one of {REFERENCE_MODES} or None, got {self.reference_mode!r}")
         if self.sync_ref_model:
             if not 0.0 < self.ref_model_mixup_alpha <= 1.0:
                 raise ValueError(f"ref_model_mixup_alpha must be in (0, 1], got {self.ref_model_mixup_alpha}")

@@ -15,7 +15,6 @@ import json
 import logging
 import os
 import pickle
-import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -24,6 +23,7 @@ import numpy as np
 import torch
 from datasets import Dataset
 
+from .files import staged
 from .models import cache_dir
 
 logger = logging.getLogger(__name__)
@@ -101,11 +101,6 @@ def _move_aside(path: Path, problem: str) -> None:
 def save(key: str, chosen: torch.Tensor, rejected: torch.Tensor) -> Path:
     path = _path(key)
     path.parent.mkdir(parents=True, exist_ok=True)
-    handle, staging = tempfile.mkstemp(dir=path.parent, prefix=".writing-")
-    try:
-        with os.fdopen(handle, "wb") as file:
-            torch.save({"chosen": chosen, "rejected": rejected}, file)
-        os.replace(staging, path)
-    finally:
-        Path(staging).unlink(missing_ok=True)
+    with staged(path) as staging, open(staging, "wb") as file:
+        torch.save({"chosen": chosen, "rejected": rejected}, file)
     return path

@@ -79,6 +79,7 @@ class Reference(abc.ABC):
     model: torch.nn.Module | None = None  # a separate reference model (prepared for the run), if any
     adapter: str | None = None  # the name of a reference adapter of the policy, if any
     cache_name = "model"  # what the precompute cache key calls this kind
+    mode: str | None = None  # the DPOMinConfig.reference_mode that named it; None: chosen from what was given
 
     @abc.abstractmethod
     @contextlib.contextmanager
@@ -294,6 +295,8 @@ def choose_reference(model: Any, ref_model: Any, args: Any, peft_config: Any,
     if not reads_reference:  # a ref_model given to such a loss is not kept
         why = "reference_free" if args.reference_free else f"loss_type {', '.join(args.loss_type)}"
         reference = NoReference(f"none ({why}: the loss reads no reference)")
+    elif getattr(args, "reference_mode", None) is not None:  # named: no branch below decides it
+        reference = _named_reference(args.reference_mode, model, ref_model, args, wrapped)
     elif ref_model is not None:
         reference = ModelReference(ref_model.eval().requires_grad_(False), _given_reference(ref_model, model))
     elif is_peft(model):
@@ -319,3 +322,36 @@ def _given_reference(ref_model: Any, model: Any) -> str:
     if name and name == getattr(model, "name_or_path", None):
         return f"the base model loaded a second time as ref_model ({name}), frozen"
     return f"ref_model {name}, a separate frozen model" if name else "ref_model, a separate frozen model"
+
+
+# What each reference_mode needs of the models given, and says when they do not fit.
+_MODE_NEEDS = {"ref_model": "a ref_model", "adapter_off": "a bare model and a peft_config",
+               "adapter_at_start": "a PeftModel and no ref_model or peft_config",
+               "policy_at_start": "a model without an adapter and no ref_model or peft_config"}
+
+
+def _named_reference(mode: str, model: Any, ref_model: Any, args: Any, wrapped: bool) -> Reference:
+    """The reference `mode` names (config.REFERENCE_MODES), built directly: a caller that names its reference (the
+    rounds) gets that one whatever order the inferring branches of `choose_reference` take, or a ValueError when the
+    models given cannot be it."""
+    fits = {"ref_model": ref_model is not None, "adapter_off": is_peft(model) and wrapped,
+            "adapter_at_start": is_peft(model) and not wrapped and ref_model is None,
+            "policy_at_start": not is_peft(model) and ref_model is None}
+    if not fits[mode]:
+        raise ValueError(f"reference_mode={mode!r} needs {_MODE_NEEDS[mode]}")
+    if mode == "ref_model":
+        reference = ModelReference(ref_model.eval().requires_grad_(False), _given_reference(ref_model, model))
+    elif mode == "adapter_off":  # TR-DPO moves it: a copy of the fresh adapter, equal to it off while B = 0
+        reference = AdapterReference(_add_adapter_copy(model, REF_ADAPTER), "a copy of the fresh adapter (TR-DPO)") \
+            if args.sync_ref_model else AdapterOff()
+    elif mode == "adapter_at_start":
+        reference = AdapterReference(_add_adapter_copy(model, REF_ADAPTER),
+                                     "a frozen copy of the adapter the model came with")
+    elif args.precompute_ref_log_probs:
+        reference = PolicyReference()
+    elif zero.is_partitioned(model):
+        raise ValueError("reference_mode='policy_at_start' under DeepSpeed ZeRO-3 needs precompute_ref_log_probs")
+    else:
+        reference = ModelReference(copy.deepcopy(model).eval().requires_grad_(False), "a frozen copy of the model")
+    reference.mode = mode
+    return reference

@@ -38,7 +38,7 @@ def run(model_dir: str, output_dir: str, batch_size: int) -> dict:
         return [float(sum(ids)) for ids in completion_ids]
 
     config = RoundsConfig(output_dir=output_dir, rounds=1, num_generations=3, max_completion_length=6,
-                          held_out_share=0.2, generation_batch_size=2, seed=11,
+                          held_out_share=0.2, generation_batch_size=6, seed=11,  # 2 prompts
                           peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
                                                  task_type="CAUSAL_LM"),
                           training={"per_device_train_batch_size": batch_size, "learning_rate": 5e-3,

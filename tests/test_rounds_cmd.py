@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from dpo_min import load_preference_dataset
+from dpo_min.rounds import rewards as rounds_rewards
 from dpo_min.rounds.arithmetic import last_integer, last_integer_reward
 from dpo_min.train import main
 from dpo_min.train import rounds as rounds_cmd
@@ -113,7 +114,8 @@ def test_trust_remote_code_reaches_the_reward_models_loading(tmp_path, prompts_f
     def from_pretrained(path, **kwargs):
         seen.update(kwargs)
         raise OSError("stopped before loading")
-    monkeypatch.setattr(rounds_cmd.AutoModelForSequenceClassification, "from_pretrained", from_pretrained)
+    # The one loader of reward models is dpo_min.rounds.rewards.load_reward_model; the command passes the flag to it.
+    monkeypatch.setattr(rounds_rewards.AutoModelForSequenceClassification, "from_pretrained", from_pretrained)
     (tmp_path / "rm").mkdir()
     argv = ["--rounds", "1", "--dataset", str(prompts_file), "--reward_funcs", str(tmp_path / "rm"),
             "--trust_remote_code", "--output_dir", str(tmp_path / "out")]

@@ -495,13 +495,17 @@ DISK_FULL = {  # where the write fails -> (what to patch, the save that fails, w
     "reference cache": ("torch cache", 1, "could not write the reference log-probs to their cache ({cache}) ([enforce "
                         "fail at inline_container.cc:672] . unexpected pos 576 vs 534): is the disk full?",
                         ["--save_strategy", "no", "--precompute_ref_log_probs", "true"]),
-    "card": ("README.md", 1, "no space left on device writing README.md to {staging}", ["--save_strategy", "no"]),
+    # a text file is written to its staging name (dpo_min.files), then renamed
+    "card": (".README.md.writing", 1, "no space left on device writing README.md to {staging}",
+             ["--save_strategy", "no"]),
     # issue 30: the first run file (before the model loads), and a failing or read-only disk, not only a full one
-    "first run file": (f"{MANIFEST}.writing", 1, "no space left on device writing dpo_min_run.json to {staging}",
+    "first run file": (f".{MANIFEST}.writing", 1, "no space left on device writing dpo_min_run.json to {staging}",
                        ["--save_strategy", "no"]),
-    "metrics, failing disk": ("metrics.json EIO", 1, "could not write metrics.json to {staging}: Input/output error",
+    "metrics, failing disk": (".metrics.json.writing EIO", 1,
+                              "could not write metrics.json to {staging}: Input/output error",
                               ["--save_strategy", "no"]),
-    "card, read-only": ("README.md EROFS", 1, "could not write README.md to {staging}: Read-only file system",
+    "card, read-only": (".README.md.writing EROFS", 1,
+                        "could not write README.md to {staging}: Read-only file system",
                         ["--save_strategy", "no"]),
 }
 

@@ -7,6 +7,7 @@ from typing import Any
 
 REFERENCES = ("initial", "previous")
 NO_PAIR_CHOICES = ("stop", "skip")
+DEFAULT_PROMPTS_PER_BATCH = 8
 
 
 class RoundsError(ValueError):
@@ -30,17 +31,23 @@ class RoundsConfig:
     reference: str = "initial"
     on_no_pairs: str = "stop"
     held_out_share: float = 0.0
-    generation_batch_size: int = 8  # prompts per generate() call, each with its num_generations samples
+    # Completions per generate() call, as TRL GRPOConfig's: generation_batch_size / num_generations prompts, each with
+    # all its samples. None: DEFAULT_PROMPTS_PER_BATCH prompts' worth.
+    generation_batch_size: int | None = None
     seed: int = 42
     training: dict[str, Any] = field(default_factory=dict)
     peft_config: Any = None
 
     def __post_init__(self):
-        for name in ("rounds", "num_generations", "max_completion_length", "generation_batch_size"):
+        for name in ("rounds", "num_generations", "max_completion_length"):
             if getattr(self, name) < 1:
                 raise RoundsError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.num_generations < 2:
             raise RoundsError(f"num_generations must be >= 2 to make a pair, got {self.num_generations}")
+        size = self.generation_batch_size
+        if size is not None and (size < 1 or size % self.num_generations):
+            raise RoundsError(f"generation_batch_size must be a positive multiple of num_generations "
+                              f"({self.num_generations}): it counts completions, as TRL GRPOConfig's; got {size}")
         if not self.temperature > 0:
             raise RoundsError(f"temperature must be > 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
@@ -60,6 +67,15 @@ class RoundsConfig:
             raise RoundsError(f"on_no_pairs must be one of {NO_PAIR_CHOICES}, got {self.on_no_pairs!r}")
         if "output_dir" in self.training:
             raise RoundsError("training: drop output_dir, each round trains under output_dir/round-K/train")
+        if "reference_mode" in self.training:
+            raise RoundsError("training: drop reference_mode, the rounds name each round's reference from `reference`")
+
+    @property
+    def prompts_per_batch(self) -> int:
+        """Prompts per generate() call: generation_batch_size counts their completions."""
+        if self.generation_batch_size is None:
+            return DEFAULT_PROMPTS_PER_BATCH
+        return self.generation_batch_size // self.num_generations
 
     def settings(self) -> dict[str, Any]:
         """What a resume must share with the run it continues: everything but the number of rounds (a run may be
@@ -67,6 +83,8 @@ class RoundsConfig:
         values = {name: value for name, value in asdict(self).items()
                   if name not in ("rounds", "output_dir", "peft_config")}
         values["peft_config"] = None if self.peft_config is None else _plain(self.peft_config.to_dict())
+        # As completions, whether given or left to the default: the same batches are the same run.
+        values["generation_batch_size"] = self.prompts_per_batch * self.num_generations
         return values
 
 

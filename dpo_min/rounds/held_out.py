@@ -62,5 +62,5 @@ def plot(lines: list[dict[str, Any]], path: Path) -> None:
     axes.set_ylabel("held-out mean reward (greedy)" + (f", x 1e{exponent}" if exponent else ""))
     axes.set_xticks([line["round"] for line in shown])
     figure.tight_layout()
-    figure.savefig(path, dpi=100)
+    figure.savefig(path, dpi=100, format="png")  # `path` may be a staging name (dpo_min.files)
     pyplot.close(figure)

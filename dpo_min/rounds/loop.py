@@ -3,7 +3,6 @@ next starts, so a run killed anywhere resumes where it stopped (store.py lists t
 
 import json
 import logging
-import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -16,6 +15,7 @@ from datasets import Dataset
 from transformers import PrinterCallback, ProgressCallback, TrainerState
 
 from dpo_min import DPOMinConfig, DPOMinTrainer
+from dpo_min.devices import several_on_cpu
 from dpo_min.tokenizing import render_prompts, template_kwargs_of
 
 from . import held_out, pairs, store
@@ -50,21 +50,13 @@ class _Run:
     held_rows: list[int]
     rewards: Rewards
     prompt_ids: list[list[int]]  # each row's prompt as rendered once: sampled from, and trained on
-    folder: store.RunFolder
+    folder: store.RoundFiles
     generate_fn: GenerateFn | None
     state: PartialState = field(default_factory=PartialState)
 
     def say(self, message: str) -> None:
         if self.state.is_main_process:
             print(message, flush=True)
-
-
-def _several_on_cpu() -> bool:
-    """One of several launched processes on a machine with no accelerator: accelerate leaves each such process alone
-    unless told cpu=True, and then each would sample, write and train the whole run by itself."""
-    accelerator = getattr(torch, "accelerator", None)  # torch >= 2.6 knows every backend; older ones, CUDA
-    has_accelerator = accelerator.is_available() if accelerator is not None else torch.cuda.is_available()
-    return int(os.environ.get("WORLD_SIZE", "1")) > 1 and not has_accelerator
 
 
 def _shared(items: list[Any], work: Callable[[list[Any]], list[Any]], state: PartialState) -> list[Any]:
@@ -89,9 +81,10 @@ def _columns(run: _Run, row_indices: Sequence[int], per_row: int) -> dict[str, l
 
 
 def _sample_shared(run: _Run, model: Any, indices: list[int], settings: GenerationSettings) -> list[list[Completion]]:
-    """The samples of each prompt in `indices`, in order: batches of generation_batch_size, batch b seeded
-    settings.seed + b and dealt to the processes in turn, so a prompt's samples do not depend on the process count."""
-    size = run.config.generation_batch_size
+    """The samples of each prompt in `indices`, in order: batches of prompts_per_batch prompts (generation_batch_size
+    completions), batch b seeded settings.seed + b and dealt to the processes in turn, so a prompt's samples do not
+    depend on the process count."""
+    size = run.config.prompts_per_batch
     batches = [(b, indices[start:start + size]) for b, start in enumerate(range(0, len(indices), size))]
 
     def work(mine: list[tuple[int, list[int]]]) -> list[list[list[Completion]]]:
@@ -155,8 +148,8 @@ def _evaluate(run: _Run, model: Any, round_index: int) -> None:
             "unscorable": sum(t is None for t in totals)}
     if run.state.is_main_process:
         run.folder.append("held_out.jsonl", line)
-        with store.writing(run.folder.root / "held_out.png"):
-            held_out.plot(run.folder.held_out(), run.folder.root / "held_out.png")
+        with store.written_whole(run.folder.root / "held_out.png") as staging:
+            held_out.plot(run.folder.held_out(), staging)
     run.state.wait_for_everyone()
     run.say(held_out.describe(line))
 
@@ -185,11 +178,12 @@ def pair_dataset(made: list[dict[str, Any]]) -> Dataset:
     return Dataset.from_list([{key: pair[key] for key in columns} for pair in made])
 
 
-def _training_args(run: _Run, folder: Path, round_index: int) -> DPOMinConfig:
-    """The settings of a round's DPO pass."""
+def _training_args(run: _Run, folder: Path, round_index: int, policy: Policy) -> DPOMinConfig:
+    """The settings of a round's DPO pass; its reference named by the policy (RoundsConfig refuses one in training)."""
     return DPOMinConfig(**{"report_to": "none", "logging_steps": 1, "num_train_epochs": 1,  # one pass a round
-                           "seed": run.config.seed + round_index, "use_cpu": _several_on_cpu(),  # join over gloo
-                           **run.config.training, "output_dir": str(folder / "train")})
+                           "seed": run.config.seed + round_index, "use_cpu": several_on_cpu(),  # join over gloo
+                           **run.config.training, "output_dir": str(folder / "train"),
+                           "reference_mode": policy.reference_mode})
 
 
 def _train(run: _Run, policy: Policy, made: list[dict[str, Any]], args: DPOMinConfig,
@@ -233,7 +227,7 @@ def _round(run: _Run, policy: Policy, round_index: int, steps: int) -> tuple[dic
                            lambda: _generate(run, model, round_index))
     samples = _phase(run, folder / "samples.jsonl", times, "scoring",
                      lambda: _score(run, generated, round_index, steps))
-    args = _training_args(run, folder, round_index)
+    args = _training_args(run, folder, round_index, policy)
     made, dropped = _pairs(run, samples, args)
     _phase(run, folder / "pairs.jsonl", {}, "pairing", lambda: made)
     if run.state.is_main_process:
@@ -256,8 +250,7 @@ def _round(run: _Run, policy: Policy, round_index: int, steps: int) -> tuple[dic
         if run.state.is_main_process:  # before the checkpoint: a checkpoint on disk means both are there
             store.write_json(folder / "train_metrics.json", metrics)
             store.write_json(times_path, times)
-        with store.writing(folder / "checkpoint"):
-            policy.finish(trainer, folder / "checkpoint")
+        policy.finish(trainer, folder / "checkpoint")
     with policy.current() as model:
         _evaluate(run, model, round_index)
     return {**line, "status": "trained", "dpo": metrics, "seconds": times}, trainer
@@ -281,10 +274,10 @@ def _open(model: Any, tokenizer: Any, prompts: Any, reward_funcs: Any, config: R
     rows = prompt_rows(prompts)
     rewards = Rewards(reward_funcs, config.reward_weights, config.missing_eos_penalty)
     train_rows, held_rows = split_held_out(len(rows), config.held_out_share, config.seed)
-    state = PartialState(cpu=_several_on_cpu())  # several CPU processes join over gloo, as the trainer's
+    state = PartialState(cpu=several_on_cpu())  # several CPU processes join over gloo, as the trainer's
     run = _Run(config, tokenizer, rows, train_rows, held_rows, rewards,
                rendered_prompts(tokenizer, rows, config.training.get("chat_template_kwargs")),
-               store.RunFolder(config.output_dir), generate_fn, state)
+               store.RoundFiles(config.output_dir), generate_fn, state)
     settings = {**config.settings(), "prompts": fingerprint(rows), "reward_funcs": rewards.names,
                 "processes": state.num_processes,
                 "model": store.model_record(model, tokenizer) if model_record is None else model_record}

@@ -1,20 +1,20 @@
 """The policy across rounds, and its reference.
 
 Full fine-tuning trains the model's own weights round after round. With LoRA the model stays bare between rounds
-and the adapter's weights are kept aside: each round wraps the model again and loads them, because the trainer
-picks its reference from what it is given (reference.choose_reference):
-- reference `initial` (pi_0): LoRA gives the trainer the bare model and the peft_config, so the reference is the
-  adapter switched off (free); full fine-tuning gives it a frozen copy of the model taken before round 1 as
-  ref_model (precompute_ref_log_probs in `training` then scores pi_0 once per round and the copy does nothing else);
-- reference `previous` (the last round's policy, as Self-Rewarding and SPIN): LoRA gives it the model already
-  wrapped with last round's adapter, which it copies frozen; full fine-tuning gives it the model alone, which it
-  copies (or, with precompute_ref_log_probs, scores before the round's first step).
+and the adapter's weights are kept aside: each round wraps the model again and loads them. Each round names its
+reference to the trainer (DPOMinConfig.reference_mode, `Policy.reference_mode`) and gives it the models that mode
+takes, so the trainer builds that reference and refuses models that do not fit, rather than inferring one:
+- reference `initial` (pi_0): LoRA, `adapter_off`: the bare model and the peft_config, the adapter switched off
+  (free); full fine-tuning, `ref_model`: a frozen copy of the model taken before round 1 (precompute_ref_log_probs
+  in `training` then scores pi_0 once per round and the copy does nothing else);
+- reference `previous` (the last round's policy, as Self-Rewarding and SPIN): LoRA, `adapter_at_start`: the model
+  wrapped with last round's adapter, copied frozen (round 1, with no adapter yet: `adapter_off`, the same pi_0);
+  full fine-tuning, `policy_at_start`: the model alone, copied (or, with precompute_ref_log_probs, scored before the
+  round's first step).
 """
 
 import contextlib
 import copy
-import os
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -22,6 +22,9 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
+
+from ..files import staging_path
+from .store import written_whole
 
 try:
     from peft import get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
@@ -64,13 +67,20 @@ class Policy:
         finally:
             self.model = wrapped.unload()
 
-    def trainer_models(self) -> dict[str, Any]:
-        """DPOMinTrainer's model, ref_model and peft_config for this round (see the module's docstring)."""
+    @property
+    def reference_mode(self) -> str:
+        """The reference this round's trainer is told to take (DPOMinConfig.reference_mode; the module's docstring)."""
         if self.peft_config is None:
-            return {"model": self.model, "ref_model": self.initial, "peft_config": None}
-        if self.reference == "previous" and self.adapter is not None:
-            return {"model": self._wrapped(), "ref_model": None, "peft_config": None}
-        return {"model": self.model, "ref_model": None, "peft_config": copy.deepcopy(self.peft_config)}
+            return "ref_model" if self.reference == "initial" else "policy_at_start"
+        return "adapter_at_start" if self.reference == "previous" and self.adapter is not None else "adapter_off"
+
+    def trainer_models(self) -> dict[str, Any]:
+        """DPOMinTrainer's model, ref_model and peft_config for this round: what `reference_mode` takes."""
+        mode = self.reference_mode
+        if mode == "adapter_off":
+            return {"model": self.model, "ref_model": None, "peft_config": copy.deepcopy(self.peft_config)}
+        model = self._wrapped() if mode == "adapter_at_start" else self.model
+        return {"model": model, "ref_model": self.initial if mode == "ref_model" else None, "peft_config": None}
 
     def warm_start(self, trainer: Any) -> None:
         """After the trainer wrapped the bare model in a fresh adapter: last round's adapter weights into it."""
@@ -79,13 +89,11 @@ class Policy:
 
     def finish(self, trainer: Any, checkpoint: Path) -> None:
         """Save the round's policy whole (staged, then renamed) and keep it for the next round."""
-        staging = checkpoint.with_name(f".staging-{checkpoint.name}")
-        if trainer.args.should_save:  # only the main process writes: another must not clear what it writes
-            shutil.rmtree(staging, ignore_errors=True)
-        trainer.save_model(str(staging))
-        if trainer.args.should_save:
-            shutil.rmtree(checkpoint, ignore_errors=True)
-            os.replace(staging, checkpoint)
+        if trainer.args.should_save:  # the main process writes, and alone renames
+            with written_whole(checkpoint) as staging:
+                trainer.save_model(str(staging))
+        else:  # save_model writes nothing here; it is called for what it gathers from every process
+            trainer.save_model(str(staging_path(checkpoint)))
         trainer.accelerator.wait_for_everyone()
         if self.peft_config is not None:
             self.adapter = {name: tensor.detach().cpu().clone()

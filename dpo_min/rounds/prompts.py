@@ -5,13 +5,12 @@ the model loads) and, once the tokenizer is there, prompts that leave no room fo
 
 import hashlib
 import json
-import math
-import random
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import fields
 from typing import Any
 
 from ..config import DPOMinConfig
+from ..split import held_out_split
 from ..tokenizing import check_prompt, render_prompts, template_kwargs_of, truncate_pair
 from .config import RoundsError
 
@@ -66,16 +65,14 @@ def fingerprint(rows: list[dict[str, Any]]) -> str:
 
 
 def split_held_out(count: int, share: float, seed: int) -> tuple[list[int], list[int]]:
-    """(training, held-out) row indices: a seeded share held out, rounded up as `datasets` and the command's split
-    round a fraction (so at least one row when the share is > 0); a share that would hold out every row is refused,
-    as the command's split refuses one (a capped share would hold out none of one prompt, without a word)."""
-    held = math.ceil(share * count)
-    if held >= count:
+    """(training, held-out) row indices, each in row order: the package's one split (dpo_min.split, the command's
+    held-out pairs' too), so a share that would hold out every prompt is refused there, not capped."""
+    try:
+        train, held = held_out_split(count, share, seed)
+    except ValueError:
         raise RoundsError(f"held_out_share {share} of {count} prompt(s) holds out every one, leaving none to train "
-                          "on: lower it, or give more prompts")
-    held_out = sorted(random.Random(seed).sample(range(count), held))
-    chosen = set(held_out)
-    return [i for i in range(count) if i not in chosen], held_out
+                          "on: lower it, or give more prompts") from None
+    return sorted(train), sorted(held)
 
 
 def check_room(rows: list[dict[str, Any]], train_rows: Sequence[int], tokenizer: Any,

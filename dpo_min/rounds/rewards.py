@@ -65,6 +65,13 @@ class RewardModel:
         return self.model(**inputs).logits[:, 0].float().tolist()
 
 
+def load_reward_model(path: str, trust_remote_code: bool = False) -> RewardModel:
+    """A reward model's folder or hub id, loaded as TRL's GRPOTrainer loads one: sequence classification, one label.
+    The one loader: the library's paths and the command's --reward_funcs (with its --trust_remote_code) come here."""
+    model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, trust_remote_code=trust_remote_code)
+    return RewardModel(model, AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code))
+
+
 def as_callables(reward_funcs: RewardFunc | Sequence[RewardFunc]) -> list[Callable[..., list]]:
     funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
     if not funcs:
@@ -72,8 +79,7 @@ def as_callables(reward_funcs: RewardFunc | Sequence[RewardFunc]) -> list[Callab
     loaded = []
     for func in funcs:
         if isinstance(func, str):
-            model = AutoModelForSequenceClassification.from_pretrained(func, num_labels=1)
-            func = RewardModel(model, AutoTokenizer.from_pretrained(func))
+            func = load_reward_model(func)
         elif isinstance(func, torch.nn.Module):
             raise RoundsError(f"reward_funcs: pass the reward model {function_name(func)} as its path, or as "
                               "RewardModel(model, tokenizer)")

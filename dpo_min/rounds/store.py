@@ -10,10 +10,12 @@
     round-K/train/           the round's DPO run (its checkpoint-N folders: a half-trained round resumes there)
     round-K/checkpoint/      the policy after the round (the adapter with LoRA)
 
-Every file is written whole to a temporary name, then renamed: a kill leaves it complete or absent.
+Every file is written whole (dpo_min.files, the package's one writer): a kill leaves it complete or absent.
+
+The folder's lock and its checks are the command's (dpo_min.train.run_dir.RunFolder, for `--rounds` as for an offline
+run); `RoundFiles` is only the rounds' layout in it and their resume record.
 """
 
-import errno
 import hashlib
 import json
 import os
@@ -23,10 +25,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from ..files import NO_SPACE, staged, write_whole
 from .config import RoundsError
 
-# A full disk or quota, as the offline command names them (dpo_min/train/__init__.py: NO_SPACE).
-NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 # Settings an earlier version's settings.json lacks: a resume of such a run compares them only once recorded.
 RECORDED_SINCE = ("model",)
 
@@ -47,15 +48,21 @@ def writing(target: Path) -> Iterator[None]:
 
 
 def write_jsonl(path: Path, rows: list[dict[str, Any]]) -> None:
-    staging = path.with_name(f".{path.name}.tmp")
     with writing(path):
-        staging.write_text("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows))
-        os.replace(staging, path)
+        write_whole(path, "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows))
 
 
 def write_json(path: Path, value: Any) -> None:
     with writing(path):
-        path.write_text(json.dumps(value))
+        write_whole(path, json.dumps(value))
+
+
+@contextmanager
+def written_whole(path: Path) -> Iterator[Path]:
+    """Where a writer of its own (matplotlib, save_model) puts `path`, staged and renamed (dpo_min.files.staged),
+    a full disk one line naming it."""
+    with writing(path), staged(path) as staging:
+        yield staging
 
 
 def model_record(model: Any, tokenizer: Any) -> dict[str, Any]:
@@ -74,7 +81,10 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
 
-class RunFolder:
+class RoundFiles:
+    """The rounds' files under output_dir (the module's docstring lists them) and their resume record,
+    settings.json. Not the folder's lock or checks: the command's RunFolder owns those."""
+
     def __init__(self, output_dir: str | os.PathLike):
         self.root = Path(output_dir)
 
@@ -98,7 +108,7 @@ class RunFolder:
             return True
         self.root.mkdir(parents=True, exist_ok=True)
         with writing(path):
-            path.write_text(json.dumps(settings, indent=1) + "\n")
+            write_whole(path, json.dumps(settings, indent=1) + "\n")
         return False
 
     def finished_rounds(self) -> list[dict[str, Any]]:

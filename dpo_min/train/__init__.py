@@ -27,6 +27,7 @@ import datasets
 from datasets import Dataset
 from transformers import ProgressCallback
 
+from ..files import NO_SPACE, staged, write_whole
 from ..models import cache_dir
 from ..trainer import DPOMinTrainer
 from . import rounds
@@ -65,7 +66,6 @@ from .run_dir import MANIFEST, OutputDirError
 
 # Writes the machine refuses: a full disk or quota, a file system read-only (or remounted so after an error), a
 # failing disk, a file over the system's size limit.
-NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 WRITE_FAULTS = (*NO_SPACE, errno.EROFS, errno.EIO, errno.EFBIG)
 
 
@@ -275,14 +275,14 @@ def publish(trainer: DPOMinTrainer, plan: Plan, samples: Samples, results: Resul
                "train": results.train,
                "wall_time_s": round(wall_time, 1)}
     with _writing(f"metrics.json to {staging}"):
-        (staging / "metrics.json").write_text(json.dumps(metrics, indent=2, allow_nan=True) + "\n")
-    with _writing(f"training_curves.png to {staging}"):
-        plot_training(trainer.state.log_history, staging / "training_curves.png")
+        write_whole(staging / "metrics.json", json.dumps(metrics, indent=2, allow_nan=True) + "\n")
+    with _writing(f"training_curves.png to {staging}"), staged(staging / "training_curves.png") as plot_file:
+        plot_training(trainer.state.log_history, plot_file)
     policy_margins = logprob_margins(results.model, trainer.data_collator, samples.pairs)
     shown = format_samples(samples.prompts, samples.reference_texts, samples.completions.latest,
                            list(zip(samples.reference_margins, policy_margins)))
     with _writing(f"README.md to {staging}"):
-        (staging / "README.md").write_text(run_card(plan, metrics, sources, trainer.reference.description))
+        write_whole(staging / "README.md", run_card(plan, metrics, sources, trainer.reference.description))
     with _writing(f"{MANIFEST} to {staging}"):
         plan.folder.publish()  # the folder resolved and locked at the start, wherever a link may point by now
     _say_results(say, len(samples.prompts), shown, results.after, samples.completions.latest)

@@ -10,10 +10,10 @@ import math
 import sys
 from collections.abc import Callable
 
-import torch
 from transformers import HfArgumentParser
 
 from ..config import DPOMinConfig
+from ..devices import has_accelerator as _has_accelerator  # by this name: tests patch it here
 from .args import (
     ARGUMENT_TYPES,
     COMMAND_DEFAULTS,
@@ -63,11 +63,6 @@ def build_parser(demo: bool = False, rounds: bool = False) -> HfArgumentParser:
         if marks:
             action.help = f"{action.help or ''} {'; '.join(marks)}; otherwise:".strip()
     return parser
-
-
-def _has_accelerator() -> bool:
-    accelerator = getattr(torch, "accelerator", None)  # torch >= 2.6 knows every backend; older ones, CUDA
-    return accelerator.is_available() if accelerator is not None else torch.cuda.is_available()
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[ModelArguments, DataArguments, DPOMinConfig]:

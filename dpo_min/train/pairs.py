@@ -21,6 +21,7 @@ from ..data.overlap import count_shared_in_stream, warn_shared_pairs
 from ..data.pairs import SOURCE_DATASET
 from ..data.streams import DROP_REASONS, SKIPPED, StreamCounts, describe_stream_counts, stream_counts
 from ..data.unpaired import UNPAIRED
+from ..split import held_out_split
 from .args import MIXTURE_KEYS, DataArguments, InputError, UsageError
 from .plan import Plan
 from .recipe import _parse_json
@@ -84,13 +85,14 @@ def _load_dataset(plan: Plan) -> tuple[str, Any, Any]:
 
 def _split(pairs: Dataset, plan: Plan) -> tuple[Dataset, Dataset]:
     """The seeded split of one dataset, holding out the plan's count of its pairs."""
-    count = plan.held_out_count(len(pairs))
-    if count < 1:
+    try:  # the package's one split (dpo_min.split), which the rounds' held-out prompts take too
+        train, held_out = held_out_split(len(pairs), plan.eval_fraction, plan.seed)
+    except ValueError:
+        raise UsageError(f"--eval_fraction {plan.eval_fraction} of {len(pairs)} pairs leaves no pair to train on") \
+            from None
+    if not held_out:
         raise UsageError(f"--eval_fraction {plan.eval_fraction} of {len(pairs)} pairs holds out no pair")
-    if len(pairs) - count < 1:
-        raise UsageError(f"--eval_fraction {plan.eval_fraction} of {len(pairs)} pairs leaves no pair to train on")
-    parts = pairs.train_test_split(test_size=count, seed=plan.seed)
-    return parts["train"], parts["test"]
+    return pairs.select(train), pairs.select(held_out)
 
 
 def trained_sources(train_pairs: Any, data_args: DataArguments) -> dict[str, Any]:

@@ -8,7 +8,6 @@ seeded split holds out (`Plan.held_out_count`), and which options cannot go toge
 """
 
 import copy
-import math
 import os
 import sys
 from dataclasses import dataclass, field, replace
@@ -19,6 +18,7 @@ from ..config import DPOMinConfig
 from ..models import EMBEDDED_MODEL_NAME
 from ..reference import needs_second_load
 from ..scale import zero  # noqa: F401 (tests patch zero.zero_stage here: the module needs_second_load reads)
+from ..split import held_out_count
 from .args import EVAL_FRACTION, MIXTURE_KEYS, MIXTURE_OPTIONS, DataArguments, ModelArguments, UsageError
 from .card import hub_repo_id
 from .command_line import parse_with_rounds
@@ -88,8 +88,8 @@ class Plan:
 
     def held_out_count(self, pairs: int) -> int:
         """How many of `pairs` the seeded split holds out: eval_fraction of them rounded up, as `datasets`'
-        train_test_split rounds a fraction (the split is given this count, so the two cannot differ)."""
-        return math.ceil(pairs * self.eval_fraction)
+        train_test_split rounds a fraction (dpo_min.split, the split the pairs take)."""
+        return held_out_count(pairs, self.eval_fraction)
 
     @property
     def reach(self) -> int | None:

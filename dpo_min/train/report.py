@@ -174,7 +174,7 @@ def plot_training(log_history: list[dict[str, Any]], path: Path) -> None:
         axis.set(title=title, xlabel="step")
         axis.grid(alpha=0.3)
     axis.legend()
-    figure.savefig(path, dpi=110)
+    figure.savefig(path, dpi=110, format="png")  # `path` may be a staging name (dpo_min.files)
 
 
 @torch.no_grad()

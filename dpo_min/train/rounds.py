@@ -16,14 +16,13 @@ from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any
 
-from transformers import AutoModelForSequenceClassification, AutoTokenizer
-
 from ..config import DPOMinConfig
 from ..data.loading import load_rows
 from ..models import is_repo_id
 from ..rounds import RewardModel, RoundsConfig, RoundsError, run_rounds
 from ..rounds.held_out import describe
 from ..rounds.prompts import check_room, prompt_rows, split_held_out
+from ..rounds.rewards import load_reward_model
 from .args import ROUNDS_DEMO_DEFAULTS, InputError, UsageError
 from .pairs import DATA_SUFFIXES
 from .plan import Plan
@@ -45,6 +44,7 @@ NOT_IN_ROUNDS = {
     "resume_from_checkpoint": "run the same command again: a rounds run resumes where it stopped",
     "merge_adapter": "each round saves its adapter (round-K/checkpoint)",
     "load_in_4bit": "not tried with rounds", "load_in_8bit": "not tried with rounds",
+    "reference_mode": "each round's reference is named from --reference (initial or previous)",
 }
 # What decides the numbers about the model, recorded in the rounds' settings.json as the plan decided it for the
 # offline record (resume.resume_keys); LoRA is recorded as RoundsConfig.peft_config, the training options as training.
@@ -52,7 +52,7 @@ MODEL_SETTINGS = ("model", "model_revision", "dtype", "load_in_4bit", "load_in_8
                   "use_bnb_nested_quant", "chat_template", "chat_template_kwargs")
 # Training options that are the rounds' own: the loop sets a round's folder and seed (seed + K).
 NOT_PER_ROUND = {"output_dir", "seed", "eval_on_start", "push_to_hub", "resume_from_checkpoint",
-                 "model_init_kwargs"}
+                 "model_init_kwargs", "reference_mode"}
 
 
 def run(plan: Plan, load_model: Callable[[Plan], tuple]) -> None:
@@ -146,9 +146,7 @@ def _imported(spec: str) -> Callable[..., list] | str:
 
 def _reward_model(path: str, trust_remote_code: bool) -> RewardModel:
     try:
-        model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1,
-                                                                   trust_remote_code=trust_remote_code)
-        return RewardModel(model, AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code))
+        return load_reward_model(path, trust_remote_code)
     except (OSError, ValueError) as error:
         raise InputError(f"--reward_funcs {path}: {str(error).strip().splitlines()[0]}") from None
 

@@ -45,9 +45,9 @@ class RoundsArguments:
     on_no_pairs: str = field(default=_DEFAULT["on_no_pairs"], metadata={
         "help": "A round where every prompt's samples tie: stop there, or skip to the next round.",
         "choices": list(NO_PAIR_CHOICES)})
-    generation_batch_size: int = field(default=_DEFAULT["generation_batch_size"], metadata={
-        "help": "Prompts per generate() call, each with its --num_generations samples (TRL's option of this name "
-                "counts completions)."})
+    generation_batch_size: int | None = field(default=_DEFAULT["generation_batch_size"], metadata={
+        "help": "Completions per generate() call, as TRL GRPOConfig's: a multiple of --num_generations (each prompt "
+                "of a call with all its samples). Default: 8 prompts' worth (8 x --num_generations)."})
 
     # The options named on the line or in the recipe (set by args.parse_with_rounds): a round's DPO pass takes
     # those of the training options, and DPOMinConfig's defaults for the rest.

@@ -23,6 +23,8 @@ from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
+from ..files import write_whole
+
 MANIFEST = "dpo_min_run.json"
 STAGING_SUFFIX, BACKUP_SUFFIX, LOCK_SUFFIX = ".partial", ".replaced", ".lock"
 
@@ -291,14 +293,7 @@ def read_manifest(folder: Path) -> dict[str, Any]:
 
 
 def _write_json(path: Path, value: Any) -> None:
-    """`value` into `path` whole or not at all: a failed write (a full disk) leaves neither file nor temporary."""
-    temporary = path.with_name(path.name + ".writing")
-    try:
-        temporary.write_text(json.dumps(value, indent=1) + "\n")
-        os.replace(temporary, path)
-    except BaseException:
-        temporary.unlink(missing_ok=True)
-        raise
+    write_whole(path, json.dumps(value, indent=1) + "\n")
 
 
 def _remove_run(folder: Path) -> None:

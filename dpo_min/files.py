@@ -1,0 +1,59 @@
+"""Writing a file whole: the package's one way to put a file where a reader (a resume, a user, another process) may
+look, used by every writer (the command's run folder and its metrics, card and plot, the reference log-prob cache,
+the rounds' files). The bytes go to a hidden sibling first and are renamed onto the name: a rename within a folder is
+atomic, so a kill or a full disk leaves the old file or the new one, never part of one, and no temporary behind."""
+
+import errno
+import os
+import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+# A full disk or quota: the errors the command and the rounds name in one line ("no space left on device writing X").
+NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+
+
+def staging_path(path: str | os.PathLike) -> Path:
+    """The hidden sibling `path` is staged at, `.<name>.writing` (a writer that reads the format from the name, as
+    matplotlib does, is told the format). One name per target, not per process: each file has one writer (a run's
+    main process), and a writer killed before its rename leaves a staging that the next write of the same name
+    clears, rather than one left behind for good."""
+    path = Path(path)
+    return path.with_name(f".{path.name}.writing")
+
+
+@contextmanager
+def staged(path: str | os.PathLike) -> Iterator[Path]:
+    """Yields where to write `path` (a file, or a folder a writer fills); renamed onto `path` when the block ends,
+    replacing what was there (a folder too), and removed when the block raises. A writer that wrote nothing there
+    leaves `path` as it was."""
+    path = Path(path)
+    staging = staging_path(path)
+    _remove(staging)  # a killed writer's
+    try:
+        yield staging
+        if not staging.exists() and not staging.is_symlink():  # the writer found nothing to write
+            return
+        if path.is_dir() and not path.is_symlink():  # os.replace does not replace a folder that holds files
+            shutil.rmtree(path)
+        os.replace(staging, path)
+    except BaseException:
+        _remove(staging)
+        raise
+
+
+def _remove(staging: Path) -> None:
+    if staging.is_dir() and not staging.is_symlink():
+        shutil.rmtree(staging, ignore_errors=True)
+    else:
+        staging.unlink(missing_ok=True)
+
+
+def write_whole(path: str | os.PathLike, data: str | bytes) -> None:
+    """`data` (text as UTF-8) into `path`, whole or not at all."""
+    with staged(path) as staging:
+        if isinstance(data, bytes):
+            staging.write_bytes(data)
+        else:
+            staging.write_text(data, encoding="utf-8")
