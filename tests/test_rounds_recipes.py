@@ -128,9 +128,12 @@ def test_the_recipes_options_left_at_their_defaults_leave_settings_as_before():
 
 def test_the_command_passes_the_recipes_options_to_the_rounds(tmp_path):
     plan = resolve(["--rounds", "3", "--output_dir", str(tmp_path / "out"), "--temperature", "0.7", "1.0", "1.2",
-                    "--prompts_per_round", "16", "--pairs_per_prompt", "2"])
+                    "--prompts_per_round", "16", "--pairs_per_prompt", "2", "--reference", "previous",
+                    "--loss_type", "sigmoid", "sft", "--loss_weights", "1", "0.2"])
     config = rounds_config(plan, None)
     assert (config.temperature, config.prompts_per_round, config.pairs_per_prompt) == ([0.7, 1.0, 1.2], 16, 2)
+    assert config.reference == "previous"
+    assert (config.training["loss_type"], config.training["loss_weights"]) == (["sigmoid", "sft"], [1.0, 0.2])
     assert rounds_config(resolve(["--rounds", "3", "--output_dir", str(tmp_path / "o"), "--temperature", "0.9"]),
                          None).temperature == 0.9
 
