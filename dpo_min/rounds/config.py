@@ -8,6 +8,8 @@ from typing import Any
 REFERENCES = ("initial", "previous")
 NO_PAIR_CHOICES = ("stop", "skip")
 DEFAULT_PROMPTS_PER_BATCH = 8
+# Options that came after runs were recorded: at these values settings.json leaves them out, as it did before.
+RECIPE_DEFAULTS = {"prompts_per_round": None, "pairs_per_prompt": 1}
 
 
 class RoundsError(ValueError):
@@ -23,11 +25,15 @@ class RoundsConfig:
     rounds: int = 3
     num_generations: int = 4
     max_completion_length: int = 256
-    temperature: float = 1.0
+    temperature: float | list[float] = 1.0  # one value, or one per round (schedule.round_temperature)
     top_p: float = 1.0
     reward_weights: list[float] | None = None
     missing_eos_penalty: float | None = None
     min_margin: float = 0.0
+    # The recipes' options (docs/rounds.md); at their defaults each round does what it did before they came, and
+    # settings() leaves them out, so that a run from before them resumes.
+    prompts_per_round: int | None = None  # None: every training prompt each round; else a fresh draw (schedule.py)
+    pairs_per_prompt: int = 1  # the best sample against each of this many worst (pairs.py)
     reference: str = "initial"
     on_no_pairs: str = "stop"
     held_out_share: float = 0.0
@@ -48,8 +54,10 @@ class RoundsConfig:
         if size is not None and (size < 1 or size % self.num_generations):
             raise RoundsError(f"generation_batch_size must be a positive multiple of num_generations "
                               f"({self.num_generations}): it counts completions, as TRL GRPOConfig's; got {size}")
-        if not self.temperature > 0:
-            raise RoundsError(f"temperature must be > 0, got {self.temperature}")
+        self._check_temperature()
+        for name in ("prompts_per_round", "pairs_per_prompt"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise RoundsError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not 0 < self.top_p <= 1:
             raise RoundsError(f"top_p must be in (0, 1], got {self.top_p}")
         if not 0 <= self.held_out_share < 1:
@@ -77,11 +85,25 @@ class RoundsConfig:
             return DEFAULT_PROMPTS_PER_BATCH
         return self.generation_batch_size // self.num_generations
 
+    def _check_temperature(self) -> None:
+        """One value for every round, or exactly one per round; a list of one is that value (the command's
+        `--temperature 0.7` is a list), so settings.json records it as before."""
+        if isinstance(self.temperature, (list, tuple)):
+            values = [float(value) for value in self.temperature]
+            if len(values) not in (1, self.rounds):
+                raise RoundsError(f"temperature has {len(values)} values for {self.rounds} rounds: give one value, or "
+                                  "one per round (a resume that adds rounds needs a temperature for each)")
+            self.temperature = values[0] if len(values) == 1 else values
+        values = self.temperature if isinstance(self.temperature, list) else [self.temperature]
+        if not all(value > 0 for value in values):
+            raise RoundsError(f"temperature must be > 0, got {self.temperature}")
+
     def settings(self) -> dict[str, Any]:
         """What a resume must share with the run it continues: everything but the number of rounds (a run may be
         extended) and the output folder itself."""
         values = {name: value for name, value in asdict(self).items()
-                  if name not in ("rounds", "output_dir", "peft_config")}
+                  if name not in ("rounds", "output_dir", "peft_config")
+                  and not (name in RECIPE_DEFAULTS and value == RECIPE_DEFAULTS[name])}
         values["peft_config"] = None if self.peft_config is None else _plain(self.peft_config.to_dict())
         # As completions, whether given or left to the default: the same batches are the same run.
         values["generation_batch_size"] = self.prompts_per_batch * self.num_generations

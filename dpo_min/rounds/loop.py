@@ -18,7 +18,7 @@ from dpo_min import DPOMinConfig, DPOMinTrainer
 from dpo_min.devices import several_on_cpu
 from dpo_min.tokenizing import render_prompts, template_kwargs_of
 
-from . import held_out, pairs, store
+from . import held_out, pairs, schedule, store
 from .config import RoundsConfig, RoundsError
 from .policy import Policy
 from .prompts import fingerprint, prompt_rows, split_held_out
@@ -94,13 +94,21 @@ def _sample_shared(run: _Run, model: Any, indices: list[int], settings: Generati
 
 
 def _generate(run: _Run, model: Any, round_index: int) -> list[dict[str, Any]]:
-    """round-K/generated.jsonl: num_generations samples of every training prompt, by the current policy."""
+    """round-K/generated.jsonl: num_generations samples of each of the round's training prompts (every one, or its
+    draw of prompts_per_round), by the current policy at the round's temperature."""
     config = run.config
-    settings = GenerationSettings(config.num_generations, config.max_completion_length, True, config.temperature,
-                                  config.top_p, seed=config.seed + 1000 * round_index)
-    groups = _sample_shared(run, model, run.train_rows, settings)
+    settings = GenerationSettings(config.num_generations, config.max_completion_length, True,
+                                  schedule.round_temperature(config.temperature, round_index), config.top_p,
+                                  seed=config.seed + 1000 * round_index)
+    indices = schedule.round_prompts(run.train_rows, config.prompts_per_round, config.seed, round_index)
+    groups = _sample_shared(run, model, indices, settings)
     return [{"prompt_index": i, "sample": s, "completion": c.text, "completion_ids": c.ids, "truncated": c.truncated}
-            for i, group in zip(run.train_rows, groups) for s, c in enumerate(group)]
+            for i, group in zip(indices, groups) for s, c in enumerate(group)]
+
+
+def _sampled(rows: list[dict[str, Any]]) -> list[int]:
+    """The round's prompts, as its samples hold them, in their order."""
+    return list(dict.fromkeys(row["prompt_index"] for row in rows))
 
 
 def _score(run: _Run, generated: list[dict[str, Any]], round_index: int, steps: int) -> list[dict[str, Any]]:
@@ -116,19 +124,20 @@ def _score(run: _Run, generated: list[dict[str, Any]], round_index: int, steps: 
                                    _columns(run, indices, 1), round_index, TrainerState(global_step=steps))
         results = list(zip(scores.per_function, scores.total))
         return [results[sum(map(len, groups[:g])):][:len(group)] for g, group in enumerate(groups)]
-    by_prompt = [[row for row in generated if row["prompt_index"] == i] for i in run.train_rows]
+    by_prompt = [[row for row in generated if row["prompt_index"] == i] for i in _sampled(generated)]
     scored = _shared(by_prompt, work, run.state)
     return [{**row, "prompt": run.rows[row["prompt_index"]]["prompt"], "rewards": per_function, "total": total}
             for group, results in zip(by_prompt, scored) for row, (per_function, total) in zip(group, results)]
 
 
-def _pairs(run: _Run, samples: list[dict[str, Any]], args: DPOMinConfig) -> tuple[list[dict[str, Any]], dict]:
-    """The round's pairs, those the DPO pass would drop left out: its `pairs` count is what trains."""
+def _pairs(run: _Run, samples: list[dict[str, Any]], args: DPOMinConfig) -> tuple[list[dict[str, Any]], dict, int]:
+    """The round's pairs, those the DPO pass would drop left out (its `pairs` count is what trains), the drop counts,
+    and how many prompts were saturated (every sample scored the same)."""
     groups = [{"prompt_index": i, "prompt": run.rows[i]["prompt"], "prompt_ids": run.prompt_ids[i],
-               "samples": [row for row in samples if row["prompt_index"] == i]} for i in run.train_rows]
-    made, dropped = pairs.make_pairs(groups, run.config.min_margin)
+               "samples": [row for row in samples if row["prompt_index"] == i]} for i in _sampled(samples)]
+    made, dropped = pairs.make_pairs(groups, run.config.min_margin, run.config.pairs_per_prompt)
     kept, untrainable = pairs.keep_trainable(made, run.tokenizer, args)
-    return kept, {**dropped, **untrainable}
+    return kept, {**dropped, **untrainable}, pairs.saturated(groups)
 
 
 def _evaluate(run: _Run, model: Any, round_index: int) -> None:
@@ -228,13 +237,13 @@ def _round(run: _Run, policy: Policy, round_index: int, steps: int) -> tuple[dic
     samples = _phase(run, folder / "samples.jsonl", times, "scoring",
                      lambda: _score(run, generated, round_index, steps))
     args = _training_args(run, folder, round_index, policy)
-    made, dropped = _pairs(run, samples, args)
+    made, dropped, saturated = _pairs(run, samples, args)
     _phase(run, folder / "pairs.jsonl", {}, "pairing", lambda: made)
     if run.state.is_main_process:
         store.write_json(times_path, times)
     totals = [row["total"] for row in samples if row["total"] is not None]
-    line = {"round": round_index, "prompts": len(run.train_rows), "samples": len(samples), "pairs": len(made),
-            "dropped": dropped, "unscorable_samples": len(samples) - len(totals),
+    line = {"round": round_index, "prompts": len(_sampled(samples)), "samples": len(samples), "pairs": len(made),
+            "dropped": dropped, "saturated": saturated, "unscorable_samples": len(samples) - len(totals),
             "reward_mean": held_out.mean_with_interval(totals)["mean"],  # finite where a sum of 1e308s is not
             "reward_best": max(totals, default=None), "reward_worst": min(totals, default=None)}
     if not made:
@@ -274,6 +283,7 @@ def _open(model: Any, tokenizer: Any, prompts: Any, reward_funcs: Any, config: R
     rows = prompt_rows(prompts)
     rewards = Rewards(reward_funcs, config.reward_weights, config.missing_eos_penalty)
     train_rows, held_rows = split_held_out(len(rows), config.held_out_share, config.seed)
+    schedule.check_pool(train_rows, config.prompts_per_round)  # before the folder is claimed
     state = PartialState(cpu=several_on_cpu())  # several CPU processes join over gloo, as the trainer's
     run = _Run(config, tokenizer, rows, train_rows, held_rows, rewards,
                rendered_prompts(tokenizer, rows, config.training.get("chat_template_kwargs")),
@@ -341,7 +351,8 @@ def _no_pair_message(line: dict[str, Any]) -> str:
 
 def _summary(line: dict[str, Any]) -> str:
     dropped = ", ".join(f"{count} {reason}" for reason, count in line["dropped"].items() if count) or "none"
-    text = f"round {line['round']}: {line['samples']} samples, {line['pairs']} pairs (dropped: {dropped})"
+    text = f"round {line['round']}: {line['samples']} samples, {line['pairs']} pairs (dropped: {dropped}), " \
+           f"{line['saturated']} of {line['prompts']} prompts saturated"
     if line["reward_mean"] is not None:
         text += f", reward mean {line['reward_mean']:.3f} (best {line['reward_best']:.3f}, worst " \
                 f"{line['reward_worst']:.3f})"

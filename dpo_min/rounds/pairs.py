@@ -1,7 +1,8 @@
-"""The pair rule: per prompt, the best-scored sample against the worst. A prompt gives no pair when fewer than two
-of its samples are scorable, when all its scores tie or its best and worst are the same text, or when best - worst <
-min_margin; a pair the DPO pass would drop (`keep_trainable`) is left out before it. Each is counted under its
-reason, never dropped silently."""
+"""The pair rule: per prompt, the best-scored sample against the worst (with `pairs_per_prompt` k, against each of
+the k worst: GroupDPO, arXiv 2604.15602, takes more than one pair of a prompt's group). A prompt gives no pair when
+fewer than two of its samples are scorable, when all its scores tie or its best and worst are the same text, or when
+best - worst < min_margin; a pair the DPO pass would drop (`keep_trainable`) is left out before it. Each is counted
+under its reason, never dropped silently."""
 
 from collections import Counter
 from collections.abc import Sequence
@@ -29,31 +30,65 @@ def best_and_worst(totals: Sequence[float | None], min_margin: float) -> tuple[i
     return "below_min_margin" if margin < min_margin else (best, worst)
 
 
-def make_pairs(groups: Sequence[dict[str, Any]], min_margin: float) -> tuple[list[dict[str, Any]], Counter]:
+def best_and_k_worst(samples: Sequence[dict[str, Any]], min_margin: float, k: int) -> tuple[int, list[int]] | str:
+    """The best sample's index (the first of equals) and those of the k worst others (lowest total first, the first
+    of equals first) that make a pair with it: each scored under the best by min_margin or more (and by more than
+    0), its text neither the best's nor an earlier one's of these k. Or the reason there is no pair. With k=1 this is
+    best_and_worst, and a worst of the best's text is no pair (`all_tied`)."""
+    totals = [sample["total"] for sample in samples]
+    chosen = best_and_worst(totals, min_margin)
+    if isinstance(chosen, str):
+        return chosen
+    best = chosen[0]
+    others = sorted((i for i, total in enumerate(totals) if total is not None and i != best),
+                    key=lambda i: (totals[i], i))
+    texts, rejected = {samples[best]["completion"]}, []
+    for i in others[:k]:
+        margin = totals[best] - totals[i]
+        if margin > 0 and margin >= min_margin and samples[i]["completion"] not in texts:
+            rejected.append(i)
+        texts.add(samples[i]["completion"])
+    # No pair from the k worst: the worst is as far from the best as any, so its text is the best's (a cut sample's
+    # missing_eos_penalty scored one text apart from itself), or the k worst all were.
+    return (best, rejected) if rejected else "all_tied"
+
+
+def make_pairs(groups: Sequence[dict[str, Any]], min_margin: float,
+               pairs_per_prompt: int = 1) -> tuple[list[dict[str, Any]], Counter]:
     """`groups`: one per prompt, {"prompt_index", "prompt", "prompt_ids", "samples": [{"completion",
     "completion_ids", "total", ...}]}.
 
     Returns the pairs in explicit-prompt layout (prompt, chosen, rejected; a conversational prompt's completions
     as one assistant message) with the ids that were sampled (prompt_ids, chosen_ids, rejected_ids), which
-    load_preference_dataset reads back and the DPO pass trains on as given, and the drop counts by reason."""
+    load_preference_dataset reads back and the DPO pass trains on as given, and the drop counts by reason: a count
+    of prompts that gave no pair."""
     pairs, dropped = [], Counter(dict.fromkeys(PAIR_RULE_REASONS, 0))
     for group in groups:
         samples = group["samples"]
-        chosen = best_and_worst([sample["total"] for sample in samples], min_margin)
+        chosen = best_and_k_worst(samples, min_margin, pairs_per_prompt)
         if isinstance(chosen, str):
             dropped[chosen] += 1
             continue
-        best, worst = (samples[i] for i in chosen)
-        if best["completion"] == worst["completion"]:  # scored apart (a cut one's penalty), yet no preference
-            dropped["all_tied"] += 1
-            continue
-        pairs.append({"prompt": group["prompt"], "chosen": _as_completion(group["prompt"], best["completion"]),
-                      "rejected": _as_completion(group["prompt"], worst["completion"]),
-                      "prompt_ids": group["prompt_ids"], "chosen_ids": best["completion_ids"],
-                      "rejected_ids": worst["completion_ids"],
-                      "chosen_reward": best["total"], "rejected_reward": worst["total"],
-                      "prompt_index": group["prompt_index"]})
+        best = samples[chosen[0]]
+        for worst in (samples[i] for i in chosen[1]):
+            pairs.append({"prompt": group["prompt"], "chosen": _as_completion(group["prompt"], best["completion"]),
+                          "rejected": _as_completion(group["prompt"], worst["completion"]),
+                          "prompt_ids": group["prompt_ids"], "chosen_ids": best["completion_ids"],
+                          "rejected_ids": worst["completion_ids"],
+                          "chosen_reward": best["total"], "rejected_reward": worst["total"],
+                          "prompt_index": group["prompt_index"]})
     return pairs, dropped
+
+
+def saturated(groups: Sequence[dict[str, Any]]) -> int:
+    """How many prompts had every scorable sample (two or more) score the same total: no sample to learn from,
+    whatever the rule. Each is also counted in `all_tied` (which counts too a best and worst of one text)."""
+    counted = 0
+    for group in groups:
+        totals = {sample["total"] for sample in group["samples"] if sample["total"] is not None}
+        scorable = sum(sample["total"] is not None for sample in group["samples"])
+        counted += scorable >= 2 and len(totals) == 1
+    return counted
 
 
 def _as_completion(prompt: Any, text: str) -> Any:

@@ -30,18 +30,32 @@ class RoundsArguments:
     reward_weights: list[float] | None = field(default=None, metadata={
         "help": "One weight per reward function (TRL GRPOConfig's); default all 1."})
     num_generations: int = field(default=_DEFAULT["num_generations"], metadata={
-        "help": "Completions sampled per prompt each round (TRL GRPOConfig's)."})
+        "help": "Completions sampled per prompt each round (TRL GRPOConfig's; RLHFlow Online-RLHF, Online-DPO-R1 and "
+                "DPO-VP sample 8)."})
     max_completion_length: int = field(default=_DEFAULT["max_completion_length"], metadata={
         "help": "Most new tokens of a sampled completion (TRL GRPOConfig's)."})
-    temperature: float = field(default=_DEFAULT["temperature"], metadata={"help": "Sampling temperature."})
+    temperature: list[float] = field(default_factory=lambda: [_DEFAULT["temperature"]], metadata={
+        "help": "Sampling temperature: one value for every round, or one per round (0.7 1.0 1.2 for three rounds), "
+                "raised over the rounds as DPO-VP does."})
     top_p: float = field(default=_DEFAULT["top_p"], metadata={"help": "Nucleus sampling's top_p."})
     missing_eos_penalty: float | None = field(default=None, metadata={
         "help": "TRL's: a completion cut by --max_completion_length (no EOS) loses this much reward."})
     min_margin: float = field(default=_DEFAULT["min_margin"], metadata={
         "help": "A prompt's pair is dropped (and counted) when its best reward minus its worst is under this."})
     reference: str = field(default=_DEFAULT["reference"], metadata={
-        "help": "The DPO reference: initial (pi_0; with LoRA the adapter switched off) or previous (the last "
-                "round's policy, as Self-Rewarding and SPIN).", "choices": list(REFERENCES)})
+        "help": "The DPO reference: initial (pi_0, as RLHFlow Online-RLHF keeps it; with LoRA the adapter switched "
+                "off) or previous (the last round's policy, as Self-Rewarding, SPIN, TR-DPO arXiv 2404.09656 and "
+                "Online-DPO-R1). Each round's DPO pass takes --loss_type: sigmoid sft adds the NLL term on the chosen "
+                "answer (Iterative RPO arXiv 2404.19733, DPOP arXiv 2402.13228).", "choices": list(REFERENCES)})
+    prompts_per_round: int | None = field(default=None, metadata={
+        "help": "Sample a fresh draw of N training prompts each round (RLHFlow Online-RLHF, Online-DPO-R1: a new "
+                "prompt set each iteration): seeded by --seed and the round, without replacement until the pool is "
+                "used up, then a new pass over it; held-out prompts are never drawn. Default: every prompt, every "
+                "round."})
+    pairs_per_prompt: int = field(default=_DEFAULT["pairs_per_prompt"], metadata={
+        "help": "Pair each prompt's best sample against each of its K worst (GroupDPO, arXiv 2604.15602: more than "
+                "one pair per prompt); a worst of the best's text, of an earlier pair's, tied with the best or under "
+                "--min_margin makes no pair. Default 1: best against worst."})
     on_no_pairs: str = field(default=_DEFAULT["on_no_pairs"], metadata={
         "help": "A round where every prompt's samples tie: stop there, or skip to the next round.",
         "choices": list(NO_PAIR_CHOICES)})
