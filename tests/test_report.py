@@ -155,7 +155,7 @@ def test_training_curves_draw_each_step_and_its_running_mean(tmp_path, monkeypat
     from matplotlib.figure import Figure
 
     drawn = []
-    monkeypatch.setattr(Figure, "savefig", lambda figure, path, dpi: drawn.append(figure))
+    monkeypatch.setattr(Figure, "savefig", lambda figure, path, **kwargs: drawn.append(figure))
     history = [{"step": step, "loss": 0.7 - step / 100, "rewards/accuracies": step % 2, "rewards/margins": step / 10}
                for step in range(1, 6)] + [{"step": 5, "eval_loss": 0.6, "eval_rewards/accuracies": 0.5,
                                              "eval_rewards/margins": 0.2}]
