@@ -54,14 +54,18 @@ def pool_split(pool: Path, held_out: int, seed: int) -> tuple[list[dict], list[i
     return rows, train_rows, held_rows
 
 
-def load_policy() -> tuple:
+def load_policy(model: str | None = None) -> tuple:
     """(model, tokenizer, LoRA config) exactly as `python -m dpo_min.train --rounds N` loads them for its demo:
-    SmolLM2-135M-Instruct, the demo's chat template, the command's LoRA (r 16, alpha 32, dropout 0, all-linear)."""
+    SmolLM2-135M-Instruct, the demo's chat template, the command's LoRA (r 16, alpha 32, dropout 0, all-linear).
+    `model` (a folder: the tests' tiny model) replaces SmolLM2, with the same LoRA and template."""
     from dpo_min.train import load_model, resolve
+    from dpo_min.train.args import ROUNDS_DEMO_DEFAULTS
 
-    plan = resolve(["--rounds", "1", "--output_dir", tempfile.mkdtemp(prefix="online-dpo-plan-")])
-    model, tokenizer, peft_config, _ = load_model(plan)
-    return model, tokenizer, peft_config
+    argv = ["--rounds", "1", "--output_dir", tempfile.mkdtemp(prefix="online-dpo-plan-")]
+    plan = resolve(argv + (["--model", model, "--use_peft"] if model else []))
+    policy, tokenizer, peft_config, _ = load_model(plan)
+    tokenizer.chat_template = ROUNDS_DEMO_DEFAULTS["chat_template"]  # the demo's plan sets it already
+    return policy, tokenizer, peft_config
 
 
 def score_held_out(model, tokenizer, rows, held_rows, max_completion_length: int) -> tuple[int, int]:
@@ -78,7 +82,7 @@ def score_held_out(model, tokenizer, rows, held_rows, max_completion_length: int
 def run_online_dpo(seed: int = 42, train_prompts: int = 96, max_completion_length: int = 32,
                    temperature: float = 0.7, learning_rate: float = 1e-4, beta: float = 0.1, held_out: int = 64,
                    per_device_train_batch_size: int = 4, pool: Path = POOL, output_dir: str | None = None,
-                   score_pi0: bool = False) -> dict:
+                   score_pi0: bool = False, model: str | None = None) -> dict:
     """Train with OnlineDPOTrainer on `train_prompts` fresh pool prompts (2 samples each, one step per batch), then
     score the held-out prompts greedily. Returns the figures, `held_out_right` among them."""
     from datasets import Dataset
@@ -89,7 +93,7 @@ def run_online_dpo(seed: int = 42, train_prompts: int = 96, max_completion_lengt
 
     start = time.perf_counter()
     rows, train_rows, held_rows = pool_split(pool, held_out, seed)
-    model, tokenizer, peft_config = load_policy()
+    model, tokenizer, peft_config = load_policy(model)
     pi0 = score_held_out(model, tokenizer, rows, held_rows, max_completion_length) if score_pi0 else None
     data = Dataset.from_list([{"prompt": rows[i]["prompt"], "solution": rows[i]["solution"]}
                               for i in train_rows[:train_prompts]])
