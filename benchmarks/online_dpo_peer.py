@@ -113,6 +113,8 @@ def run_online_dpo(seed: int = 42, train_prompts: int = 96, max_completion_lengt
             "sampled_completions": 2 * len(data), "steps": trainer.state.global_step,
             "pi0_right": pi0[0] if pi0 else None, "held_out_right": right, "held_out": n,
             "train_reward_mean": [round(line["objective/scores"], 4) for line in logs],
+            # chosen - rejected reward per step, over its prompts: with a 0/1 reward, x batch size = the untied pairs
+            "train_scores_margin": [round(line["objective/scores_margin"], 4) for line in logs],
             "settings": {"max_completion_length": max_completion_length, "temperature": temperature,
                          "learning_rate": learning_rate, "beta": beta,
                          "per_device_train_batch_size": per_device_train_batch_size},

@@ -36,5 +36,5 @@ def test_online_dpo_trains_on_the_pool_with_the_arithmetic_reward_and_scores_the
                                  model=str(tiny_model_dir), score_pi0=True)
     assert (result["train_prompts"], result["sampled_completions"], result["steps"]) == (4, 8, 2)
     assert result["held_out"] == 2 and 0 <= result["held_out_right"] <= 2 and 0 <= result["pi0_right"] <= 2
-    assert len(result["train_reward_mean"]) == 2  # OnlineDPO logged the reward of each step's samples
+    assert len(result["train_reward_mean"]) == len(result["train_scores_margin"]) == 2  # OnlineDPO's logs, per step
     json.dumps(result)
