@@ -257,8 +257,8 @@ def test_every_rounds_option_is_in_help_and_readme(capsys):
 
 
 # ---- the demo's data and reward -----------------------------------------------------------------------------------
-def load_generator():
-    spec = importlib.util.spec_from_file_location("make_arithmetic", ROOT / "data" / "make_arithmetic.py")
+def load_generator(name: str = "make_arithmetic"):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "data" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -286,6 +286,38 @@ def test_the_arithmetic_prompts_follow_the_rule_in_data_readme():
             assert all(1 <= n // 10 <= 4 and n % 10 <= 4 for n in (a, b))  # no column sums past 9
         assert row["solution"] == {"+": a + b, "-": a - b, "*": a * b}[op] >= 0
     digest = hashlib.sha256(EMBEDDED_PROMPTS.read_bytes()).hexdigest()
+    assert f"`{digest}`" in (ROOT / "data" / "README.md").read_text()  # the sha256 data/README.md gives
+
+
+# ---- the arithmetic pool (issue 39): fresh prompts every round -----------------------------------------------------
+POOL = ROOT / "data" / "arithmetic-pool.jsonl"
+
+
+def test_the_arithmetic_pool_is_its_generators_output_byte_for_byte(tmp_path):
+    subprocess.run([sys.executable, str(ROOT / "data" / "make_arithmetic_pool.py"), str(tmp_path / "p.jsonl")],
+                   check=True)
+    assert (tmp_path / "p.jsonl").read_bytes() == POOL.read_bytes()
+
+
+def test_the_arithmetic_pool_follows_the_rule_in_data_readme():
+    rows = [json.loads(line) for line in POOL.read_text().splitlines()]
+    generator = load_generator("make_arithmetic_pool")
+    assert len(rows) == generator.ROWS == 3000 and len({json.dumps(row["prompt"]) for row in rows}) == len(rows)
+    kinds = []
+    for row in rows:
+        (message,) = row["prompt"]
+        a, op, b = message["content"].removeprefix("What is ").removesuffix("? Reply with only the number.").split()
+        a, b = int(a), int(b)
+        assert message["role"] == "user" and 10 <= a <= 99 and 2 <= b <= 98
+        if b <= 9:  # a two-digit number and a one-digit one: no carry, no borrow
+            assert (a % 10 + b <= 9) if op == "+" else (a % 10 >= b)
+        else:  # two two-digit numbers: no carry and a sum under 100; the larger first, no borrow
+            assert (a % 10 + b % 10 <= 9 and a + b <= 99) if op == "+" else (a > b and a % 10 >= b % 10)
+        kinds.append((op, b <= 9))
+        assert row["solution"] == (a + b if op == "+" else a - b) >= 0
+    assert [kinds.count(kind) for kind in [("+", True), ("-", True), ("+", False), ("-", False)]] == \
+        [300, 300, 1200, 1200]
+    digest = hashlib.sha256(POOL.read_bytes()).hexdigest()
     assert f"`{digest}`" in (ROOT / "data" / "README.md").read_text()  # the sha256 data/README.md gives
 
 
