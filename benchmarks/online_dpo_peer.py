@@ -75,7 +75,8 @@ def score_held_out(model, tokenizer, rows, held_rows, max_completion_length: int
     from dpo_min.rounds import Rewards
     from dpo_min.rounds.arithmetic import last_integer_reward
 
-    settings = SimpleNamespace(max_completion_length=max_completion_length, generation_batch_size=8)
+    # held_out_count batches 8 prompts a generate() call, as the rounds do by default.
+    settings = SimpleNamespace(max_completion_length=max_completion_length, prompts_per_batch=8)
     return held_out_count(model, tokenizer, rows, held_rows, settings, Rewards([last_integer_reward]))
 
 
