@@ -19,8 +19,7 @@ from .unpaired import NO_ANSWER, NO_COMMON_PROMPT, SAME_ANSWERS, Unpaired
 
 # Columns carried from the source row to the pair: TRL hands both to the chat template.
 CARRIED_COLUMNS = ("tools", "chat_template_kwargs")
-# A pair's token ids given beside its text (a round's pairs.jsonl: the ids the policy was given and sampled), carried
-# to the tokenizer, which trains on them as given. The collator's TOKEN_COLUMNS, by the same names.
+# A pair's token ids beside its text (a round's pairs.jsonl: what the policy was given and sampled), trained as given.
 GIVEN_IDS = ("prompt_ids", "chosen_ids", "rejected_ids")
 MAPPABLE = ("prompt", "chosen", "rejected", "system")
 _ROLES = ("system", "user", "assistant", "tool")
@@ -246,8 +245,7 @@ LAYOUTS: tuple[Layout, ...] = (
            _has("prompt", "chosen", "rejected", "messages", prompt="text", chosen="messages"), _ultrafeedback_h4),
     Layout("implicit_conversational", "trl-lib/ultrafeedback_binarized, argilla/dpo-mix-7k, tulu-3 mixture",
            _has("chosen", "rejected", chosen="messages", prompt="absent|text"), _implicit),
-    Layout("explicit_prompt", "standard or conversational prompt/chosen/rejected", _has("prompt", "chosen", "rejected"),
-           _explicit),
+    Layout("explicit_prompt", "standard or conversational pairs", _has("prompt", "chosen", "rejected"), _explicit),
     Layout("hh_transcripts", "Anthropic/hh-rlhf", _is_hh, _hh),
     Layout("implicit_standard", "chosen/rejected strings sharing their prompt",
            _has("chosen", "rejected", prompt="absent"), _implicit, reads_only=("chosen", "rejected")),
@@ -332,12 +330,11 @@ def to_pair(layout: Layout, row: Mapping[str, Any], index: int, options: LayoutO
     pair["prompt"] = _with_system(pair["prompt"], row.get("system"), index)
     validate_pair(pair, index)
     pair.update({name: row[name] for name in CARRIED_COLUMNS if row.get(name) is not None})
-    given = [name for name in GIVEN_IDS if row.get(name) is not None]
+    given = {name: row[name] for name in GIVEN_IDS if row.get(name) is not None}
     if given and len(given) < len(GIVEN_IDS):
-        missing = next(name for name in GIVEN_IDS if name not in given)
-        raise ValueError(f"row {index}: field '{missing}' is missing: a pair's ids are given all three "
-                         f"({', '.join(GIVEN_IDS)}) or none")
-    pair.update({name: row[name] for name in given})
+        raise ValueError(f"row {index}: field '{min(set(GIVEN_IDS) - set(given))}' is missing: a pair's ids are "
+                         f"given all three ({', '.join(GIVEN_IDS)}) or none")
+    pair.update(given)
     return pair
 
 
