@@ -80,13 +80,15 @@ def on_policy_arm(rounds: int, seed: int, out: Path) -> dict:
     from dpo_min.rounds import run_rounds
     from dpo_min.rounds.arithmetic import last_integer_reward
     from dpo_min.train import load_model, resolve
-    from dpo_min.train.rounds import load_prompts, rounds_config
+    from dpo_min.train.rounds import MODEL_SETTINGS, load_prompts, rounds_config
 
     plan = resolve(["--rounds", str(rounds), "--seed", str(seed), "--output_dir", str(out / "on-policy")])
     model, tokenizer, peft_config, _ = load_model(plan)
     config = replace(rounds_config(plan, None), peft_config=peft_config)
     start = time.perf_counter()
-    result = run_rounds(model, tokenizer, load_prompts(plan), [last_integer_reward], config)
+    # The command's record of the model, so that a folder the command wrote is reused here (and the other way).
+    result = run_rounds(model, tokenizer, load_prompts(plan), [last_integer_reward], config,
+                        model_record={name: plan.resume_settings[name] for name in MODEL_SETTINGS})
     return {"plan": plan, "config": config, "result": result, "seconds": time.perf_counter() - start}
 
 
