@@ -187,10 +187,10 @@ def test_a_round_with_no_pair_stops_or_skips_as_chosen(tmp_path, tokenizer, caps
 
 
 @pytest.mark.parametrize(("overrides", "changed"), [
-    ({"temperature": 0.5}, "temperature 1.0 there, 0.5 now"),
-    ({"training": {"learning_rate": 1e-3}}, "training.learning_rate 0.005 there, 0.001 now"),
+    ({"temperature": 0.5}, "temperature 1.0 -> 0.5"),
+    ({"training": {"learning_rate": 1e-3}}, "training[learning_rate] 0.005 -> 0.001"),
     ({"peft_config": LoraConfig(r=8, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")},
-     "peft_config.r 4 there, 8 now"),
+     "peft_config[r] 4 -> 8"),
 ], ids=["sampling", "training", "lora"])
 def test_a_resume_with_other_settings_is_refused_in_one_line(lora_run, tokenizer, overrides, changed):
     _, _, folder = lora_run
@@ -210,9 +210,9 @@ def other_template(tokenizer):
 
 @pytest.mark.parametrize(("change", "changed"), [
     (lambda model, tok: (setattr(model.config, "_name_or_path", "other/model"), tok)[1],
-     "model.name_or_path '' there, 'other/model' now"),
-    (lambda model, tok: (model.to(torch.bfloat16), tok)[1], "model.dtype 'float32' there, 'bfloat16' now"),
-    (lambda model, tok: other_template(tok), "model.chat_template (sha256) '{old}' there, '{new}' now"),
+     'model[name_or_path] "" -> other/model'),
+    (lambda model, tok: (model.to(torch.bfloat16), tok)[1], "model[dtype] float32 -> bfloat16"),
+    (lambda model, tok: other_template(tok), "model[chat_template (sha256)] {old} -> {new}"),
 ], ids=["model", "dtype", "chat_template"])
 def test_a_resume_with_another_model_dtype_or_chat_template_is_refused_naming_old_and_new(lora_run, tokenizer,
                                                                                           change, changed):

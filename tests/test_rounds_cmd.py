@@ -223,10 +223,10 @@ def test_a_resume_with_another_model_dtype_or_chat_template_is_refused_naming_ol
     template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
     digest = hashlib.sha256(template.encode()).hexdigest()[:12]
     for extra, changed in [
-            (["--model", str(other_model)], f"model.model '{tiny_model_dir}' there, '{other_model}' now"),
-            (["--dtype", "bfloat16"], "model.dtype 'float32' there, 'bfloat16' now"),
-            (["--chat_template", template], f"model.chat_template None there, '{digest}' now"),
-            (["--lora_r", "8"], "peft_config.r 4 there, 8 now")]:
+            (["--model", str(other_model)], f"model[model] {tiny_model_dir} -> {other_model}"),
+            (["--dtype", "bfloat16"], "model[dtype] float32 -> bfloat16"),
+            (["--chat_template", template], f"model[chat_template] None -> {digest}"),
+            (["--lora_r", "8"], "peft_config[r] 4 -> 8")]:
         code, err = run_main([*argv, *extra, "--rounds", "2"], capsys)  # the model loads first: its bar, then
         assert (code, err.splitlines()[-1]) == (1, f"python -m dpo_min.train: error: {out} holds a run with other "
                                                    f"settings ({changed}): resume it with the same ones, or give "

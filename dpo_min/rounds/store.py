@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from ..files import NO_SPACE, staged, write_whole
+from ..records import ABSENT, changes
 from .config import RoundsError
 
 # Settings an earlier version's settings.json lacks: a resume of such a run compares them only once recorded.
@@ -101,7 +102,7 @@ class RoundFiles:
             saved = json.loads(path.read_text())
             changed = [change for name in sorted(set(saved) | set(settings))
                        if name in saved or name not in RECORDED_SINCE
-                       for change in _changes(name, saved.get(name), settings.get(name))]
+                       for change in changes(name, saved.get(name, ABSENT), settings.get(name, ABSENT))]
             if changed:
                 raise RoundsError(f"{self.root} holds a run with other settings ({'; '.join(changed)}): resume it "
                                   "with the same ones, or give another output_dir")
@@ -128,21 +129,3 @@ class RoundFiles:
             if folder.is_dir():
                 return folder
         return None
-
-
-def _changes(name: str, old: Any, new: Any) -> list[str]:
-    """`name old there, new now`; for a mapping (training, peft_config, model) one per key that differs, named
-    `training.learning_rate`, rather than both mappings whole."""
-    if old == new:
-        return []
-    if isinstance(old, dict) and isinstance(new, dict):
-        return [change for key in sorted(set(old) | set(new))
-                for change in _changes(f"{name}.{key}", old.get(key), new.get(key))]
-    return [f"{name} {_shown(old)} there, {_shown(new)} now"]
-
-
-def _shown(value: Any) -> str:
-    """repr, a sha256 (a chat template's) cut to its first 12 hex digits as the offline resume shows one."""
-    if isinstance(value, str) and len(value) == 64 and re.fullmatch(r"[0-9a-f]+", value):
-        value = value[:12]
-    return repr(value)

@@ -9,12 +9,12 @@ import sys
 import zipfile
 from collections.abc import Callable
 from contextlib import suppress
-from itertools import zip_longest
 from pathlib import Path
 from typing import Any
 
 from ..data.mixtures import held_out_size
 from ..losses import LossSettings
+from ..records import changes
 from .run_dir import OutputDirError, read_manifest
 
 # What a checkpoint needs to resume exactly, beside the model weights: file -> what it restores.
@@ -199,7 +199,7 @@ def check_same_run(checkpoint: str | None, settings: dict[str, Any]) -> None:
     recorded, settings = _as_read(recorded), _as_read(settings)
     changed = [change for name, value in settings.items()
                if name in recorded and not (name in LEFT_TO_THE_PLAN and recorded[name] is None)
-               for change in _changes(name, _parsed(recorded[name]), _parsed(value))]
+               for change in changes(name, _parsed(recorded[name]), _parsed(value))]
     if changed:
         raise OutputDirError(f"cannot resume {checkpoint} with other settings ({', '.join(changed)}): they decide "
                              "what the run trains; resume with the interrupted run's values, or start a new run in "
@@ -214,23 +214,3 @@ def _parsed(value: Any) -> Any:
     return value
 
 
-_ABSENT = "(absent)"
-
-
-def _changes(name: str, old: Any, new: Any) -> list[str]:
-    """`name old -> new`; for a mapping, one per key that differs, and for a list of entries (a mixture's datasets)
-    one per entry that differs, each shown whole: `datasets[1] {"path": "b.jsonl"} -> {"path": "c.jsonl"}`."""
-    if old == new:
-        return []
-    if isinstance(old, dict) and isinstance(new, dict):
-        return [change for key in dict.fromkeys([*old, *new])
-                for change in _changes(f"{name}[{key}]", old.get(key, _ABSENT), new.get(key, _ABSENT))]
-    if isinstance(old, list) and isinstance(new, list) and any(isinstance(item, dict) for item in old + new):
-        return [f"{name}[{index}] {_short(before)} -> {_short(after)}"
-                for index, (before, after) in enumerate(zip_longest(old, new, fillvalue=_ABSENT)) if before != after]
-    return [f"{name} {_short(old)} -> {_short(new)}"]
-
-
-def _short(value: Any) -> str:
-    text = json.dumps(value) if isinstance(value, (list, dict)) else str(value)
-    return text[:12] if len(text) == 64 and text.isalnum() else text  # a digest: its first 12 hex digits
