@@ -173,6 +173,16 @@ def test_a_share_that_holds_out_every_prompt_is_refused_before_the_model_loads(t
                                          "out every one, leaving none to train on: lower it, or give more prompts")
 
 
+def test_a_draw_larger_than_the_training_prompts_is_refused_before_the_model_loads(tmp_path, capsys):
+    data = write_jsonl(tmp_path / "three.jsonl", PROMPTS[:3])
+    argv = ["--rounds", "1", "--model", str(tmp_path / "no_model"), "--dataset", str(data), "--reward_funcs",
+            "accuracy_reward", "--eval_fraction", "0.3", "--prompts_per_round", "5", "--output_dir",
+            str(tmp_path / "out")]
+    assert run_main(argv, capsys) == (2, "python -m dpo_min.train: error: --prompts_per_round 5 is more than the 2 "
+                                         "training prompt(s) (held-out ones are never drawn): lower it, or leave it "
+                                         "unset to sample every prompt each round")
+
+
 BY_POSITION = '''
 def by_position(completions, **_):
     return [float(i) for i in range(len(completions))]

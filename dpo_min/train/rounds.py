@@ -23,6 +23,7 @@ from ..rounds import RewardModel, RoundsConfig, RoundsError, run_rounds
 from ..rounds.held_out import describe
 from ..rounds.prompts import check_room, prompt_rows, split_held_out
 from ..rounds.rewards import load_reward_model
+from ..rounds.schedule import check_pool
 from .args import ROUNDS_DEMO_DEFAULTS, InputError, UsageError
 from .pairs import DATA_SUFFIXES
 from .plan import Plan
@@ -157,12 +158,17 @@ def _source(plan: Plan) -> str:
 
 
 def _training_rows(prompts: list[dict[str, Any]], config: RoundsConfig) -> list[int]:
-    """The prompts the rounds train on: the run's own split, taken here to refuse a bad share before the model loads
-    (its message names the library's field; the command's option is --eval_fraction)."""
+    """The prompts the rounds train on: the run's own split, taken here to refuse a bad share or a draw larger than
+    the pool before the model loads (the share's message names the library's field; the option is --eval_fraction)."""
     try:
-        return split_held_out(len(prompts), config.held_out_share, config.seed)[0]
+        train_rows = split_held_out(len(prompts), config.held_out_share, config.seed)[0]
     except RoundsError as error:
         raise UsageError(f"--eval_fraction{str(error).removeprefix('held_out_share')}") from None
+    try:
+        check_pool(train_rows, config.prompts_per_round)  # a draw larger than the pool, before the model loads
+    except RoundsError as error:
+        raise UsageError(f"--{error}") from None
+    return train_rows
 
 
 def load_prompts(plan: Plan) -> list[dict[str, Any]]:
