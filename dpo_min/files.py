@@ -5,6 +5,7 @@ atomic, so a kill or a full disk leaves the old file or the new one, never part 
 
 import errno
 import os
+import re
 import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -12,6 +13,20 @@ from pathlib import Path
 
 # A full disk or quota: the errors the command and the rounds name in one line ("no space left on device writing X").
 NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+# Writes the machine refuses: a full disk or quota, a file system read-only (or remounted so after an error), a
+# failing disk, a file over the system's size limit.
+WRITE_FAULTS = (*NO_SPACE, errno.EROFS, errno.EIO, errno.EFBIG)
+
+
+def write_fault(error: BaseException) -> int | None:
+    """The WRITE_FAULTS errno of an OSError, or in the words of safetensors' Rust writer ("... (os error 28)")."""
+    if isinstance(error, OSError) and error.errno in WRITE_FAULTS:
+        return error.errno
+    text = str(error)
+    number = next((int(found) for found in re.findall(r"\(os error (\d+)\)", text)), None)
+    if number in WRITE_FAULTS:
+        return number
+    return next((number for number in NO_SPACE if os.strerror(number) in text), None)
 
 
 def staging_path(path: str | os.PathLike) -> Path:

@@ -19,13 +19,12 @@ run); `RoundFiles` is only the rounds' layout in it and their resume record.
 import hashlib
 import json
 import os
-import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from ..files import NO_SPACE, staged, write_whole
+from ..files import NO_SPACE, staged, write_fault, write_whole
 from ..records import ABSENT, changes
 from .config import RoundsError
 
@@ -40,10 +39,7 @@ def writing(target: Path) -> Iterator[None]:
     try:
         yield
     except Exception as error:
-        # safetensors' Rust writer raises its own error, saying "(os error 28)" in its text.
-        number = error.errno if isinstance(error, OSError) else next(
-            (int(found) for found in re.findall(r"\(os error (\d+)\)", str(error))), None)
-        if number not in NO_SPACE:
+        if write_fault(error) not in NO_SPACE:  # the command's reading of a write fault, safetensors' words too
             raise
         raise RoundsError(f"no space left on device writing {target}") from None
 

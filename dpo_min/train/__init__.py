@@ -8,10 +8,8 @@ and `publish`.
 """
 
 import copy
-import errno
 import json
 import os
-import re
 import signal
 import sys
 import time
@@ -27,7 +25,7 @@ import datasets
 from datasets import Dataset
 from transformers import ProgressCallback
 
-from ..files import NO_SPACE, staged, write_whole
+from ..files import NO_SPACE, staged, write_fault, write_whole
 from ..models import cache_dir
 from ..trainer import DPOMinTrainer
 from . import rounds
@@ -64,10 +62,6 @@ from .report import (
 from .resume import PAIRS_DIGEST, check_same_run, pairs_digest, resolve_checkpoint
 from .run_dir import MANIFEST, OutputDirError
 
-# Writes the machine refuses: a full disk or quota, a file system read-only (or remounted so after an error), a
-# failing disk, a file over the system's size limit.
-WRITE_FAULTS = (*NO_SPACE, errno.EROFS, errno.EIO, errno.EFBIG)
-
 
 @contextmanager
 def _writing(target: str | Callable[[BaseException], str]) -> Iterator[None]:
@@ -78,7 +72,7 @@ def _writing(target: str | Callable[[BaseException], str]) -> Iterator[None]:
         yield
     except Exception as error:
         text = str(error)
-        fault = _write_fault(error)
+        fault = write_fault(error)
         # torch's zip writer says only "unexpected pos N vs M" (or "file write failed") when a write comes up short.
         short_write = "PytorchStreamWriter" in text or "unexpected pos" in text
         if fault is None and not short_write:
@@ -89,17 +83,6 @@ def _writing(target: str | Callable[[BaseException], str]) -> Iterator[None]:
         if fault is not None:
             raise InputError(f"could not write {where}: {os.strerror(fault)}") from None
         raise InputError(f"could not write {where} ({text.strip().splitlines()[0]}): is the disk full?") from None
-
-
-def _write_fault(error: BaseException) -> int | None:
-    """The WRITE_FAULTS errno of an OSError, or in the words of safetensors' Rust writer ("... (os error 28)")."""
-    if isinstance(error, OSError) and error.errno in WRITE_FAULTS:
-        return error.errno
-    text = str(error)
-    number = next((int(found) for found in re.findall(r"\(os error (\d+)\)", text)), None)
-    if number in WRITE_FAULTS:
-        return number
-    return next((number for number in NO_SPACE if os.strerror(number) in text), None)
 
 
 def _in_training(trainer: DPOMinTrainer, staging: Path) -> Callable[[BaseException], str]:
