@@ -1,22 +1,27 @@
-"""DPO in rounds against one offline round, on the rounds demo's task (issue 33, item 5): the same pairs count and
-training steps, the same held-out prompts, greedy, counted right or wrong.
+"""DPO in rounds against one offline round (issue 39, item 4): equal sampled completions, pairs and training steps,
+the same held-out prompts, greedy, counted right or wrong.
 
-    python benchmarks/compare_rounds.py                  # the demo's settings, 3 rounds; about 2x the demo's time
-    python benchmarks/compare_rounds.py --seed 7 --out /tmp/compare-7
+    python benchmarks/compare_rounds.py                       # the rounds demo's settings, 3 rounds
+    python benchmarks/compare_rounds.py --pool --seed 7 --out runs/compare-7 --json runs/compare-7.json \\
+        --arm nll "--loss_type sigmoid sft --loss_weights 1 1" --arm previous "--reference previous"
+    python benchmarks/compare_rounds.py --table runs/compare-42.json runs/compare-7.json runs/compare-1.json
 
-Three arms, each scored on the demo's held-out prompts (a greedy completion each, its last integer against the
-answer):
+The arms, each scored on the same held-out prompts (a greedy completion each, its last integer against the answer):
 - pi_0: SmolLM2-135M-Instruct as loaded;
-- on-policy: `python -m dpo_min.train --rounds N`'s run, as the command makes it (its plan, model, LoRA and
-  RoundsConfig), N rounds, each sampling the policy it has become;
-- offline: pi_0 sampled N times with the seeds of those N rounds (so its first draw is round 1's, checked), paired by
-  the same rule, pooled and cut to the on-policy run's pairs count, then ONE DPO pass from pi_0 (a fresh adapter,
-  pi_0 as reference) of exactly as many steps as the N rounds took together.
-The on-policy run's folder is kept (--out/on-policy): a second call reuses it, so only the offline arm reruns.
+- rounds: `python -m dpo_min.train --rounds N`'s run, as the command makes it (its plan, model, LoRA and
+  RoundsConfig), N rounds, each sampling the policy it has become; `--arm NAME "OPTIONS"` adds a rounds run with
+  more options (the NLL term, `--reference previous`), on the same prompts' draws and seeds;
+- offline: pi_0 sampled with the seeds, temperatures and prompts of the N rounds (so its first draw is round 1's,
+  checked), paired by the same rule, pooled and cut to the rounds run's pairs count, then ONE DPO pass from pi_0 (a
+  fresh adapter, pi_0 as reference) of exactly as many steps as the N rounds took together.
+`--pool` runs every arm on data/arithmetic-pool.jsonl with the published recipes' sampling (POOL_OPTIONS): 64
+held-out prompts, a fresh draw of 32 training prompts a round, 8 samples each, the best against the 2 worst.
+Each run's folder is kept (--out/NAME): a second call reuses it, so only the offline arm reruns.
 """
 
 import argparse
 import json
+import shlex
 import sys
 import time
 from dataclasses import replace
@@ -24,6 +29,19 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # this checkout's dpo_min, when it is not installed
+
+# The pool's task with the demo's model, template, LoRA and training settings (ROUNDS_DEMO_DEFAULTS, given as the
+# command reads them once --dataset is given): eval_fraction 0.0213 holds out 64 of the 3,000 prompts.
+POOL_OPTIONS = ["--dataset", str(ROOT / "data" / "arithmetic-pool.jsonl"),
+                "--reward_funcs", "dpo_min.rounds.arithmetic:last_integer_reward", "--eval_fraction", "0.0213",
+                "--prompts_per_round", "32", "--num_generations", "8", "--pairs_per_prompt", "2"]
+
+
+def demo_options() -> list[str]:
+    from dpo_min.train.args import ROUNDS_DEMO_DEFAULTS
+
+    given = {key: value for key, value in ROUNDS_DEMO_DEFAULTS.items() if key != "eval_fraction"}
+    return [item for key, value in given.items() for item in (f"--{key}", str(value))]
 
 
 def sample_like_the_rounds(model, tokenizer, rows, indices, settings, batch_size):
@@ -41,24 +59,28 @@ def sample_like_the_rounds(model, tokenizer, rows, indices, settings, batch_size
 
 
 def pi0_pairs(model, tokenizer, rows, train_rows, config, rewards, round_index):
-    """Pairs of pi_0's samples drawn with round `round_index`'s seed, by the rounds' rule."""
+    """Pairs of pi_0's samples of round `round_index`'s prompts, drawn with its seed and temperature, by the rounds'
+    rule."""
     from dpo_min.rounds import make_pairs
     from dpo_min.rounds.loop import rendered_prompts
     from dpo_min.rounds.sampling import GenerationSettings
+    from dpo_min.rounds.schedule import round_prompts, round_temperature
 
-    settings = GenerationSettings(config.num_generations, config.max_completion_length, True, config.temperature,
-                                  config.top_p, seed=config.seed + 1000 * round_index)
-    groups = sample_like_the_rounds(model, tokenizer, rows, train_rows, settings, config.prompts_per_batch)
+    settings = GenerationSettings(config.num_generations, config.max_completion_length, True,
+                                  round_temperature(config.temperature, round_index), config.top_p,
+                                  seed=config.seed + 1000 * round_index)
+    indices = round_prompts(train_rows, config.prompts_per_round, config.seed, round_index)
+    groups = sample_like_the_rounds(model, tokenizer, rows, indices, settings, config.prompts_per_batch)
     prompt_ids = rendered_prompts(tokenizer, rows, None)
     prompt_groups = []
-    for i, group in zip(train_rows, groups):
+    for i, group in zip(indices, groups):
         columns = {"solution": [rows[i]["solution"]] * len(group)}
         totals = rewards.score([rows[i]["prompt"]] * len(group), group, columns, round_index).total
         prompt_groups.append({"prompt_index": i, "prompt": rows[i]["prompt"],
                               "prompt_ids": prompt_ids[i],
                               "samples": [{"completion": c.text, "completion_ids": c.ids, "total": t}
                                           for c, t in zip(group, totals)]})
-    made, _ = make_pairs(prompt_groups, config.min_margin)
+    made, _ = make_pairs(prompt_groups, config.min_margin, config.pairs_per_prompt)
     return made
 
 
@@ -75,14 +97,14 @@ def held_out_count(model, tokenizer, rows, held_rows, config, rewards) -> tuple[
     return int(sum(t or 0 for t in totals)), len(held_rows)
 
 
-def on_policy_arm(rounds: int, seed: int, out: Path) -> dict:
-    """The command's own rounds run (its folder reused when it is there)."""
+def rounds_arm(argv: list[str]) -> dict:
+    """The command's own rounds run of `argv` (its folder reused when it is there)."""
     from dpo_min.rounds import run_rounds
     from dpo_min.rounds.arithmetic import last_integer_reward
     from dpo_min.train import load_model, resolve
     from dpo_min.train.rounds import MODEL_SETTINGS, load_prompts, rounds_config
 
-    plan = resolve(["--rounds", str(rounds), "--seed", str(seed), "--output_dir", str(out / "on-policy")])
+    plan = resolve(argv)
     model, tokenizer, peft_config, _ = load_model(plan)
     config = replace(rounds_config(plan, None), peft_config=peft_config)
     start = time.perf_counter()
@@ -104,16 +126,17 @@ def offline_arm(on: dict, out: Path) -> dict:
 
     plan, config, result = on["plan"], on["config"], on["result"]
     start = time.perf_counter()
-    model, tokenizer, peft_config, _ = load_model(plan)  # pi_0 again, untouched by the on-policy run
+    model, tokenizer, peft_config, _ = load_model(plan)  # pi_0 again, untouched by the rounds run
     rows = prompt_rows(load_prompts(plan))
     train_rows, held_rows = split_held_out(len(rows), config.held_out_share, config.seed)
     rewards = Rewards([last_integer_reward])
     pi0 = held_out_count(model, tokenizer, rows, held_rows, config, rewards)
     draws = [pi0_pairs(model, tokenizer, rows, train_rows, config, rewards, k) for k in range(1, config.rounds + 1)]
-    round_one = [json.loads(line) for line in (Path(config.output_dir) / "round-1" / "pairs.jsonl").open()]
-    if [(p["prompt_index"], p["chosen"], p["rejected"]) for p in draws[0]] != \
-            [(p["prompt_index"], p["chosen"], p["rejected"]) for p in round_one]:
-        sys.exit("pi_0's first draw differs from the on-policy run's round 1: the two arms do not start alike")
+    key = lambda pair: json.dumps([pair["prompt_index"], pair["chosen_ids"], pair["rejected_ids"]])  # noqa: E731
+    round_one = [key(json.loads(line)) for line in (Path(config.output_dir) / "round-1" / "pairs.jsonl").open()]
+    first = [key(pair) for pair in draws[0]]
+    if [k for k in first if k in round_one] != round_one:  # the round drops what the DPO pass would drop; no more
+        sys.exit("pi_0's first draw differs from the rounds run's round 1: the two arms do not start alike")
     pairs_count = sum(line["pairs"] for line in result.rounds)
     steps = sum(line["dpo"]["steps"] for line in result.rounds if "dpo" in line)
     pool = [pair for draw in draws for pair in draw]
@@ -121,7 +144,7 @@ def offline_arm(on: dict, out: Path) -> dict:
     args = DPOMinConfig(**{"report_to": "none", "logging_steps": 1, "seed": config.seed + 1, **config.training,
                            "output_dir": str(out / "offline" / "train"), "max_steps": steps})
     columns = ("prompt", "chosen", "rejected", "prompt_ids", "chosen_ids", "rejected_ids")  # the sampled ids
-    data = Dataset.from_list([{key: pair[key] for key in columns} for pair in chosen])
+    data = Dataset.from_list([{name: pair[name] for name in columns} for pair in chosen])
     trainer = DPOMinTrainer(model=model, peft_config=peft_config, args=args, train_dataset=data,
                             processing_class=tokenizer)
     trainer.train()
@@ -137,37 +160,84 @@ def interval(right: int, n: int) -> str:
     return f"{right}/{n} = {line['mean']:.3f} [{line['low']:.3f}, {line['high']:.3f}]"
 
 
+def summary(on: dict) -> dict:
+    """A rounds run's figures: held-out right after each round (round 0: pi_0), and per round its pairs, steps,
+    prompts sampled and prompts saturated."""
+    held = {line["round"]: line for line in on["result"].held_out}
+    n = held[0]["n"]
+    rounds = on["result"].rounds
+    return {"n": n, "right": [round(held[k]["mean"] * n) for k in sorted(held)],
+            "pairs": [line["pairs"] for line in rounds],
+            "steps": [line.get("dpo", {}).get("steps", 0) for line in rounds],
+            "prompts": [line["prompts"] for line in rounds], "saturated": [line.get("saturated") for line in rounds],
+            "seconds": round(on["seconds"])}
+
+
+def print_seed(figures: dict) -> None:
+    arms, off = figures["arms"], figures["offline"]
+    n = off["pi0"][1]
+    print(f"seed {figures['seed']}: held-out prompts {n}, greedy, exact answer; pi_0 pairs per draw: "
+          f"{off['per_draw']}\n")
+    print("| arm | pairs per round | steps | saturated per round | held-out right (95% interval) | s |\n"
+          "| --- | --- | ---: | --- | --- | ---: |")
+    print(f"| pi_0 | | 0 | | {interval(off['pi0'][0], n)} | |")
+    print(f"| one offline round on pi_0's pairs | {off['pairs']} of {off['pool']} | {off['steps']} | | "
+          f"{interval(off['after'][0], n)} | {off['seconds']:.0f} |")
+    for name, arm in arms.items():
+        print(f"| {name} | {arm['pairs']} | {sum(arm['steps'])} | {arm['saturated']} | "
+              f"{' -> '.join(str(r) for r in arm['right'][1:])} of {n}: {interval(arm['right'][-1], n)} | "
+              f"{arm['seconds']} |")
+
+
+def print_table(paths: list[str]) -> None:
+    """Every seed's final held-out counts per arm, and all seeds pooled (each seed holds out its own prompts)."""
+    seeds = [json.loads(Path(path).read_text()) for path in paths]
+    names = ["pi_0", "offline", *seeds[0]["arms"]]
+    finals = {name: [] for name in names}
+    for figures in seeds:
+        off = figures["offline"]
+        finals["pi_0"].append(off["pi0"])
+        finals["offline"].append(off["after"])
+        for name, arm in figures["arms"].items():
+            finals[name].append((arm["right"][-1], arm["n"]))
+    heads = " | ".join(f"seed {figures['seed']}" for figures in seeds)
+    print(f"| arm | {heads} | all seeds (95% interval) |\n"
+          f"| --- | {' | '.join('---:' for _ in seeds)} | --- |")
+    for name in names:
+        cells = " | ".join(f"{right}/{n}" for right, n in finals[name])
+        right, n = sum(r for r, _ in finals[name]), sum(k for _, k in finals[name])
+        print(f"| {name} | {cells} | {interval(right, n)} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--seed", type=int, default=42, help="the run's --seed: sampling, held-out split, training")
-    parser.add_argument("--out", default="compare_rounds", help="where both arms write (kept; reused on a rerun)")
-    parser.add_argument("--json", default=None, help="also write the figures to this file")
+    parser.add_argument("--out", default="compare_rounds", help="where every arm writes (kept; reused on a rerun)")
+    parser.add_argument("--json", default=None, help="also write the figures to this file (for --table)")
+    parser.add_argument("--pool", action="store_true", help="the arithmetic pool with fresh prompts (POOL_OPTIONS)")
+    parser.add_argument("--arm", nargs=2, action="append", default=[], metavar=("NAME", "OPTIONS"),
+                        help="one more rounds run: the same command line and these options")
+    parser.add_argument("--table", nargs="+", default=None, help="print the seeds' table from these --json files")
     args = parser.parse_args()
+    if args.table:
+        return print_table(args.table)
     out = Path(args.out)
-    on = on_policy_arm(args.rounds, args.seed, out)
-    off = offline_arm(on, out)
-    held = {line["round"]: line for line in on["result"].held_out}
-    n = held[0]["n"]
-    on_right = [round(held[k]["mean"] * n) for k in sorted(held)]
-    if on_right[0] != off["pi0"][0]:
-        sys.exit(f"pi_0 scored {off['pi0'][0]} here and {on_right[0]} in the on-policy run: not the same pi_0")
-    rounds = on["result"].rounds
-    print(f"held-out prompts: {n}, greedy, exact answer; pairs per on-policy round: "
-          f"{[line['pairs'] for line in rounds]}; pi_0 pairs per draw: {off['per_draw']}\n")
-    print("| arm | pairs | steps | held-out right (95% interval) |\n| --- | ---: | ---: | --- |")
-    print(f"| pi_0 | 0 | 0 | {interval(on_right[0], n)} |")
-    print(f"| one offline round on pi_0's pairs | {off['pairs']} of {off['pool']} | {off['steps']} | "
-          f"{interval(off['after'][0], n)} |")
-    for k in range(1, len(on_right)):
-        pairs = sum(line["pairs"] for line in rounds[:k])
-        steps = sum(line.get("dpo", {}).get("steps", 0) for line in rounds[:k])
-        print(f"| on-policy, after round {k} | {pairs} | {steps} | {interval(on_right[k], n)} |")
-    print(f"\non-policy arm {on['seconds']:.0f} s (0 if reused), offline arm {off['seconds']:.0f} s")
-    print(f"reproduce: python benchmarks/compare_rounds.py {' '.join(sys.argv[1:])}".rstrip())
+    shared = ["--rounds", str(args.rounds), "--seed", str(args.seed)]
+    shared += demo_options() + POOL_OPTIONS if args.pool else []
+    arms = {"rounds": rounds_arm([*shared, "--output_dir", str(out / "rounds")])}
+    off = offline_arm(arms["rounds"], out)
+    for name, options in args.arm:
+        arms[name] = rounds_arm(shared + shlex.split(options) + ["--output_dir", str(out / name)])
+    figures = {"seed": args.seed, "options": shared, "arms": {name: summary(on) for name, on in arms.items()},
+               "arm_options": dict(args.arm), "offline": off}
+    for name, arm in figures["arms"].items():
+        if arm["right"][0] != off["pi0"][0]:
+            sys.exit(f"pi_0 scored {off['pi0'][0]} here and {arm['right'][0]} in the {name} run: not the same pi_0")
+    print_seed(figures)
+    print(f"\nreproduce: python benchmarks/compare_rounds.py {shlex.join(sys.argv[1:])}")
     if args.json:
-        Path(args.json).write_text(json.dumps({"n": n, "on_policy_right": on_right, "rounds": rounds,
-                                               "offline": off}, indent=1, default=str))
+        Path(args.json).write_text(json.dumps(figures, indent=1, default=str))
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ as written. What that takes, table by table:
 - `RECIPE_KEYS`: the alignment-handbook's (and TRL's) recipe keys, what each means for the command (at the end).
 None is silently ignored: a value dpo_min cannot honour is refused with a one-line error that names it and says
 why. The fields the first two tables name are written in `DPOMinConfig`'s body, and `DPOTrainer`'s public attributes
-(`beta`, `loss_types`, ...) in `DPOMinTrainer`'s: a reader finds each where it is used. Adding a TRL name is adding
+(`beta`, `loss_types`, ...) in `trl_surface.TRLSurface`, a base of `DPOMinTrainer`. Adding a TRL name is adding
 an entry (and its field); a field dpo_min implements leaves the table. One table of published names lives with its
 only reader: the mixture forms' keys (`data/mixtures.py`; data/ imports nothing of the core).
 """

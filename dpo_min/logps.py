@@ -68,14 +68,6 @@ class SequenceLogps:
         chosen, rejected = torch.exp(aligned / self.lengths).chunk(2)
         return chosen * rejected
 
-    def metric_halves(self) -> dict[str, torch.Tensor]:
-        """The per-sequence sums the metrics read, split into [B] halves: chosen_lengths, rejected_lengths, and so for
-        logits, entropy and top1."""
-        sums = {"logits": self.logits_sums, "lengths": self.lengths, "entropy": self.entropy_sums,
-                "top1": self.top1_counts}
-        return {f"{half}_{name}": value for name, values in sums.items()
-                for half, value in zip(("chosen", "rejected"), values.chunk(2))}
-
 
 def sequence_logps(model: torch.nn.Module, batch: dict[str, torch.Tensor],
                    with_sum_sq_probs: bool = False, with_aux_loss: bool = False) -> SequenceLogps:
@@ -120,14 +112,6 @@ def sequence_logps(model: torch.nn.Module, batch: dict[str, torch.Tensor],
         top1_counts=per_sequence(is_top1),
         aux_loss=outputs.aux_loss if with_aux_loss else None,
     )
-
-
-def computed_tokens(batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """[1] tokens the forward computes, padding excluded: every row ends with its last completion token, so a row's
-    length is the position of its last label + 1 (TRL counts attention_mask.sum(), the same in the padded layout)."""
-    labels = batch["labels"]
-    positions = torch.arange(1, labels.size(1) + 1, device=labels.device)
-    return torch.where(labels != IGNORE_INDEX, positions, 0).amax(dim=1).sum().reshape(1)
 
 
 def _positions_in_sequence(token_sequence: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:

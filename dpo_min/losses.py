@@ -167,19 +167,6 @@ class LossSettings:
         the reference): a reference is read, and the first loss type has no rewards of its own (`dpo_loss`)."""
         return self.reads_reference and LOSSES[self.loss_types[0]].rewards is None
 
-    def values_read(self) -> dict[str, Any]:
-        """What the loss reads besides its loss types, by config field name (for the card): their weights if given,
-        beta, the hyperparameters the loss types read, and the modifiers that are on."""
-        read = {} if self.loss_weights is None else {"loss_weights": ", ".join(f"{w:g}" for w in self.loss_weights)}
-        read["beta"] = self.beta
-        for name in self.loss_types:
-            read.update({key: self.hyperparameters[key] for key in LOSSES[name].reads})
-        on = {"f_divergence_type": self.f_divergence_type != "reverse_kl",
-              "f_alpha_divergence_coef": self.f_divergence_type == "alpha_divergence", "cpo_alpha": self.cpo_alpha != 0,
-              "ld_alpha": self.ld_alpha is not None, "use_weighting": self.use_weighting,
-              "reference_free": self.reference_free}
-        return read | {name: getattr(self, name) for name, is_on in on.items() if is_on}
-
     @property
     def tie_loss(self) -> float | None:
         """The loss of a pair whose policy is its reference (every pair before training), from the loss table: ln 2

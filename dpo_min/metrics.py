@@ -17,6 +17,15 @@ def computed_tokens(batch: dict[str, torch.Tensor]) -> torch.Tensor:
     return torch.where(labels != IGNORE_INDEX, positions, 0).amax(dim=1).sum().reshape(1)
 
 
+def metric_halves(policy: SequenceLogps) -> dict[str, torch.Tensor]:
+    """The per-sequence sums the metrics read, split into [B] halves: chosen_lengths, rejected_lengths, and so for
+    logits, entropy and top1."""
+    sums = {"logits": policy.logits_sums, "lengths": policy.lengths, "entropy": policy.entropy_sums,
+            "top1": policy.top1_counts}
+    return {f"{half}_{name}": value for name, values in sums.items()
+            for half, value in zip(("chosen", "rejected"), values.chunk(2))}
+
+
 class StepMetrics:
     """Every micro-batch's metrics since the last log (`by_mode`, the trainer's `_metrics`) and each held-out pair's
     reward margin at the latest evaluation (`eval_margins`, in order). The running count of training tokens lives in
@@ -32,7 +41,7 @@ class StepMetrics:
         """`logps`, `rewards`, `reference`: (chosen, rejected) [B] halves; the reference's are None without one."""
         chosen_logps, rejected_logps = logps[0].detach(), logps[1].detach()
         per_pair = {"chosen_rewards": rewards[0], "rejected_rewards": rewards[1], "chosen_logps": chosen_logps,
-                    "rejected_logps": rejected_logps, **policy.metric_halves()}
+                    "rejected_logps": rejected_logps, **metric_halves(policy)}
         if reference[0] is not None:
             per_pair |= {"chosen_drift": chosen_logps - reference[0], "rejected_drift": rejected_logps - reference[1]}
         # Only per-pair [B] tensors go through gather_for_metrics: it trims the last batch to the dataset's length.

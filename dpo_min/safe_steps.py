@@ -72,3 +72,27 @@ def save_checkpoint_staged(trainer: Any, trial: Any, save: Callable[[], None]) -
         rotate_checkpoints(output_dir=run_dir, save_total_limit=trainer.args.save_total_limit,
                            best_model_checkpoint=state.best_model_checkpoint, use_mtime=False)
     trainer.accelerator.wait_for_everyone()
+
+
+class SafeStepsHooks:
+    """DPOMinTrainer's overrides of Trainer's hooks: the gradients checked before clipping (or before the optimizer
+    step when nothing clips), a sharded model saved whole, each checkpoint staged and renamed."""
+
+    def _check_finite_gradients(self, model) -> None:
+        check_finite_gradients(model, self.accelerator, self.state.global_step)
+
+    def _clip_grad_norm(self, model):
+        self._check_finite_gradients(model)
+        return super()._clip_grad_norm(model)
+
+    def _get_grad_norm(self, model, grad_norm=None):
+        if grad_norm is None:  # no clipping this run: the check has not happened yet
+            self._check_finite_gradients(model)
+        return super()._get_grad_norm(model, grad_norm=grad_norm)
+
+    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
+        super()._save(output_dir, state_dict=whole_state_dict(self.model, state_dict))
+
+    def _save_checkpoint(self, model, trial):
+        save = super()._save_checkpoint
+        save_checkpoint_staged(self, trial, lambda: save(model, trial))

@@ -9,7 +9,7 @@ import torch
 from conftest import tiny_llama
 from peft import LoraConfig
 
-import dpo_min.trainer
+import dpo_min.trainer_setup
 from dpo_min import DPOMinConfig, DPOMinTrainer
 
 
@@ -101,13 +101,13 @@ def test_tokenizing_and_the_reference_pass_show_a_progress_bar_unless_disabled(t
     # Tokenizing is a datasets.map, whose bar datasets switches on and off (tqdm itself reads conftest's
     # TQDM_DISABLE once, at import): record the switch as the trainer tokenizes.
     seen = []
-    tokenize = dpo_min.trainer.tokenize_dataset
+    tokenize = dpo_min.trainer_setup.tokenize_dataset
 
     def recording_tokenize(*args, **kwargs):
         seen.append(datasets.is_progress_bar_enabled())
         return tokenize(*args, **kwargs)
 
-    monkeypatch.setattr(dpo_min.trainer, "tokenize_dataset", recording_tokenize)
+    monkeypatch.setattr(dpo_min.trainer_setup, "tokenize_dataset", recording_tokenize)
     args = DPOMinConfig(output_dir=str(tmp_path / "out"), report_to="none", use_cpu=True, disable_tqdm=disable_tqdm,
                         precompute_ref_log_probs=True, per_device_eval_batch_size=2)
     capsys.readouterr()

@@ -31,6 +31,22 @@ HELD_OUT_ROWS = (("reward accuracy", "eval_rewards/accuracies", ".3f"), ("mean r
                  "+.4f"), (None, "eval_loss", ".4f"))
 
 
+def loss_values_read(settings: LossSettings) -> dict[str, Any]:
+    """What the loss reads besides its loss types, by config field name (for the card): their weights if given,
+    beta, the hyperparameters the loss types read, and the modifiers that are on."""
+    weights = settings.loss_weights
+    read = {} if weights is None else {"loss_weights": ", ".join(f"{w:g}" for w in weights)}
+    read["beta"] = settings.beta
+    for name in settings.loss_types:
+        read.update({key: settings.hyperparameters[key] for key in LOSSES[name].reads})
+    on = {"f_divergence_type": settings.f_divergence_type != "reverse_kl",
+          "f_alpha_divergence_coef": settings.f_divergence_type == "alpha_divergence",
+          "cpo_alpha": settings.cpo_alpha != 0,
+          "ld_alpha": settings.ld_alpha is not None, "use_weighting": settings.use_weighting,
+          "reference_free": settings.reference_free}
+    return read | {name: getattr(settings, name) for name, is_on in on.items() if is_on}
+
+
 def base_model_name(model: str | None) -> str:
     """The base model as the user named it: a hub id or path, never the local conversion cache."""
     return model if model is not None else DEFAULT_MODEL
@@ -60,7 +76,7 @@ def model_card(*, model: str | None, kind: str, datasets: dict[str, Any], train_
     what = {"adapter": f"a LoRA adapter for {named}", "merged": f"{named} with a LoRA adapter merged in",
             "full": f"{named} with every weight fine-tuned"}[kind]
     settings = args.loss_settings
-    hyper = {"loss_type": ", ".join(settings.loss_types), **settings.values_read(),  # what this run's loss reads
+    hyper = {"loss_type": ", ".join(settings.loss_types), **loss_values_read(settings),  # what this run's loss reads
              "learning_rate": args.learning_rate, "lr_scheduler_type": args.lr_scheduler_type.value,
              "warmup_steps": args.warmup_steps, "max_steps": args.max_steps, "num_train_epochs": args.num_train_epochs,
              "global batch (pairs)": args.global_batch_size, "max_length": args.max_length,

@@ -1,0 +1,82 @@
+"""What DPOMinTrainer answers to as TRL 1.16's `DPOTrainer`, beyond the loss: its public attributes (`beta`,
+`ref_model`, ...), `prediction_step`'s logits for `compute_metrics`, the columns kept for the collator, the model card's
+tags. Scripts written for TRL read these; the DPO path itself does not."""
+
+from typing import Any
+
+import torch
+
+from .batch import NON_MODEL_KEYS, REFERENCE_COLUMNS
+from .reference import ModelReference, NoReference
+
+
+class TRLSurface:
+    """TRL DPOTrainer's public surface, mixed into DPOMinTrainer ahead of transformers.Trainer."""
+
+    # TRL DPOTrainer's public attributes that scripts read, with TRL's meaning: read from args each time, not copied.
+    beta = property(lambda self: self.args.beta)
+    loss_types = property(lambda self: self.args.loss_type)
+    loss_weights = property(lambda self: self.args.loss_weights or [1.0] * len(self.args.loss_type))
+    label_smoothing = property(lambda self: self.args.label_smoothing)
+    ld_alpha = property(lambda self: self.args.ld_alpha)
+    use_weighting = property(lambda self: self.args.use_weighting)
+    f_divergence_type = property(lambda self: self.args.f_divergence_type)
+    f_alpha_divergence_coef = property(lambda self: self.args.f_alpha_divergence_coef)
+    precompute_ref_logps = property(lambda self: self.args.precompute_ref_log_probs)
+    padding_free = property(lambda self: self.args.padding_free)
+
+    @property
+    def eval_margins(self) -> list[float]:
+        """Each held-out pair's reward margin at the latest evaluation, in order."""
+        return self.step_metrics.eval_margins
+
+    @property
+    def aux_loss_enabled(self) -> bool:
+        """TRL's: a mixture-of-experts model whose router load-balancing loss joins the loss."""
+        return self.router_aux_loss_coef != 0.0
+
+    @property
+    def ref_model(self) -> torch.nn.Module | None:
+        """The separate reference model (prepared for the run), or None: TRL's attribute."""
+        return self.reference.model
+
+    @ref_model.setter
+    def ref_model(self, model: torch.nn.Module | None) -> None:
+        self.reference = NoReference() if model is None else ModelReference(model)
+
+    @property
+    def ref_adapter_name(self) -> str | None:
+        """The reference adapter of a PEFT model, or None (the adapter disabled, or no adapter reference)."""
+        return self.reference.adapter
+
+    def sync_reference(self) -> None:
+        """TR-DPO: reference <- alpha * policy + (1 - alpha) * reference, for a reference model or adapter."""
+        self.reference.sync(self.model, self.args.ref_model_mixup_alpha)
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        """The loss; with `compute_metrics`, also what TRL 1.16 passes it: the logits of a plain forward of the
+        [2B, T] batch (chosen rows, then rejected) as predictions, and its `input_ids` as label_ids."""
+        inputs = self._prepare_inputs(inputs)
+        with torch.no_grad(), self.compute_loss_context_manager():
+            loss = self.compute_loss(model, inputs).detach()
+            if prediction_loss_only or self.compute_metrics is None:
+                return loss, None, None
+            model_inputs = {name: value for name, value in inputs.items() if name not in NON_MODEL_KEYS}
+            logits = model(**model_inputs, use_cache=False).logits
+        return loss, logits, inputs["input_ids"]
+
+    def _set_signature_columns_if_needed(self) -> None:
+        # The columns the collator reads, so that remove_unused_columns=True (TRL's default) keeps them, as TRL does.
+        if self._signature_columns is None:
+            self._signature_columns = ["prompt_ids", "chosen_ids", "rejected_ids", *REFERENCE_COLUMNS]
+
+    def create_model_card(self, model_name: str | None = None, dataset_name: str | None = None,
+                          tags: str | list[str] | None = None, **kwargs: Any) -> None:
+        """Trainer's card, called as TRL's (model_name, dataset_name, tags), with the model's tags (TRL's `trl`,
+        `dpo` among them) added as TRL's card has them; Trainer's other keyword arguments pass through."""
+        tags = [tags] if isinstance(tags, str) else list(tags or [])
+        tags += [tag for tag in getattr(self.model, "model_tags", None) or [] if tag not in tags]
+        if dataset_name is not None:  # TRL's card lists it under `datasets`, which Trainer fills from dataset_tags
+            kwargs.setdefault("dataset_tags", dataset_name)
+            kwargs.setdefault("dataset", dataset_name)
+        super().create_model_card(model_name=model_name, tags=tags, **kwargs)
