@@ -142,7 +142,7 @@ def offline_arm(on: dict, out: Path) -> dict:
     pool = [pair for draw in draws for pair in draw]
     chosen = pool[:pairs_count]
     args = DPOMinConfig(**{"report_to": "none", "logging_steps": 1, "seed": config.seed + 1, **config.training,
-                           "output_dir": str(out / "offline" / "train"), "max_steps": steps})
+                           "output_dir": str(out / "train"), "max_steps": steps})
     columns = ("prompt", "chosen", "rejected", "prompt_ids", "chosen_ids", "rejected_ids")  # the sampled ids
     data = Dataset.from_list([{name: pair[name] for name in columns} for pair in chosen])
     trainer = DPOMinTrainer(model=model, peft_config=peft_config, args=args, train_dataset=data,
@@ -181,7 +181,8 @@ def print_seed(figures: dict) -> None:
     print("| arm | pairs per round | steps | saturated per round | held-out right (95% interval) | s |\n"
           "| --- | --- | ---: | --- | --- | ---: |")
     print(f"| pi_0 | | 0 | | {interval(off['pi0'][0], n)} | |")
-    print(f"| one offline round on pi_0's pairs | {off['pairs']} of {off['pool']} | {off['steps']} | | "
+    print(f"| one offline round on pi_0's pairs, as {figures['offline_like']} | {off['pairs']} of {off['pool']} | "
+          f"{off['steps']} | | "
           f"{interval(off['after'][0], n)} | {off['seconds']:.0f} |")
     for name, arm in arms.items():
         print(f"| {name} | {arm['pairs']} | {sum(arm['steps'])} | {arm['saturated']} | "
@@ -190,22 +191,24 @@ def print_seed(figures: dict) -> None:
 
 
 def print_table(paths: list[str]) -> None:
-    """Every seed's final held-out counts per arm, and all seeds pooled (each seed holds out its own prompts)."""
-    seeds = [json.loads(Path(path).read_text()) for path in paths]
-    names = ["pi_0", "offline", *seeds[0]["arms"]]
-    finals = {name: [] for name in names}
-    for figures in seeds:
+    """Every seed's final held-out counts per arm, and all seeds pooled (each seed holds out its own prompts). Files
+    of one seed (another --offline_like on the same folders) are merged."""
+    by_seed: dict[int, dict[str, tuple[int, int]]] = {}
+    for path in paths:
+        figures = json.loads(Path(path).read_text())
         off = figures["offline"]
-        finals["pi_0"].append(off["pi0"])
-        finals["offline"].append(off["after"])
-        for name, arm in figures["arms"].items():
-            finals[name].append((arm["right"][-1], arm["n"]))
-    heads = " | ".join(f"seed {figures['seed']}" for figures in seeds)
-    print(f"| arm | {heads} | all seeds (95% interval) |\n"
-          f"| --- | {' | '.join('---:' for _ in seeds)} | --- |")
+        rows = by_seed.setdefault(figures["seed"], {"pi_0": tuple(off["pi0"])})
+        if rows["pi_0"] != tuple(off["pi0"]):
+            sys.exit(f"{path}: pi_0 scored {off['pi0']}, another file of seed {figures['seed']} {rows['pi_0']}")
+        rows[f"one offline round, as {figures.get('offline_like', 'rounds')}"] = tuple(off["after"])
+        rows |= {name: (arm["right"][-1], arm["n"]) for name, arm in figures["arms"].items()}
+    names = list(dict.fromkeys(name for rows in by_seed.values() for name in rows))
+    heads = " | ".join(f"seed {seed}" for seed in by_seed)
+    print(f"| arm | {heads} | all seeds (95% interval) |\n| --- | {' | '.join('---:' for _ in by_seed)} | --- |")
     for name in names:
-        cells = " | ".join(f"{right}/{n}" for right, n in finals[name])
-        right, n = sum(r for r, _ in finals[name]), sum(k for _, k in finals[name])
+        finals = [rows[name] for rows in by_seed.values() if name in rows]
+        cells = " | ".join(f"{rows[name][0]}/{rows[name][1]}" if name in rows else "" for rows in by_seed.values())
+        right, n = sum(r for r, _ in finals), sum(k for _, k in finals)
         print(f"| {name} | {cells} | {interval(right, n)} |")
 
 
@@ -218,6 +221,8 @@ def main() -> None:
     parser.add_argument("--pool", action="store_true", help="the arithmetic pool with fresh prompts (POOL_OPTIONS)")
     parser.add_argument("--arm", nargs=2, action="append", default=[], metavar=("NAME", "OPTIONS"),
                         help="one more rounds run: the same command line and these options")
+    parser.add_argument("--offline_like", default="rounds",
+                        help="the rounds arm the offline arm matches: its loss, pairs count and steps")
     parser.add_argument("--table", nargs="+", default=None, help="print the seeds' table from these --json files")
     args = parser.parse_args()
     if args.table:
@@ -226,11 +231,13 @@ def main() -> None:
     shared = ["--rounds", str(args.rounds), "--seed", str(args.seed)]
     shared += demo_options() + POOL_OPTIONS if args.pool else []
     arms = {"rounds": rounds_arm([*shared, "--output_dir", str(out / "rounds")])}
-    off = offline_arm(arms["rounds"], out)
     for name, options in args.arm:
         arms[name] = rounds_arm(shared + shlex.split(options) + ["--output_dir", str(out / name)])
+    if args.offline_like not in arms:
+        sys.exit(f"--offline_like {args.offline_like}: no such arm (rounds, or an --arm's name)")
+    off = offline_arm(arms[args.offline_like], out / f"offline-like-{args.offline_like}")
     figures = {"seed": args.seed, "options": shared, "arms": {name: summary(on) for name, on in arms.items()},
-               "arm_options": dict(args.arm), "offline": off}
+               "arm_options": dict(args.arm), "offline_like": args.offline_like, "offline": off}
     for name, arm in figures["arms"].items():
         if arm["right"][0] != off["pi0"][0]:
             sys.exit(f"pi_0 scored {off['pi0'][0]} here and {arm['right'][0]} in the {name} run: not the same pi_0")
