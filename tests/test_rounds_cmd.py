@@ -17,6 +17,7 @@ import pytest
 from dpo_min import load_preference_dataset
 from dpo_min.rounds import rewards as rounds_rewards
 from dpo_min.rounds.arithmetic import last_integer, last_integer_reward
+from dpo_min.split import held_out_split
 from dpo_min.train import main
 from dpo_min.train import rounds as rounds_cmd
 from dpo_min.train.args import ROUNDS_DEMO_DEFAULTS
@@ -25,7 +26,8 @@ from dpo_min.train.rounds import EMBEDDED_PROMPTS, load_prompts, rounds_config
 from dpo_min.train.rounds_args import RoundsArguments
 
 ROOT = Path(__file__).resolve().parent.parent
-PROMPTS = [json.loads(line) for line in EMBEDDED_PROMPTS.read_text().splitlines()[:5]]
+ARITHMETIC = ROOT / "data" / "arithmetic-prompts.jsonl"  # the first rounds demo's 96 prompts, kept as an example
+PROMPTS = [json.loads(line) for line in ARITHMETIC.read_text().splitlines()[:5]]
 REWARDS = '''
 def letters(completions, **_):
     """Varies between random samples: the share of letters in the completion."""
@@ -254,6 +256,8 @@ def test_rounds_with_no_model_and_no_data_take_the_demos_defaults_and_prompts(tm
         assert reached[name] == ([] if value == "none" else value), name
     assert config.rounds == 3 and "output_dir" not in config.training and "seed" not in config.training
     assert load_prompts(plan) == [json.loads(line) for line in EMBEDDED_PROMPTS.read_text().splitlines()]
+    assert EMBEDDED_PROMPTS.name == "arithmetic-pool.jsonl"  # the 3,000-prompt pool, 64 of them held out
+    assert len(held_out_split(3000, config.held_out_share, plan.args.seed)[1]) == 64
     offline = resolve(["--output_dir", str(tmp_path / "offline")])  # the offline demo keeps its own
     assert offline.rounds is None and offline.args.learning_rate != ROUNDS_DEMO_DEFAULTS["learning_rate"]
 
@@ -277,11 +281,11 @@ def load_generator(name: str = "make_arithmetic"):
 def test_the_arithmetic_prompts_are_the_generators_output_byte_for_byte(tmp_path):
     subprocess.run([sys.executable, str(ROOT / "data" / "make_arithmetic.py"), str(tmp_path / "a.jsonl")],
                    check=True)
-    assert (tmp_path / "a.jsonl").read_bytes() == EMBEDDED_PROMPTS.read_bytes()
+    assert (tmp_path / "a.jsonl").read_bytes() == ARITHMETIC.read_bytes()
 
 
 def test_the_arithmetic_prompts_follow_the_rule_in_data_readme():
-    rows = [json.loads(line) for line in EMBEDDED_PROMPTS.read_text().splitlines()]
+    rows = [json.loads(line) for line in ARITHMETIC.read_text().splitlines()]
     generator = load_generator()
     assert len(rows) == generator.ROWS and len({json.dumps(row) for row in rows}) == len(rows)
     for index, row in enumerate(rows):
@@ -295,7 +299,7 @@ def test_the_arithmetic_prompts_follow_the_rule_in_data_readme():
         else:
             assert all(1 <= n // 10 <= 4 and n % 10 <= 4 for n in (a, b))  # no column sums past 9
         assert row["solution"] == {"+": a + b, "-": a - b, "*": a * b}[op] >= 0
-    digest = hashlib.sha256(EMBEDDED_PROMPTS.read_bytes()).hexdigest()
+    digest = hashlib.sha256(ARITHMETIC.read_bytes()).hexdigest()
     assert f"`{digest}`" in (ROOT / "data" / "README.md").read_text()  # the sha256 data/README.md gives
 
 

@@ -1,4 +1,5 @@
-"""The exact-match reward of the rounds' demo (data/arithmetic-prompts.jsonl), in TRL GRPOTrainer's contract.
+"""The exact-match reward of the rounds' demo (data/arithmetic-pool.jsonl; data/arithmetic-prompts.jsonl too), in TRL
+GRPOTrainer's contract.
 
 A small instruct model writes its working out (`47 + 38 = 85`), so the first integer of a completion is often an
 operand: the answer read is the completion's LAST integer, compared with the row's `solution`."""

@@ -1,5 +1,5 @@
 """The command's DPO in rounds (`python -m dpo_min.train --rounds N`): the plan's options -> a RoundsConfig, the
-prompts from --dataset (without one, the embedded arithmetic prompts), the reward functions from --reward_funcs,
+prompts from --dataset (without one, the embedded arithmetic pool), the reward functions from --reward_funcs,
 the model as the command loads it; then `dpo_min.rounds.run_rounds` into --output_dir, locked for the run.
 
 The output folder is the command's RunFolder for the checks and the lock (`<output_dir>.lock`, held by the main
@@ -29,7 +29,7 @@ from .pairs import DATA_SUFFIXES
 from .plan import Plan
 from .run_dir import OutputDirError, RunFolder
 
-EMBEDDED_PROMPTS = Path(__file__).resolve().parents[2] / "data" / "arithmetic-prompts.jsonl"
+EMBEDDED_PROMPTS = Path(__file__).resolve().parents[2] / "data" / "arithmetic-pool.jsonl"  # the demo's prompts
 DEMO_REWARD = "dpo_min.rounds.arithmetic:last_integer_reward"
 SETTINGS_FILE = "settings.json"  # what dpo_min.rounds.store writes first into a rounds run's folder
 # Options of the offline run that a rounds run would not honour: refused when given, with what to do instead.
