@@ -1,7 +1,7 @@
 """DPO in rounds against one offline round (issue 39, item 4): equal sampled completions, pairs and training steps,
 the same held-out prompts, greedy, counted right or wrong.
 
-    python benchmarks/compare_rounds.py                       # the rounds demo's settings, 3 rounds
+    python benchmarks/compare_rounds.py                       # the rounds demo as it is (DPO + NLL), 3 rounds
     python benchmarks/compare_rounds.py --pool --seed 7 --out runs/compare-7 --json runs/compare-7.json \\
         --arm nll "--loss_type sigmoid sft --loss_weights 1 1" --arm previous "--reference previous"
     python benchmarks/compare_rounds.py --table runs/compare-42.json runs/compare-7.json runs/compare-1.json
@@ -38,9 +38,12 @@ POOL_OPTIONS = ["--dataset", str(ROOT / "data" / "arithmetic-pool.jsonl"),
 
 
 def demo_options() -> list[str]:
+    """The rounds demo's model and training settings, less what POOL_OPTIONS sets and its loss (the demo's NLL term
+    is an --arm here; the base arm is plain DPO)."""
     from dpo_min.train.args import ROUNDS_DEMO_DEFAULTS
 
-    given = {key: value for key, value in ROUNDS_DEMO_DEFAULTS.items() if key != "eval_fraction"}
+    own = {"eval_fraction", "prompts_per_round", "num_generations", "pairs_per_prompt", "loss_type", "loss_weights"}
+    given = {key: value for key, value in ROUNDS_DEMO_DEFAULTS.items() if key not in own}
     return [item for key, value in given.items() for item in (f"--{key}", str(value))]
 
 
