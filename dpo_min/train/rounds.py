@@ -172,7 +172,7 @@ def _training_rows(prompts: list[dict[str, Any]], config: RoundsConfig) -> list[
 
 
 def load_prompts(plan: Plan) -> list[dict[str, Any]]:
-    """The prompt-only rows of --dataset (read as the command reads data), or the embedded arithmetic prompts."""
+    """The prompt-only rows of --dataset (read as the command reads data), or the embedded arithmetic pool."""
     data_args = plan.data
     source = _source(plan)
     stem = source[:-3] if source.endswith(".gz") else source

@@ -21,7 +21,7 @@ class RoundsArguments:
         "help": "Run N rounds of DPO on the policy's own samples: each round samples --num_generations completions "
                 "of every --dataset prompt (a prompt-only file or folder), scores them with --reward_funcs, pairs "
                 "the best against the worst and trains one DPO pass on the pairs. With no --model and no data: the "
-                "demo on the embedded arithmetic prompts. Run the same command again to resume."})
+                "demo on the embedded arithmetic pool. Run the same command again to resume."})
     reward_funcs: list[str] | None = field(default=None, metadata={
         "help": "Reward functions in TRL GRPOTrainer's contract: module:function (or TRL's module.function, or a "
                 "name in trl.rewards such as accuracy_reward), the working folder importable; or a reward model's "
