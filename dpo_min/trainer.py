@@ -128,6 +128,8 @@ class DPOMinTrainer(TRLSurface, PrecomputeHooks, SafeStepsHooks, Trainer):
     def reference_logps(self, inputs: dict[str, torch.Tensor]) -> SequenceLogps:
         """Reference log-probs of a collated batch: a forward of the model `self.reference` names, chosen once by
         `reference.choose_reference` (ref_model, a copy, the policy with its adapter off, or a reference adapter)."""
+        # The default (LoRA, no ref_model) is the policy itself under `model.disable_adapter()`, as reference.AdapterOff
+        # enters it: no second copy of the weights.
         with self.reference.computing(self.model) as model:
             return sequence_logps(model, inputs)
 
