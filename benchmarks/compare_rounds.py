@@ -47,13 +47,20 @@ def demo_options() -> list[str]:
     return [item for key, value in given.items() for item in (f"--{key}", str(value))]
 
 
-def sample_like_the_rounds(model, tokenizer, rows, indices, settings, batch_size):
-    """The samples of `indices` as the rounds loop draws them: batches of batch_size prompts, batch b seeded
-    settings.seed + b (one process)."""
+def render(tokenizer, rows, indices, config=None) -> dict[int, list[int]]:
+    """The prompt ids of rows `indices`, by the rounds' own renderer with the run's chat_template_kwargs (only the
+    rows asked for: the pool has 3,000)."""
     from dpo_min.rounds.loop import rendered_prompts
+
+    kwargs = getattr(config, "training", {}).get("chat_template_kwargs")
+    return dict(zip(indices, rendered_prompts(tokenizer, [rows[i] for i in indices], kwargs)))
+
+
+def sample_like_the_rounds(model, tokenizer, prompt_ids, indices, settings, batch_size):
+    """The samples of `indices` (their ids in `prompt_ids`, from `render`) as the rounds loop draws them: batches of
+    batch_size prompts, batch b seeded settings.seed + b (one process)."""
     from dpo_min.rounds.sampling import sample
 
-    prompt_ids = rendered_prompts(tokenizer, rows, None)
     groups = []
     for b, start in enumerate(range(0, len(indices), batch_size)):
         batch = [prompt_ids[i] for i in indices[start:start + batch_size]]
@@ -65,7 +72,6 @@ def pi0_pairs(model, tokenizer, rows, train_rows, config, rewards, round_index):
     """Pairs of pi_0's samples of round `round_index`'s prompts, drawn with its seed and temperature, by the rounds'
     rule."""
     from dpo_min.rounds import make_pairs
-    from dpo_min.rounds.loop import rendered_prompts
     from dpo_min.rounds.sampling import GenerationSettings
     from dpo_min.rounds.schedule import round_prompts, round_temperature
 
@@ -73,8 +79,8 @@ def pi0_pairs(model, tokenizer, rows, train_rows, config, rewards, round_index):
                                   round_temperature(config.temperature, round_index), config.top_p,
                                   seed=config.seed + 1000 * round_index)
     indices = round_prompts(train_rows, config.prompts_per_round, config.seed, round_index)
-    groups = sample_like_the_rounds(model, tokenizer, rows, indices, settings, config.prompts_per_batch)
-    prompt_ids = rendered_prompts(tokenizer, rows, None)
+    prompt_ids = render(tokenizer, rows, indices, config)
+    groups = sample_like_the_rounds(model, tokenizer, prompt_ids, indices, settings, config.prompts_per_batch)
     prompt_groups = []
     for i, group in zip(indices, groups):
         columns = {"solution": [rows[i]["solution"]] * len(group)}
@@ -91,7 +97,7 @@ def held_out_count(model, tokenizer, rows, held_rows, config, rewards) -> tuple[
     """(right, prompts): one greedy completion of each held-out prompt, batched as the rounds loop batches it."""
     from dpo_min.rounds.sampling import GenerationSettings
 
-    greedy = sample_like_the_rounds(model, tokenizer, rows, held_rows,
+    greedy = sample_like_the_rounds(model, tokenizer, render(tokenizer, rows, held_rows, config), held_rows,
                                     GenerationSettings(1, config.max_completion_length, False),
                                     config.prompts_per_batch)
     completions = [group[0] for group in greedy]

@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from compare_rounds import interval, sample_like_the_rounds
+from compare_rounds import interval, render, sample_like_the_rounds
 from online_dpo_peer import POOL, load_policy, pool_split, score_held_out
 
 
@@ -48,7 +48,7 @@ def main() -> None:
         sampled = train_rows[:args.pairs]
         settings = GenerationSettings(args.num_generations, args.max_completion_length, True, args.temperature,
                                       seed=args.seed + 1000)  # round 1's seed
-        groups = sample_like_the_rounds(model, tokenizer, rows, sampled, settings, 8)
+        groups = sample_like_the_rounds(model, tokenizer, render(tokenizer, rows, sampled), sampled, settings, 8)
         rights = [last_integer_reward([c.text for c in group], [rows[i]["solution"]] * len(group))
                   for i, group in zip(sampled, groups)]
         samples_right = int(sum(map(sum, rights)))
