@@ -1,22 +1,23 @@
-"""DPO in rounds against one offline round (issue 39, item 4): equal sampled completions, pairs and training steps,
-the same held-out prompts, greedy, counted right or wrong.
+"""DPO in rounds against one offline round, by a protocol fixed before its seeds run (issue 45): every arm scored on
+the same held-out prompts of the arithmetic pool, one greedy completion each, right or wrong, prompt by prompt.
 
-    python benchmarks/compare_rounds.py                       # the rounds demo as it is (DPO + NLL), 3 rounds
-    python benchmarks/compare_rounds.py --pool --seed 7 --out runs/compare-7 --json runs/compare-7.json \\
-        --arm nll "--loss_type sigmoid sft --loss_weights 1 1" --arm previous "--reference previous"
-    python benchmarks/compare_rounds.py --table runs/compare-42.json runs/compare-7.json runs/compare-1.json
+    python benchmarks/compare_rounds.py --protocol benchmarks/protocols/rounds-2026-12-05.json --seed 13 \\
+        --out runs/compare-13 --json runs/compare-13.json
+    python benchmarks/compare_rounds.py --table runs/compare-*.json       # per seed, pooled, the paired tests
 
-The arms, each scored on the same held-out prompts (a greedy completion each, its last integer against the answer):
-- pi_0: SmolLM2-135M-Instruct as loaded;
-- rounds: `python -m dpo_min.train --rounds N`'s run, as the command makes it (its plan, model, LoRA and
-  RoundsConfig), N rounds, each sampling the policy it has become; `--arm NAME "OPTIONS"` adds a rounds run with
-  more options (the NLL term, `--reference previous`), on the same prompts' draws and seeds;
-- offline: pi_0 sampled with the seeds, temperatures and prompts of the N rounds (so its first draw is round 1's,
-  checked), paired by the same rule, pooled and cut to the rounds run's pairs count, then ONE DPO pass from pi_0 (a
-  fresh adapter, pi_0 as reference) of exactly as many steps as the N rounds took together.
-`--pool` runs every arm on data/arithmetic-pool.jsonl with the published recipes' sampling (POOL_OPTIONS): 64
-held-out prompts, a fresh draw of 32 training prompts a round, 8 samples each, the best against the 2 worst.
-Each run's folder is kept (--out/NAME): a second call reuses it, so only the offline arm reruns.
+The arms of one seed (its held-out split, draws and sampling seeds are the command's for that --seed):
+- pi_0: SmolLM2-135M-Instruct as loaded (the rounds run's own score before round 1);
+- rounds: `python -m dpo_min.train --rounds N` with the protocol's options, as the command makes it (its plan,
+  model, LoRA and RoundsConfig); each round samples the policy it has become;
+- offline_samples (equal sampled completions): pi_0 sampled on the same prompts with the same seeds and
+  temperatures as the rounds (round 1's samples are pi_0's: read back from the rounds folder), paired by the same
+  rule, pooled, and ONE DPO pass from pi_0 with the rounds' training options (its own number of steps);
+- offline_matched (equal pairs and steps): the same pool cut to the rounds' pairs count (all of it when pi_0 gave
+  fewer: the unique pairs are reported) and exactly as many steps as the rounds took together.
+A protocol fixes one learning-rate schedule for all arms (constant: equal steps are equal summed learning rate),
+which is what makes the matched comparison fair; each round's pass would otherwise restart a decay.
+The seed must be one the protocol lists; each arm's folder is kept under --out and a rerun reuses the rounds run.
+The paired statistics are benchmarks/paired.py's.
 """
 
 import argparse
@@ -25,26 +26,28 @@ import shlex
 import sys
 import time
 from dataclasses import replace
+from itertools import pairwise
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # this checkout's dpo_min, when it is not installed
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
-# The pool's task with the demo's model, template, LoRA and training settings (ROUNDS_DEMO_DEFAULTS, given as the
-# command reads them once --dataset is given): eval_fraction 0.0213 holds out 64 of the 3,000 prompts.
+from paired import exact_mcnemar, sign_test  # noqa: E402
+
+# The pool's task with the demo's model, template and LoRA: eval_fraction 0.0213 holds out 64 of the 3,000 prompts.
 POOL_OPTIONS = ["--dataset", str(ROOT / "data" / "arithmetic-pool.jsonl"),
-                "--reward_funcs", "dpo_min.rounds.arithmetic:last_integer_reward", "--eval_fraction", "0.0213",
-                "--prompts_per_round", "32", "--num_generations", "8", "--pairs_per_prompt", "2"]
+                "--reward_funcs", "dpo_min.rounds.arithmetic:last_integer_reward", "--eval_fraction", "0.0213"]
+ARMS = ("pi_0", "rounds", "offline_samples", "offline_matched")
 
 
 def demo_options() -> list[str]:
-    """The rounds demo's model and training settings, less what POOL_OPTIONS sets and its loss (the demo's NLL term
-    is an --arm here; the base arm is plain DPO)."""
+    """The rounds demo's model and training settings (ROUNDS_DEMO_DEFAULTS, as the command reads them once --dataset
+    is given); a protocol's options come after them and win."""
     from dpo_min.train.args import ROUNDS_DEMO_DEFAULTS
 
-    own = {"eval_fraction", "prompts_per_round", "num_generations", "pairs_per_prompt", "loss_type", "loss_weights"}
-    given = {key: value for key, value in ROUNDS_DEMO_DEFAULTS.items() if key not in own}
-    return [item for key, value in given.items() for item in (f"--{key}", str(value))]
+    return [item for key, value in ROUNDS_DEMO_DEFAULTS.items() if key != "eval_fraction"
+            for item in (f"--{key}", *(map(str, value) if isinstance(value, list) else [str(value)]))]
 
 
 def render(tokenizer, rows, indices, config=None) -> dict[int, list[int]]:
@@ -68,10 +71,8 @@ def sample_like_the_rounds(model, tokenizer, prompt_ids, indices, settings, batc
     return groups
 
 
-def pi0_pairs(model, tokenizer, rows, train_rows, config, rewards, round_index):
-    """Pairs of pi_0's samples of round `round_index`'s prompts, drawn with its seed and temperature, by the rounds'
-    rule."""
-    from dpo_min.rounds import make_pairs
+def pi0_groups(model, tokenizer, rows, train_rows, config, rewards, round_index):
+    """pi_0's scored samples of round `round_index`'s prompts, drawn with its seed and temperature."""
     from dpo_min.rounds.sampling import GenerationSettings
     from dpo_min.rounds.schedule import round_prompts, round_temperature
 
@@ -81,29 +82,41 @@ def pi0_pairs(model, tokenizer, rows, train_rows, config, rewards, round_index):
     indices = round_prompts(train_rows, config.prompts_per_round, config.seed, round_index)
     prompt_ids = render(tokenizer, rows, indices, config)
     groups = sample_like_the_rounds(model, tokenizer, prompt_ids, indices, settings, config.prompts_per_batch)
-    prompt_groups = []
+    scored = []
     for i, group in zip(indices, groups):
         columns = {"solution": [rows[i]["solution"]] * len(group)}
         totals = rewards.score([rows[i]["prompt"]] * len(group), group, columns, round_index).total
-        prompt_groups.append({"prompt_index": i, "prompt": rows[i]["prompt"],
-                              "prompt_ids": prompt_ids[i],
-                              "samples": [{"completion": c.text, "completion_ids": c.ids, "total": t}
-                                          for c, t in zip(group, totals)]})
-    made, _ = make_pairs(prompt_groups, config.min_margin, config.pairs_per_prompt)
-    return made
+        scored.append({"prompt_index": i, "prompt": rows[i]["prompt"], "prompt_ids": prompt_ids[i],
+                       "samples": [{"completion": c.text, "completion_ids": c.ids, "total": t}
+                                   for c, t in zip(group, totals)]})
+    return scored
 
 
-def held_out_count(model, tokenizer, rows, held_rows, config, rewards) -> tuple[int, int]:
-    """(right, prompts): one greedy completion of each held-out prompt, batched as the rounds loop batches it."""
+def round_one_groups(folder: Path, tokenizer, rows, config):
+    """Round 1's scored samples as the rounds run wrote them: pi_0's, with round 1's seed, prompts and temperature."""
+    samples = [json.loads(line) for line in (folder / "round-1" / "samples.jsonl").open()]
+    indices = list(dict.fromkeys(row["prompt_index"] for row in samples))
+    prompt_ids = render(tokenizer, rows, indices, config)
+    return [{"prompt_index": i, "prompt": rows[i]["prompt"], "prompt_ids": prompt_ids[i],
+             "samples": [row for row in samples if row["prompt_index"] == i]} for i in indices]
+
+
+def held_out_outcomes(model, tokenizer, rows, held_rows, config, rewards) -> list[int]:
+    """One greedy completion of each held-out prompt, batched as the rounds loop batches it: 1 right, 0 not."""
     from dpo_min.rounds.sampling import GenerationSettings
 
     greedy = sample_like_the_rounds(model, tokenizer, render(tokenizer, rows, held_rows, config), held_rows,
                                     GenerationSettings(1, config.max_completion_length, False),
                                     config.prompts_per_batch)
-    completions = [group[0] for group in greedy]
-    totals = rewards.score([rows[i]["prompt"] for i in held_rows], completions,
+    totals = rewards.score([rows[i]["prompt"] for i in held_rows], [group[0] for group in greedy],
                            {"solution": [rows[i]["solution"] for i in held_rows]}, 0).total
-    return int(sum(t or 0 for t in totals)), len(held_rows)
+    return [int(bool(total)) for total in totals]
+
+
+def held_out_count(model, tokenizer, rows, held_rows, config, rewards) -> tuple[int, int]:
+    """(right, prompts) of held_out_outcomes (benchmarks/online_dpo_peer.py scores its peer so)."""
+    outcomes = held_out_outcomes(model, tokenizer, rows, held_rows, config, rewards)
+    return sum(outcomes), len(outcomes)
 
 
 def rounds_arm(argv: list[str]) -> dict:
@@ -123,137 +136,147 @@ def rounds_arm(argv: list[str]) -> dict:
     return {"plan": plan, "config": config, "result": result, "seconds": time.perf_counter() - start}
 
 
-def offline_arm(on: dict, out: Path) -> dict:
-    from datasets import Dataset
+def rounds_figures(on: dict) -> dict:
+    """Per round: held-out right (round 0: pi_0), the prompts whose outcome changed since the round before, pairs,
+    steps, prompts saturated; and the final per-prompt outcomes."""
+    held = sorted(on["result"].held_out, key=lambda line: line["round"])
+    outcomes = [[int(bool(total)) for _, total in line["per_prompt"]] for line in held]
+    rounds = on["result"].rounds
+    return {"right": [sum(o) for o in outcomes], "outcomes": outcomes[-1], "pi0_outcomes": outcomes[0],
+            "held_rows": [i for i, _ in held[0]["per_prompt"]],
+            "changed": [sum(a != b for a, b in zip(before, after)) for before, after in pairwise(outcomes)],
+            "pairs": [line["pairs"] for line in rounds],
+            "steps": [line.get("dpo", {}).get("steps", 0) for line in rounds],
+            "saturated": [line.get("saturated") for line in rounds], "seconds": round(on["seconds"])}
 
-    from dpo_min import DPOMinConfig, DPOMinTrainer
-    from dpo_min.rounds import Rewards
+
+def offline_arms(on: dict, out: Path) -> dict:
+    """offline_samples and offline_matched (the module's docstring), from one pool of pi_0's pairs."""
+    from dpo_min import DPOMinConfig
+    from dpo_min.rounds import Rewards, make_pairs
     from dpo_min.rounds.arithmetic import last_integer_reward
+    from dpo_min.rounds.pairs import keep_trainable
     from dpo_min.rounds.prompts import prompt_rows, split_held_out
     from dpo_min.train import load_model
     from dpo_min.train.rounds import load_prompts
 
     plan, config, result = on["plan"], on["config"], on["result"]
     start = time.perf_counter()
-    model, tokenizer, peft_config, _ = load_model(plan)  # pi_0 again, untouched by the rounds run
+    model, tokenizer, _, _ = load_model(plan)  # pi_0 again, untouched by the rounds run
     rows = prompt_rows(load_prompts(plan))
     train_rows, held_rows = split_held_out(len(rows), config.held_out_share, config.seed)
     rewards = Rewards([last_integer_reward])
-    pi0 = held_out_count(model, tokenizer, rows, held_rows, config, rewards)
-    draws = [pi0_pairs(model, tokenizer, rows, train_rows, config, rewards, k) for k in range(1, config.rounds + 1)]
-    key = lambda pair: json.dumps([pair["prompt_index"], pair["chosen_ids"], pair["rejected_ids"]])  # noqa: E731
-    round_one = [key(json.loads(line)) for line in (Path(config.output_dir) / "round-1" / "pairs.jsonl").open()]
-    first = [key(pair) for pair in draws[0]]
-    if [k for k in first if k in round_one] != round_one:  # the round drops what the DPO pass would drop; no more
-        sys.exit("pi_0's first draw differs from the rounds run's round 1: the two arms do not start alike")
-    pairs_count = sum(line["pairs"] for line in result.rounds)
-    steps = sum(line["dpo"]["steps"] for line in result.rounds if "dpo" in line)
+    groups = [round_one_groups(Path(config.output_dir), tokenizer, rows, config)]
+    groups += [pi0_groups(model, tokenizer, rows, train_rows, config, rewards, k) for k in range(2, config.rounds + 1)]
+    args = DPOMinConfig(**{"report_to": "none", "logging_steps": 1, "num_train_epochs": 1, "seed": config.seed + 1,
+                           **config.training, "output_dir": str(out / "check")})
+    draws = [keep_trainable(make_pairs(g, config.min_margin, config.pairs_per_prompt, config.pair_rule)[0],
+                            tokenizer, args)[0] for g in groups]
     pool = [pair for draw in draws for pair in draw]
-    chosen = pool[:pairs_count]
-    args = DPOMinConfig(**{"report_to": "none", "logging_steps": 1, "seed": config.seed + 1, **config.training,
-                           "output_dir": str(out / "train"), "max_steps": steps})
+    rounds_pairs = sum(line["pairs"] for line in result.rounds)
+    rounds_steps = sum(line["dpo"]["steps"] for line in result.rounds if "dpo" in line)
+    figures = {"per_draw": [len(draw) for draw in draws], "pool": len(pool)}
+    for name, pairs, steps in (("offline_samples", pool, None), ("offline_matched", pool[:rounds_pairs], rounds_steps)):
+        trained, taken = one_pass(plan, config, pairs, steps, out / name)
+        figures[name] = {"pairs": len(pairs), "steps": taken,
+                         "outcomes": held_out_outcomes(trained, tokenizer, rows, held_rows, config, rewards)}
+    figures["seconds"] = round(time.perf_counter() - start)
+    return figures
+
+
+def one_pass(plan, config, pairs, steps, out: Path):
+    """ONE DPO pass from pi_0 (a fresh load, a fresh adapter, pi_0 as reference) on `pairs`, with the rounds' training
+    options; `steps` None: as many as its epochs take. Returns the trained model and its steps."""
+    from datasets import Dataset
+
+    from dpo_min import DPOMinConfig, DPOMinTrainer
+    from dpo_min.train import load_model
+
+    model, tokenizer, peft_config, _ = load_model(plan)
+    cap = {} if steps is None else {"max_steps": steps}
+    args = DPOMinConfig(**{"report_to": "none", "logging_steps": 1, "num_train_epochs": 1, "seed": config.seed + 1,
+                           **config.training, "output_dir": str(out), **cap})
     columns = ("prompt", "chosen", "rejected", "prompt_ids", "chosen_ids", "rejected_ids")  # the sampled ids
-    data = Dataset.from_list([{name: pair[name] for name in columns} for pair in chosen])
+    data = Dataset.from_list([{name: pair[name] for name in columns} for pair in pairs])
     trainer = DPOMinTrainer(model=model, peft_config=peft_config, args=args, train_dataset=data,
                             processing_class=tokenizer)
     trainer.train()
-    after = held_out_count(trainer.model, tokenizer, rows, held_rows, config, rewards)
-    return {"pi0": pi0, "after": after, "pool": len(pool), "pairs": len(chosen), "steps": trainer.state.global_step,
-            "per_draw": [len(draw) for draw in draws], "seconds": time.perf_counter() - start}
+    return trainer.model, trainer.state.global_step
+
+
+def run_seed(protocol: dict, seed: int, out: Path) -> dict:
+    if seed not in protocol["seeds"]:
+        sys.exit(f"seed {seed} is not one of the protocol's {protocol['seeds']}: a protocol's seeds are fixed")
+    argv = ["--rounds", str(protocol["rounds"]), "--seed", str(seed), *demo_options(), *POOL_OPTIONS,
+            *protocol["options"], "--output_dir", str(out / "rounds")]
+    on = rounds_arm(argv)
+    rounds = rounds_figures(on)
+    off = offline_arms(on, out)
+    return {"seed": seed, "protocol": protocol["name"], "argv": argv, "held_rows": rounds["held_rows"],
+            "rounds": rounds, "per_draw": off["per_draw"], "pool": off["pool"], "offline_seconds": off["seconds"],
+            "outcomes": {"pi_0": rounds["pi0_outcomes"], "rounds": rounds["outcomes"],
+                         "offline_samples": off["offline_samples"]["outcomes"],
+                         "offline_matched": off["offline_matched"]["outcomes"]},
+            "offline": {name: {k: v for k, v in off[name].items() if k != "outcomes"}
+                        for name in ("offline_samples", "offline_matched")}}
 
 
 def interval(right: int, n: int) -> str:
-    from dpo_min.rounds.held_out import mean_with_interval
+    from dpo_min.intervals import wilson_interval
 
-    line = mean_with_interval([1.0] * right + [0.0] * (n - right))
-    return f"{right}/{n} = {line['mean']:.3f} [{line['low']:.3f}, {line['high']:.3f}]"
-
-
-def summary(on: dict) -> dict:
-    """A rounds run's figures: held-out right after each round (round 0: pi_0), and per round its pairs, steps,
-    prompts sampled and prompts saturated."""
-    held = {line["round"]: line for line in on["result"].held_out}
-    n = held[0]["n"]
-    rounds = on["result"].rounds
-    return {"n": n, "right": [round(held[k]["mean"] * n) for k in sorted(held)],
-            "pairs": [line["pairs"] for line in rounds],
-            "steps": [line.get("dpo", {}).get("steps", 0) for line in rounds],
-            "prompts": [line["prompts"] for line in rounds], "saturated": [line.get("saturated") for line in rounds],
-            "seconds": round(on["seconds"])}
-
-
-def print_seed(figures: dict) -> None:
-    arms, off = figures["arms"], figures["offline"]
-    n = off["pi0"][1]
-    print(f"seed {figures['seed']}: held-out prompts {n}, greedy, exact answer; pi_0 pairs per draw: "
-          f"{off['per_draw']}\n")
-    print("| arm | pairs per round | steps | saturated per round | held-out right (95% interval) | s |\n"
-          "| --- | --- | ---: | --- | --- | ---: |")
-    print(f"| pi_0 | | 0 | | {interval(off['pi0'][0], n)} | |")
-    print(f"| one offline round on pi_0's pairs, as {figures['offline_like']} | {off['pairs']} of {off['pool']} | "
-          f"{off['steps']} | | "
-          f"{interval(off['after'][0], n)} | {off['seconds']:.0f} |")
-    for name, arm in arms.items():
-        print(f"| {name} | {arm['pairs']} | {sum(arm['steps'])} | {arm['saturated']} | "
-              f"{' -> '.join(str(r) for r in arm['right'][1:])} of {n}: {interval(arm['right'][-1], n)} | "
-              f"{arm['seconds']} |")
+    low, high = wilson_interval(right, n)
+    return f"{right}/{n} = {right / n:.3f} [{low:.3f}, {high:.3f}]"
 
 
 def print_table(paths: list[str]) -> None:
-    """Every seed's final held-out counts per arm, and all seeds pooled (each seed holds out its own prompts). Files
-    of one seed (another --offline_like on the same folders) are merged."""
-    by_seed: dict[int, dict[str, tuple[int, int]]] = {}
-    for path in paths:
-        figures = json.loads(Path(path).read_text())
-        off = figures["offline"]
-        rows = by_seed.setdefault(figures["seed"], {"pi_0": tuple(off["pi0"])})
-        if rows["pi_0"] != tuple(off["pi0"]):
-            sys.exit(f"{path}: pi_0 scored {off['pi0']}, another file of seed {figures['seed']} {rows['pi_0']}")
-        rows[f"one offline round, as {figures.get('offline_like', 'rounds')}"] = tuple(off["after"])
-        rows |= {name: (arm["right"][-1], arm["n"]) for name, arm in figures["arms"].items()}
-    names = list(dict.fromkeys(name for rows in by_seed.values() for name in rows))
-    heads = " | ".join(f"seed {seed}" for seed in by_seed)
-    print(f"| arm | {heads} | all seeds (95% interval) |\n| --- | {' | '.join('---:' for _ in by_seed)} | --- |")
-    for name in names:
-        finals = [rows[name] for rows in by_seed.values() if name in rows]
-        cells = " | ".join(f"{rows[name][0]}/{rows[name][1]}" if name in rows else "" for rows in by_seed.values())
-        right, n = sum(r for r, _ in finals), sum(k for _, k in finals)
-        print(f"| {name} | {cells} | {interval(right, n)} |")
+    """Per seed: each arm's held-out right, the rounds' per-round figures; then every seed pooled (Wilson 95%
+    interval) and the paired tests of the rounds against each offline arm and of each arm against pi_0."""
+    seeds = sorted((json.loads(Path(path).read_text()) for path in paths), key=lambda figures: figures["seed"])
+    if len({figures["protocol"] for figures in seeds}) != 1:
+        sys.exit("--table: the files are of different protocols")
+    print(f"protocol {seeds[0]['protocol']}, {len(seeds)} seed(s)\n")
+    print("| seed | pi_0 | rounds (after each round) | changed per round | offline, equal samples | offline, equal "
+          "pairs and steps | pairs per round (pi_0's per draw) | steps: rounds, samples, matched |\n"
+          "| ---: | ---: | --- | --- | ---: | ---: | --- | --- |")
+    for f in seeds:
+        r, o = f["rounds"], f["offline"]
+        print(f"| {f['seed']} | {r['right'][0]} | {' -> '.join(map(str, r['right'][1:]))} | {r['changed']} | "
+              f"{sum(f['outcomes']['offline_samples'])} | {sum(f['outcomes']['offline_matched'])} | "
+              f"{r['pairs']} ({f['per_draw']}) | {sum(r['steps'])}, {o['offline_samples']['steps']}, "
+              f"{o['offline_matched']['steps']} |")
+    pooled = {arm: [x for f in seeds for x in f["outcomes"][arm]] for arm in ARMS}
+    print("\n| arm | all seeds (Wilson 95%) |\n| --- | --- |")
+    for arm in ARMS:
+        print(f"| {arm} | {interval(sum(pooled[arm]), len(pooled[arm]))} |")
+    print("\n| comparison | right only in the first | right only in the second | exact McNemar p (prompts) | "
+          "seeds first ahead / behind / level | sign test p (seeds) |\n| --- | ---: | ---: | ---: | --- | ---: |")
+    for first, second in (("rounds", "offline_samples"), ("rounds", "offline_matched"), ("rounds", "pi_0"),
+                          ("offline_samples", "pi_0"), ("offline_matched", "pi_0")):
+        only_first = sum(a and not b for a, b in zip(pooled[first], pooled[second]))
+        only_second = sum(b and not a for a, b in zip(pooled[first], pooled[second]))
+        diffs = [sum(f["outcomes"][first]) - sum(f["outcomes"][second]) for f in seeds]
+        ahead, behind = sum(d > 0 for d in diffs), sum(d < 0 for d in diffs)
+        print(f"| {first} vs {second} | {only_first} | {only_second} | {exact_mcnemar(only_first, only_second):.3g} | "
+              f"{ahead} / {behind} / {len(diffs) - ahead - behind} | {sign_test(ahead, behind):.3g} |")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--seed", type=int, default=42, help="the run's --seed: sampling, held-out split, training")
-    parser.add_argument("--out", default="compare_rounds", help="where every arm writes (kept; reused on a rerun)")
+    parser.add_argument("--protocol", help="the committed protocol file: rounds, options, seeds")
+    parser.add_argument("--seed", type=int, help="one of the protocol's seeds")
+    parser.add_argument("--out", default="compare_rounds", help="where every arm writes (the rounds run is reused)")
     parser.add_argument("--json", default=None, help="also write the figures to this file (for --table)")
-    parser.add_argument("--pool", action="store_true", help="the arithmetic pool with fresh prompts (POOL_OPTIONS)")
-    parser.add_argument("--arm", nargs=2, action="append", default=[], metavar=("NAME", "OPTIONS"),
-                        help="one more rounds run: the same command line and these options")
-    parser.add_argument("--offline_like", default="rounds",
-                        help="the rounds arm the offline arm matches: its loss, pairs count and steps")
-    parser.add_argument("--table", nargs="+", default=None, help="print the seeds' table from these --json files")
+    parser.add_argument("--table", nargs="+", default=None, help="print the table and tests of these --json files")
     args = parser.parse_args()
     if args.table:
         return print_table(args.table)
-    out = Path(args.out)
-    shared = ["--rounds", str(args.rounds), "--seed", str(args.seed)]
-    shared += demo_options() + POOL_OPTIONS if args.pool else []
-    arms = {"rounds": rounds_arm([*shared, "--output_dir", str(out / "rounds")])}
-    for name, options in args.arm:
-        arms[name] = rounds_arm(shared + shlex.split(options) + ["--output_dir", str(out / name)])
-    if args.offline_like not in arms:
-        sys.exit(f"--offline_like {args.offline_like}: no such arm (rounds, or an --arm's name)")
-    off = offline_arm(arms[args.offline_like], out / f"offline-like-{args.offline_like}")
-    figures = {"seed": args.seed, "options": shared, "arms": {name: summary(on) for name, on in arms.items()},
-               "arm_options": dict(args.arm), "offline_like": args.offline_like, "offline": off}
-    for name, arm in figures["arms"].items():
-        if arm["right"][0] != off["pi0"][0]:
-            sys.exit(f"pi_0 scored {off['pi0'][0]} here and {arm['right'][0]} in the {name} run: not the same pi_0")
-    print_seed(figures)
-    print(f"\nreproduce: python benchmarks/compare_rounds.py {shlex.join(sys.argv[1:])}")
+    if not (args.protocol and args.seed is not None):
+        parser.error("give --protocol FILE and --seed S (or --table FILES)")
+    figures = run_seed(json.loads(Path(args.protocol).read_text()), args.seed, Path(args.out))
     if args.json:
-        Path(args.json).write_text(json.dumps(figures, indent=1, default=str))
+        Path(args.json).write_text(json.dumps(figures, indent=1))
+    print(json.dumps({k: v for k, v in figures.items() if k not in ("outcomes", "argv", "held_rows")}, indent=1))
+    print(f"\nreproduce: python benchmarks/compare_rounds.py {shlex.join(sys.argv[1:])}")
 
 
 if __name__ == "__main__":

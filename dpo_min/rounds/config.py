@@ -9,7 +9,8 @@ REFERENCES = ("initial", "previous")
 NO_PAIR_CHOICES = ("stop", "skip")
 DEFAULT_PROMPTS_PER_BATCH = 8
 # Options that came after runs were recorded: at these values settings.json leaves them out, as it did before.
-RECIPE_DEFAULTS = {"prompts_per_round": None, "pairs_per_prompt": 1}
+RECIPE_DEFAULTS = {"prompts_per_round": None, "pairs_per_prompt": 1, "pair_rule": "best"}
+PAIR_RULES = ("best", "every")  # pairs.py: the best against the k worst, or every better against every worse
 
 
 class RoundsError(ValueError):
@@ -33,7 +34,8 @@ class RoundsConfig:
     # The recipes' options (docs/rounds.md); at their defaults each round does what it did before they came, and
     # settings() leaves them out, so that a run from before them resumes.
     prompts_per_round: int | None = None  # None: every training prompt each round; else a fresh draw (schedule.py)
-    pairs_per_prompt: int = 1  # the best sample against each of this many worst (pairs.py)
+    pairs_per_prompt: int = 1  # the best sample against each of this many worst (pairs.py); with "every", the cap
+    pair_rule: str = "best"  # or "every": every sample against every lower-scored one, pairs_per_prompt at most
     reference: str = "initial"
     on_no_pairs: str = "stop"
     held_out_share: float = 0.0
@@ -69,6 +71,8 @@ class RoundsConfig:
             raise RoundsError(f"missing_eos_penalty must be a finite number, got {self.missing_eos_penalty}")
         if not (math.isfinite(self.min_margin) and self.min_margin >= 0):
             raise RoundsError(f"min_margin must be a finite number >= 0, got {self.min_margin}")
+        if self.pair_rule not in PAIR_RULES:
+            raise RoundsError(f"pair_rule must be one of {PAIR_RULES}, got {self.pair_rule!r}")
         if self.reference not in REFERENCES:
             raise RoundsError(f"reference must be one of {REFERENCES}, got {self.reference!r}")
         if self.on_no_pairs not in NO_PAIR_CHOICES:

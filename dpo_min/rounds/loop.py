@@ -135,7 +135,8 @@ def _pairs(run: _Run, samples: list[dict[str, Any]], args: DPOMinConfig) -> tupl
     and how many prompts were saturated (every sample scored the same)."""
     groups = [{"prompt_index": i, "prompt": run.rows[i]["prompt"], "prompt_ids": run.prompt_ids[i],
                "samples": [row for row in samples if row["prompt_index"] == i]} for i in _sampled(samples)]
-    made, dropped = pairs.make_pairs(groups, run.config.min_margin, run.config.pairs_per_prompt)
+    made, dropped = pairs.make_pairs(groups, run.config.min_margin, run.config.pairs_per_prompt,
+                                     run.config.pair_rule)
     kept, untrainable = pairs.keep_trainable(made, run.tokenizer, args)
     return kept, {**dropped, **untrainable}, pairs.saturated(groups)
 
@@ -153,8 +154,9 @@ def _evaluate(run: _Run, model: Any, round_index: int) -> None:
         return run.rewards.score([run.rows[i]["prompt"] for i in indices], completions, _columns(run, indices, 1),
                                  round_index).total
     totals = _shared([(i, group[0]) for i, group in zip(run.held_rows, greedy)], work, run.state)
+    # Each prompt's total too (row index, total): a paired comparison of two runs reads them prompt by prompt.
     line = {"round": round_index, **held_out.mean_with_interval([t for t in totals if t is not None]),
-            "unscorable": sum(t is None for t in totals)}
+            "unscorable": sum(t is None for t in totals), "per_prompt": [list(x) for x in zip(run.held_rows, totals)]}
     if run.state.is_main_process:
         run.folder.append("held_out.jsonl", line)
         with store.written_whole(run.folder.root / "held_out.png") as staging:

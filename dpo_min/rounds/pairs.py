@@ -1,5 +1,7 @@
 """The pair rule: per prompt, the best-scored sample against the worst (with `pairs_per_prompt` k, against each of
-the k worst: GroupDPO, arXiv 2604.15602, takes more than one pair of a prompt's group). A prompt gives no pair when
+the k worst: GroupDPO, arXiv 2604.15602, takes more than one pair of a prompt's group); or, with `pair_rule`
+"every", every sample against every lower-scored one (with a 0/1 reward: every right answer against every wrong
+one), up to `pairs_per_prompt` pairs a prompt. A prompt gives no pair when
 fewer than two of its samples are scorable, when all its scores tie or its best and worst are the same text, or when
 best - worst < min_margin; a pair the DPO pass would drop (`keep_trainable`) is left out before it. Each is counted
 under its reason, never dropped silently."""
@@ -53,8 +55,45 @@ def best_and_k_worst(samples: Sequence[dict[str, Any]], min_margin: float, k: in
     return (best, rejected) if rejected else "all_tied"
 
 
-def make_pairs(groups: Sequence[dict[str, Any]], min_margin: float,
-               pairs_per_prompt: int = 1) -> tuple[list[dict[str, Any]], Counter]:
+def every_better_against_worse(samples: Sequence[dict[str, Any]], min_margin: float,
+                                cap: int) -> list[tuple[int, int]] | str:
+    """Up to `cap` (chosen, rejected) index pairs of one prompt's samples: every scored sample against every one
+    scored lower by min_margin or more (and by more than 0), each pair of texts once and never a text against
+    itself. The widest margins come first; among equal margins, the pair whose two samples were used least so far
+    (so a cap spreads over the group rather than pairing one right answer with every wrong one), then the lowest
+    indices. Or the reason there is no pair, as best_and_worst gives it."""
+    totals = [sample["total"] for sample in samples]
+    reason = best_and_worst(totals, min_margin)
+    if isinstance(reason, str):
+        return reason
+    texts = [sample["completion"] for sample in samples]
+    candidates, seen = [], set()
+    for a, b in ((a, b) for a in range(len(samples)) for b in range(len(samples))):
+        if totals[a] is None or totals[b] is None or (texts[a], texts[b]) in seen or texts[a] == texts[b]:
+            continue
+        margin = totals[a] - totals[b]
+        if margin > 0 and margin >= min_margin:
+            seen.add((texts[a], texts[b]))
+            candidates.append((a, b))
+    chosen, uses = [], Counter()
+    while candidates and len(chosen) < cap:
+        pick = min(candidates, key=lambda ab: (totals[ab[1]] - totals[ab[0]], uses[ab[0]] + uses[ab[1]], ab))
+        candidates.remove(pick)
+        chosen.append(pick)
+        uses.update(pick)
+    return chosen or "all_tied"
+
+
+def _pair_indices(samples: Sequence[dict[str, Any]], min_margin: float, cap: int,
+                  rule: str) -> list[tuple[int, int]] | str:
+    if rule == "every":
+        return every_better_against_worse(samples, min_margin, cap)
+    chosen = best_and_k_worst(samples, min_margin, cap)
+    return chosen if isinstance(chosen, str) else [(chosen[0], worst) for worst in chosen[1]]
+
+
+def make_pairs(groups: Sequence[dict[str, Any]], min_margin: float, pairs_per_prompt: int = 1,
+               rule: str = "best") -> tuple[list[dict[str, Any]], Counter]:
     """`groups`: one per prompt, {"prompt_index", "prompt", "prompt_ids", "samples": [{"completion",
     "completion_ids", "total", ...}]}.
 
@@ -65,12 +104,11 @@ def make_pairs(groups: Sequence[dict[str, Any]], min_margin: float,
     pairs, dropped = [], Counter(dict.fromkeys(PAIR_RULE_REASONS, 0))
     for group in groups:
         samples = group["samples"]
-        chosen = best_and_k_worst(samples, min_margin, pairs_per_prompt)
+        chosen = _pair_indices(samples, min_margin, pairs_per_prompt, rule)
         if isinstance(chosen, str):
             dropped[chosen] += 1
             continue
-        best = samples[chosen[0]]
-        for worst in (samples[i] for i in chosen[1]):
+        for best, worst in ((samples[a], samples[b]) for a, b in chosen):
             pairs.append({"prompt": group["prompt"], "chosen": _as_completion(group["prompt"], best["completion"]),
                           "rejected": _as_completion(group["prompt"], worst["completion"]),
                           "prompt_ids": group["prompt_ids"], "chosen_ids": best["completion_ids"],

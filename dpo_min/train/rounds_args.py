@@ -4,7 +4,7 @@ Each round's DPO pass takes the command's training options (learning_rate, loss_
 
 from dataclasses import MISSING, dataclass, field, fields
 
-from ..rounds.config import NO_PAIR_CHOICES, REFERENCES, RoundsConfig
+from ..rounds.config import NO_PAIR_CHOICES, PAIR_RULES, REFERENCES, RoundsConfig
 
 _DEFAULT = {option.name: option.default for option in fields(RoundsConfig) if option.default is not MISSING}
 
@@ -55,7 +55,13 @@ class RoundsArguments:
     pairs_per_prompt: int = field(default=_DEFAULT["pairs_per_prompt"], metadata={
         "help": "Pair each prompt's best sample against each of its K worst (GroupDPO, arXiv 2604.15602: more than "
                 "one pair per prompt); a worst of the best's text, of an earlier pair's, tied with the best or under "
-                "--min_margin makes no pair. Default 1: best against worst."})
+                "--min_margin makes no pair. Default 1: best against worst. With --pair_rule every: the most pairs a "
+                "prompt gives."})
+    pair_rule: str = field(default=_DEFAULT["pair_rule"], metadata={
+        "help": "best: each prompt's best sample against its --pairs_per_prompt worst. every: every sample against "
+                "every lower-scored one (a 0/1 reward: every right answer against every wrong one), each pair of "
+                "texts once, widest margins first, spread over the samples, --pairs_per_prompt at most a prompt.",
+        "choices": list(PAIR_RULES)})
     on_no_pairs: str = field(default=_DEFAULT["on_no_pairs"], metadata={
         "help": "A round where every prompt's samples tie: stop there, or skip to the next round.",
         "choices": list(NO_PAIR_CHOICES)})

@@ -1,0 +1,124 @@
+"""The evidence of DPO in rounds (issue 45): the pair rule that raises a round's signal, the paired tests the
+comparison reports, and the protocol fixed before its seeds ran."""
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from dpo_min.rounds import RoundsConfig, RoundsError, make_pairs
+from dpo_min.train.plan import resolve
+from dpo_min.train.rounds import rounds_config
+
+ROOT = Path(__file__).resolve().parent.parent
+PROTOCOL = ROOT / "benchmarks" / "protocols" / "rounds-2026-12-05.json"
+SEEDS_ALREADY_SEEN = {42, 7, 1, 3, 11}  # the seeds of the published arms and of the replication that broke them
+
+
+def load(name):
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def group(*samples):
+    return {"prompt_index": 0, "prompt": "p", "prompt_ids": [1],
+            "samples": [{"completion": text, "completion_ids": [i], "total": total}
+                        for i, (text, total) in enumerate(samples)]}
+
+
+def pairs_of(made):
+    return [(pair["chosen"], pair["rejected"]) for pair in made]
+
+
+def test_every_right_against_every_wrong_each_text_pair_once_spread_over_the_samples_and_capped():
+    samples = group(("42", 1.0), ("41", 0.0), ("42", 1.0), ("43", 0.0), ("40", 0.0), ("so 42", 1.0))
+    made, dropped = make_pairs([samples], 0.0, pairs_per_prompt=8, rule="every")
+    # 2 right texts x 3 wrong texts: 6 pairs (the second "42" is the first's text: no pair of its own).
+    assert sorted(pairs_of(made)) == sorted((r, w) for r in ("42", "so 42") for w in ("41", "43", "40"))
+    # Capped at 3: each right text and each wrong text used before any is used twice.
+    capped = pairs_of(make_pairs([samples], 0.0, pairs_per_prompt=3, rule="every")[0])
+    assert capped == [("42", "41"), ("so 42", "43"), ("42", "40")]
+    assert dict(dropped) == {"unscorable": 0, "all_tied": 0, "below_min_margin": 0}
+    # The best rule on the same group: the first best against its 2 worst.
+    assert pairs_of(make_pairs([samples], 0.0, pairs_per_prompt=2)[0]) == [("42", "41"), ("42", "43")]
+
+
+def test_every_rule_takes_the_widest_margins_first_and_honours_min_margin_and_ties():
+    graded = group(("a", 3.0), ("b", 2.0), ("c", 1.0), ("d", 0.0))
+    assert pairs_of(make_pairs([graded], 0.0, 2, "every")[0]) == [("a", "d"), ("a", "c")]
+    assert pairs_of(make_pairs([graded], 0.0, 2, "every")[0])[0] == ("a", "d")  # margin 3 first
+    # min_margin 2: only a>c, a>d, b>d qualify.
+    assert sorted(pairs_of(make_pairs([graded], 2.0, 8, "every")[0])) == [("a", "c"), ("a", "d"), ("b", "d")]
+    made, dropped = make_pairs([group(("x", 1.0), ("y", 1.0))], 0.0, 8, "every")
+    assert made == [] and dropped["all_tied"] == 1
+    made, dropped = make_pairs([group(("x", 1.0), ("x", 0.0))], 0.0, 8, "every")  # one text against itself
+    assert made == [] and dropped["all_tied"] == 1
+
+
+def test_pair_rule_is_checked_recorded_only_when_set_and_reaches_the_rounds_from_the_command(tmp_path):
+    with pytest.raises(RoundsError, match=r"^pair_rule must be one of \('best', 'every'\), got 'all'$"):
+        RoundsConfig("out", pair_rule="all")
+    assert "pair_rule" not in RoundsConfig("out").settings()  # a run from before the option resumes
+    assert RoundsConfig("out", pair_rule="every").settings()["pair_rule"] == "every"
+    plan = resolve(["--rounds", "2", "--output_dir", str(tmp_path / "o"), "--pair_rule", "every",
+                    "--pairs_per_prompt", "8"])
+    assert (rounds_config(plan, None).pair_rule, rounds_config(plan, None).pairs_per_prompt) == ("every", 8)
+
+
+@pytest.mark.parametrize(("k", "n", "expected"), [(0, 0, 1.0), (5, 11, 1.0), (0, 6, 2 / 64), (2, 10, 2 * 56 / 1024),
+                                                  (8, 8, 2 / 256), (3, 4, 2 * 5 / 16)])
+def test_the_two_sided_exact_binomial_is_the_hand_computed_tail(k, n, expected):
+    paired = load("paired")
+    assert paired.binomial_two_sided(k, n) == pytest.approx(expected)
+    assert paired.binomial_two_sided(n - k, n) == pytest.approx(expected)  # symmetric
+
+
+def test_mcnemar_reads_only_the_discordant_prompts_and_the_sign_test_only_the_seeds_not_level():
+    paired = load("paired")
+    assert paired.exact_mcnemar(5, 6) == 1.0  # the replication of issue 45: 5 right only in the rounds, 6 offline
+    assert paired.exact_mcnemar(10, 0) == pytest.approx(2 / 1024)
+    assert paired.sign_test(6, 2) == pytest.approx(2 * (1 + 8 + 28) / 256)
+
+
+def test_the_protocol_fixes_new_seeds_and_options_the_command_accepts(tmp_path):
+    protocol = json.loads(PROTOCOL.read_text())
+    assert len(protocol["seeds"]) >= 8 and not set(protocol["seeds"]) & SEEDS_ALREADY_SEEN
+    assert len(set(protocol["seeds"])) == len(protocol["seeds"])
+    compare = load("compare_rounds")
+    argv = ["--rounds", str(protocol["rounds"]), "--seed", str(protocol["seeds"][0]), *compare.demo_options(),
+            *compare.POOL_OPTIONS, *protocol["options"], "--output_dir", str(tmp_path / "rounds")]
+    config = rounds_config(resolve(argv), None)
+    assert (config.pair_rule, config.pairs_per_prompt, config.prompts_per_round) == ("every", 8, 16)
+    # One schedule for every arm: no decay restarted each round, equal steps equal summed learning rate.
+    assert config.training["lr_scheduler_type"] == "constant" and config.training["num_train_epochs"] == 3
+    assert (config.training["loss_type"], config.training["learning_rate"]) == (["sigmoid", "sft"], 1e-4)
+    assert config.on_no_pairs == "skip" and config.held_out_share == pytest.approx(0.0213)
+
+
+def test_a_seed_the_protocol_does_not_list_is_refused(tmp_path):
+    compare = load("compare_rounds")
+    with pytest.raises(SystemExit, match="not one of the protocol's"):
+        compare.run_seed(json.loads(PROTOCOL.read_text()), 42, tmp_path)
+
+
+def test_the_table_gives_each_seed_the_pooled_counts_and_the_paired_tests(tmp_path, capsys):
+    compare = load("compare_rounds")
+    files = []
+    for seed, rounds, offline in ((13, [1, 1, 0, 0], [1, 0, 0, 0]), (17, [1, 1, 1, 0], [0, 0, 1, 0])):
+        figures = {"seed": seed, "protocol": "p", "per_draw": [1, 2, 3],
+                   "rounds": {"right": [0, 1, sum(rounds)], "changed": [1, 1], "pairs": [2, 3], "steps": [1, 1]},
+                   "outcomes": {"pi_0": [0, 0, 0, 0], "rounds": rounds, "offline_samples": offline,
+                                "offline_matched": offline},
+                   "offline": {"offline_samples": {"steps": 2}, "offline_matched": {"steps": 2}}}
+        files.append(tmp_path / f"{seed}.json")
+        files[-1].write_text(json.dumps(figures))
+    compare.print_table([str(path) for path in files])
+    printed = capsys.readouterr().out
+    assert "| rounds | 5/8 = 0.625" in printed and "| offline_samples | 2/8 = 0.250" in printed
+    # Right only in the rounds: seed 13 prompt 2, seed 17 prompts 1, 2: 3 against 0; both seeds ahead.
+    assert "| rounds vs offline_samples | 3 | 0 | 0.25 | 2 / 0 / 0 | 0.5 |" in printed
