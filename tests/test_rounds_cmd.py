@@ -103,6 +103,12 @@ def run_main(argv, capsys):
      "--missing_eos_penalty must be a finite number, got inf"),
     (["--rounds", "1", "--reward_funcs", "accuracy_reward", "--max_eval_samples", "8"], 2,
      "--max_eval_samples is not read with --rounds (a share of --dataset's prompts is held out: --eval_fraction)"),
+    (["--rounds", "1", "--reward_funcs", "accuracy_reward", "--temperature", "inf"], 2,
+     "--temperature must be a finite number <= 10, got inf: at 10 a sample is already close to a uniform draw over "
+     "the vocabulary"),
+    (["--rounds", "2", "--reward_funcs", "accuracy_reward", "--temperature", "0.7", "1e30"], 2,
+     "--temperature must be a finite number <= 10, got [0.7, 1e+30]: at 10 a sample is already close to a uniform "
+     "draw over the vocabulary"),
 ])
 def test_a_bad_command_line_is_one_line(tmp_path, prompts_file, capsys, extra, code, message):
     argv = ["--dataset", str(prompts_file), "--output_dir", str(tmp_path / "out"), *extra]

@@ -3,6 +3,7 @@ round, more than one pair per prompt, a temperature per round, the NLL term and 
 each round's count of saturated prompts."""
 
 import json
+import math
 
 import pytest
 import torch
@@ -10,6 +11,7 @@ import torch.nn.functional as F
 from test_rounds import PROMPTS, constant, letters, settings, tiny_policy
 
 from dpo_min.rounds import RoundsConfig, RoundsError, make_pairs, run_rounds
+from dpo_min.rounds.config import MAX_TEMPERATURE
 from dpo_min.rounds.pairs import saturated
 from dpo_min.rounds.prompts import split_held_out
 from dpo_min.rounds.sampling import hf_generate
@@ -112,6 +114,14 @@ def test_a_temperature_list_is_one_value_or_one_per_round_and_a_longer_resume_is
         RoundsConfig("out", rounds=4, temperature=[0.7, 1.0, 1.2])
     with pytest.raises(RoundsError, match=r"^temperature must be > 0, got \[0.7, 0.0\]$"):
         RoundsConfig("out", rounds=2, temperature=[0.7, 0])
+
+
+@pytest.mark.parametrize("temperature", [math.inf, math.nan, 1e30, MAX_TEMPERATURE * 1.01, [0.7, math.inf]])
+def test_a_temperature_that_is_not_finite_or_past_the_bound_is_refused(temperature):
+    # inf (or 1e30) samples uniformly over the vocabulary: noise, paired and trained on.
+    with pytest.raises(RoundsError, match=rf"^temperature must be a finite number <= {MAX_TEMPERATURE:g}, got "):
+        RoundsConfig("out", rounds=2, temperature=temperature)
+    assert RoundsConfig("out", temperature=MAX_TEMPERATURE).temperature == MAX_TEMPERATURE
 
 
 @pytest.mark.parametrize(("name", "value"), [("prompts_per_round", 0), ("pairs_per_prompt", 0)])

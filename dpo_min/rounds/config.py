@@ -8,6 +8,11 @@ from typing import Any
 REFERENCES = ("initial", "previous")
 NO_PAIR_CHOICES = ("stop", "skip")
 DEFAULT_PROMPTS_PER_BATCH = 8
+# The highest sampling temperature taken. Neither TRL nor transformers bound it, but past a few units a sample is a
+# draw from (near) the uniform distribution over the vocabulary: SmolLM2-135M-Instruct's next-token entropy on the
+# arithmetic prompts is 58% of the uniform's at 2, 97.5% at 5 and 99.4% at 10 (its greedy token's probability 0.68,
+# 0.002, 0.0002), docs/rounds.md. inf and 1e30 would sample noise and pair it.
+MAX_TEMPERATURE = 10.0
 # Options that came after runs were recorded: at these values settings.json leaves them out, as it did before.
 RECIPE_DEFAULTS = {"prompts_per_round": None, "pairs_per_prompt": 1}
 
@@ -95,6 +100,9 @@ class RoundsConfig:
                                   "one per round (a resume that adds rounds needs a temperature for each)")
             self.temperature = values[0] if len(values) == 1 else values
         values = self.temperature if isinstance(self.temperature, list) else [self.temperature]
+        if not all(math.isfinite(value) and value <= MAX_TEMPERATURE for value in values):
+            raise RoundsError(f"temperature must be a finite number <= {MAX_TEMPERATURE:g}, got {self.temperature}: "
+                              f"at {MAX_TEMPERATURE:g} a sample is already close to a uniform draw over the vocabulary")
         if not all(value > 0 for value in values):
             raise RoundsError(f"temperature must be > 0, got {self.temperature}")
 
