@@ -4,6 +4,7 @@ each round's count of saturated prompts."""
 
 import json
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -114,6 +115,29 @@ def test_a_temperature_list_is_one_value_or_one_per_round_and_a_longer_resume_is
         RoundsConfig("out", rounds=4, temperature=[0.7, 1.0, 1.2])
     with pytest.raises(RoundsError, match=r"^temperature must be > 0, got \[0.7, 0.0\]$"):
         RoundsConfig("out", rounds=2, temperature=[0.7, 0])
+
+
+def test_a_run_with_a_temperature_per_round_resumes_with_more_rounds_and_a_list_that_starts_with_its_own(tmp_path,
+                                                                                                   tokenizer):
+    seen = []
+
+    def generate(model, prompt_ids, settings_):
+        seen.append(settings_.temperature)
+        return hf_generate(model, prompt_ids, settings_, tokenizer.eos_token_id)
+    three = settings(tmp_path, rounds=3, held_out_share=0.0, temperature=[0.5, 1.0, 1.5], training=ONE_STEP)
+    run_rounds(tiny_policy(), tokenizer, PROMPTS, letters, three, generate_fn=generate)
+    seen.clear()
+    longer = [*three.temperature, 2.0]  # "needs a temperature for each": given one for each, it is the same run
+    result = run_rounds(tiny_policy(), tokenizer, PROMPTS, letters, replace(three, rounds=4, temperature=longer),
+                        generate_fn=generate)
+    assert [(line["round"], line["status"]) for line in result.rounds] == [(k, "trained") for k in range(1, 5)]
+    assert set(seen) == {2.0}  # the finished rounds are not sampled again; round 4 at its own
+    assert json.loads((tmp_path / "run" / "settings.json").read_text())["temperature"] == longer
+    assert run_rounds(tiny_policy(), tokenizer, PROMPTS, letters, three).rounds == result.rounds  # the list's start
+    with pytest.raises(RoundsError, match=r"holds a run with other settings \(temperature \[0.5, 1.0, 1.5, 2.0\] -> "
+                                          r"\[0.5, 0.7, 1.5, 2.0, 2.5\]\)"):  # a finished round's changed: refused
+        run_rounds(tiny_policy(), tokenizer, PROMPTS, letters,
+                   replace(three, rounds=5, temperature=[0.5, 0.7, 1.5, 2.0, 2.5]))
 
 
 @pytest.mark.parametrize("temperature", [math.inf, math.nan, 1e30, MAX_TEMPERATURE * 1.01, [0.7, math.inf]])
