@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from dpo_min import load_preference_dataset
+from dpo_min.files import staging_path
 from dpo_min.rounds import rewards as rounds_rewards
 from dpo_min.rounds.arithmetic import last_integer, last_integer_reward
 from dpo_min.split import held_out_split
@@ -224,6 +225,23 @@ def test_an_output_folder_holding_other_files_is_refused_and_left_as_it_was(tmp_
     assert run_main(argv, capsys) == (2, f"python -m dpo_min.train: error: --output_dir {out} holds files that are "
                                          "not a rounds run's (no settings.json); choose another folder")
     assert sorted(path.name for path in tmp_path.iterdir()) == ["out", "prompts.jsonl"]  # no lock left behind
+
+
+def test_a_first_settings_write_killed_before_its_rename_leaves_a_folder_the_same_command_runs_in(
+        tmp_path, tiny_model_dir, prompts_file, capsys):
+    # A SIGKILL while settings.json is written leaves only the writer's staging file: the package's own, not a
+    # foreign file that would refuse the folder for good.
+    out = tmp_path / "out"
+    out.mkdir()
+    staging = staging_path(out / rounds_cmd.SETTINGS_FILE)
+    staging.write_text('{"num_generations": 2, "tempera')
+    argv = ["--rounds", "1", "--model", str(tiny_model_dir), "--dataset", str(prompts_file), "--reward_funcs",
+            "dpo_min.rounds.arithmetic:last_integer_reward", "--num_generations", "2", "--max_completion_length", "2",
+            "--eval_fraction", "0", "--output_dir", str(out)]
+    code, err = run_main(argv, capsys)
+    assert code == 0 and "error" not in err, err
+    assert json.loads((out / "settings.json").read_text())["num_generations"] == 2 and not staging.exists()
+    assert [json.loads(line)["round"] for line in (out / "rounds.jsonl").read_text().splitlines()] == [1]
 
 
 def test_a_resume_with_another_model_dtype_or_chat_template_is_refused_naming_old_and_new(tmp_path, tiny_model_dir,

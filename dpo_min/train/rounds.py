@@ -18,6 +18,7 @@ from typing import Any
 
 from ..config import DPOMinConfig
 from ..data.loading import load_rows
+from ..files import staging_path
 from ..models import is_repo_id
 from ..rounds import RewardModel, RoundsConfig, RoundsError, run_rounds
 from ..rounds.held_out import describe
@@ -201,9 +202,12 @@ def load_prompts(plan: Plan) -> list[dict[str, Any]]:
 
 
 def _check_folder(folder: RunFolder) -> None:
-    """A rounds run writes into --output_dir itself: refused when it holds anything but a rounds run."""
+    """A rounds run writes into --output_dir itself: refused when it holds anything but a rounds run. The staging
+    file of its first settings.json (dpo_min.files), left by a kill before the rename, is the run's own: the same
+    command starts the run there again, and the writer replaces it."""
     out = folder.output_dir
-    if out.is_dir() and any(out.iterdir()) and not (out / SETTINGS_FILE).is_file():
+    own = staging_path(out / SETTINGS_FILE).name
+    if out.is_dir() and any(entry.name != own for entry in out.iterdir()) and not (out / SETTINGS_FILE).is_file():
         raise OutputDirError(f"--output_dir {folder.shown} holds files that are not a rounds run's (no "
                              f"{SETTINGS_FILE}); choose another folder")
 
