@@ -104,6 +104,12 @@ def run_main(argv, capsys):
      "--missing_eos_penalty must be a finite number, got inf"),
     (["--rounds", "1", "--reward_funcs", "accuracy_reward", "--max_eval_samples", "8"], 2,
      "--max_eval_samples is not read with --rounds (a share of --dataset's prompts is held out: --eval_fraction)"),
+    (["--rounds", "1", "--reward_funcs", "accuracy_reward", "--eval_strategy", "steps"], 2,
+     "--eval_strategy steps is not read with --rounds (a round's DPO pass has no held-out pairs; the held-out prompts, "
+     "--eval_fraction, are scored after each round: held_out.jsonl)"),
+    (["--rounds", "1", "--reward_funcs", "accuracy_reward", "--eval_on_start", "true"], 2,
+     "--eval_on_start True is not read with --rounds (a round's DPO pass has no held-out pairs; the held-out prompts, "
+     "--eval_fraction, are scored after each round: held_out.jsonl)"),
     (["--rounds", "1", "--reward_funcs", "accuracy_reward", "--temperature", "inf"], 2,
      "--temperature must be a finite number <= 10, got inf: at 10 a sample is already close to a uniform draw over "
      "the vocabulary"),

@@ -148,6 +148,14 @@ def test_a_temperature_that_is_not_finite_or_past_the_bound_is_refused(temperatu
     assert RoundsConfig("out", temperature=MAX_TEMPERATURE).temperature == MAX_TEMPERATURE
 
 
+@pytest.mark.parametrize("strategy", ["steps", "epoch"])
+def test_an_evaluation_in_a_rounds_dpo_pass_is_refused_by_the_config(strategy):
+    # The pass has no held-out pairs: Trainer refused it after the round had sampled and scored.
+    with pytest.raises(RoundsError, match=rf"^training: drop eval_strategy '{strategy}', a round's DPO pass has no "):
+        RoundsConfig("out", training={"eval_strategy": strategy})
+    assert RoundsConfig("out", training={"eval_strategy": "no"}).training == {"eval_strategy": "no"}
+
+
 @pytest.mark.parametrize(("name", "value"), [("prompts_per_round", 0), ("pairs_per_prompt", 0)])
 def test_a_recipe_option_below_one_is_one_line_naming_it(name, value):
     with pytest.raises(RoundsError, match=rf"^{name} must be >= 1, got 0$"):

@@ -123,6 +123,13 @@ def _refuse_unsupported(plan: Plan) -> None:
     for option, instead in NOT_IN_ROUNDS.items():
         if option in given:
             raise UsageError(f"--{option} is not read with --rounds ({instead})")
+    # A round's DPO pass has no held-out pairs: Trainer refuses an evaluation after the round has sampled.
+    evaluation = {"eval_strategy": getattr(plan.args.eval_strategy, "value", plan.args.eval_strategy),
+                  "eval_on_start": plan.args.eval_on_start}
+    for option, value in evaluation.items():
+        if option in given and value not in ("no", False):
+            raise UsageError(f"--{option} {value} is not read with --rounds (a round's DPO pass has no held-out pairs; "
+                             "the held-out prompts, --eval_fraction, are scored after each round: held_out.jsonl)")
 
 
 def _imported(spec: str) -> Callable[..., list] | str:
