@@ -21,7 +21,7 @@ from dpo_min.rounds.arithmetic import last_integer, last_integer_reward
 from dpo_min.split import held_out_split
 from dpo_min.train import main
 from dpo_min.train import rounds as rounds_cmd
-from dpo_min.train.args import ROUNDS_DEMO_DEFAULTS
+from dpo_min.train.args import EVAL_FRACTION, ROUNDS_DEMO_DEFAULTS, ROUNDS_DEMO_PROMPT_SETTINGS
 from dpo_min.train.plan import resolve
 from dpo_min.train.rounds import EMBEDDED_PROMPTS, load_prompts, rounds_config
 from dpo_min.train.rounds_args import RoundsArguments
@@ -290,6 +290,22 @@ def test_rounds_with_no_model_and_no_data_take_the_demos_defaults_and_prompts(tm
     assert len(held_out_split(3000, config.held_out_share, plan.args.seed)[1]) == 64
     offline = resolve(["--output_dir", str(tmp_path / "offline")])  # the offline demo keeps its own
     assert offline.rounds is None and offline.args.learning_rate != ROUNDS_DEMO_DEFAULTS["learning_rate"]
+
+
+def test_rounds_with_a_model_and_no_data_take_the_demos_prompts_with_its_round_settings(tmp_path):
+    # The demo's 3,000 prompts at RoundsConfig's defaults were every prompt every round, ~11,400 samples each.
+    argv = ["--rounds", "3", "--model", "my/model", "--output_dir", str(tmp_path / "out")]
+    plan = resolve(argv)
+    config = rounds_config(plan, None)
+    assert not plan.demo and load_prompts(plan) == load_prompts(resolve(argv[:2] + argv[4:]))  # the demo's pool
+    reached = {**vars(config), "eval_fraction": config.held_out_share}
+    for name in ROUNDS_DEMO_PROMPT_SETTINGS:
+        assert reached[name] == ROUNDS_DEMO_DEFAULTS[name], name
+    # Its training options and template are the model's own, as offline (DPOMinConfig's defaults, TRL's).
+    assert config.training == {"ddp_find_unused_parameters": False} and plan.model.chat_template is None
+    assert rounds_config(resolve([*argv, "--prompts_per_round", "8"]), None).prompts_per_round == 8  # a flag wins
+    own = rounds_config(resolve([*argv, "--dataset", "p.jsonl", "--reward_funcs", "accuracy_reward"]), None)
+    assert (own.prompts_per_round, own.held_out_share) == (None, EVAL_FRACTION)  # prompts of one's own: the defaults
 
 
 def test_every_rounds_option_is_in_help_and_readme(capsys):
