@@ -1,9 +1,12 @@
 """The rounds' reward contract (TRL GRPOTrainer's: TRL's own reward functions run unmodified) and the pair rule."""
 
+import hashlib
 import importlib
 import json
 import math
+import re
 import sys
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -201,6 +204,31 @@ def test_reward_functions_of_the_same_name_are_named_by_their_full_reference(len
     for row in map(json.loads, (tmp_path / "run" / "round-1" / "samples.jsonl").read_text().splitlines()):
         size = len(row["completion"])
         assert row["rewards"] == {"rw:length": size, "rw2:length": -size} and row["total"] == 0
+
+
+def test_a_resume_with_another_reward_function_of_the_same_name_is_refused_naming_old_and_new(lengths, tmp_path,
+                                                                                              tokenizer):
+    # rw2:length (the opposite sign) went on under the name the run recorded, `length`.
+    config = RoundsConfig(str(tmp_path / "run"), rounds=1, num_generations=2, max_completion_length=3)
+    run_rounds(tiny_policy(), tokenizer, PROMPTS, lengths[0], config)
+    path = tmp_path / "run" / "settings.json"
+    old = hashlib.sha256(LENGTH.format(sign="").encode()).hexdigest()  # rw.py holds the function alone
+    assert json.loads(path.read_text())["reward_identity"] == {"length": {"reference": "rw:length",
+                                                                          "source (sha256)": old}}
+    assert len(run_rounds(tiny_policy(), tokenizer, PROMPTS, lengths[0], config).rounds) == 1  # the same: resumes
+    new = hashlib.sha256(LENGTH.format(sign="-").encode()).hexdigest()
+    changed = f"reward_identity[length][source (sha256)] {old[:12]} -> {new[:12]}"
+    with pytest.raises(RoundsError, match=re.escape(f"{tmp_path / 'run'} holds a run with other settings ("
+                                                    f"reward_identity[length][reference] rw:length -> rw2:length; "
+                                                    f"{changed}): resume it with the same ones")):
+        run_rounds(tiny_policy(), tokenizer, PROMPTS, lengths[1], replace(config, rounds=2))
+    (tmp_path / "rw.py").write_text(LENGTH.format(sign="-"))  # the same function, its source edited
+    with pytest.raises(RoundsError, match=re.escape(f"other settings ({changed}): ")):
+        run_rounds(tiny_policy(), tokenizer, PROMPTS, importlib.reload(sys.modules["rw"]).length, config)
+    recorded = json.loads(path.read_text())
+    del recorded["reward_identity"]  # a run recorded before it: compared once recorded
+    path.write_text(json.dumps(recorded))
+    assert len(run_rounds(tiny_policy(), tokenizer, PROMPTS, lengths[1], config).rounds) == 1
 
 
 def group(index, *totals, prompt="p"):

@@ -289,6 +289,7 @@ def _open(model: Any, tokenizer: Any, prompts: Any, reward_funcs: Any, config: R
                rendered_prompts(tokenizer, rows, config.training.get("chat_template_kwargs")),
                store.RoundFiles(config.output_dir), generate_fn, state)
     settings = {**config.settings(), "prompts": fingerprint(rows), "reward_funcs": rewards.names,
+                "reward_identity": rewards.identity(),
                 "processes": state.num_processes,
                 "model": store.model_record(model, tokenizer) if model_record is None else model_record}
     if state.is_main_process:

@@ -8,6 +8,7 @@ is "this function does not judge this sample" (TRL: NaN, left out of the weighte
 is unscorable. TRL's missing_eos_penalty is taken off a completion that max_completion_length cut.
 """
 
+import hashlib
 import inspect
 import math
 import numbers
@@ -64,6 +65,21 @@ def reward_names(funcs: Sequence[Any]) -> list[str]:
     names = [function_reference(func) if counts[name] > 1 else name for func, name in zip(funcs, names)]
     counts = Counter(names)
     return [f"{name}#{index}" if counts[name] > 1 else name for index, name in enumerate(names)]
+
+
+def _source_digest(func: Any) -> str | None:
+    """sha256 of a reward function's source (a partial's arguments too), or None where there is no source to read
+    (a reward model, a builtin, code typed at a prompt)."""
+    if isinstance(func, RewardModel):
+        return None
+    inner = getattr(func, "func", func)
+    try:
+        source = inspect.getsource(inner if inspect.isroutine(inner) else type(inner))
+    except Exception:  # OSError, TypeError; a file changed since it was imported may fail to tokenize
+        return None
+    if inner is not func:  # a partial: the same function with other arguments is another reward
+        source += repr((getattr(func, "args", ()), sorted(getattr(func, "keywords", {}).items())))
+    return hashlib.sha256(source.encode()).hexdigest()
 
 
 class RewardModel:
@@ -162,6 +178,12 @@ class Rewards:
             raise RoundsError(f"reward_weights has {len(weights)} weights for {len(self.funcs)} reward functions")
         self.weights = list(weights) if weights is not None else [1.0] * len(self.funcs)
         self.missing_eos_penalty = missing_eos_penalty
+
+    def identity(self) -> dict[str, dict[str, str | None]]:
+        """What a resume checks it has the same functions by, beyond their names: each one's full reference and the
+        sha256 of its source (another `length` of the opposite sign would otherwise go on under the same name)."""
+        return {name: {"reference": function_reference(func), "source (sha256)": _source_digest(func)}
+                for name, func in zip(self.names, self.funcs)}
 
     def score(self, prompts: list, completions: list[Completion], columns: dict[str, list], round_index: int,
               state: TrainerState | None = None) -> Scores:

@@ -29,7 +29,7 @@ from ..records import ABSENT, changes
 from .config import RoundsError
 
 # Settings an earlier version's settings.json lacks: a resume of such a run compares them only once recorded.
-RECORDED_SINCE = ("model",)
+RECORDED_SINCE = ("model", "reward_identity")
 # Settings a resume may lengthen: one temperature per round, a list that rounds added to the run extend (the old list
 # its start); settings.json then records the longer one.
 EXTENDABLE = ("temperature",)
