@@ -297,6 +297,9 @@ def _open(model: Any, tokenizer: Any, prompts: Any, reward_funcs: Any, config: R
     state.wait_for_everyone()
     if not state.is_main_process:
         run.folder.claim(settings)  # the main process wrote it, or refused: each process refuses alike
+    shared = held_out.also_training(run.prompt_ids, train_rows, held_rows)
+    if shared:
+        run.say(shared)
     policy = Policy(model, config.peft_config, config.reference)
     done = run.folder.finished_rounds()
     checkpoint = run.folder.last_checkpoint()
