@@ -82,7 +82,8 @@ class RoundsConfig:
             raise RoundsError("training: drop output_dir, each round trains under output_dir/round-K/train")
         if "reference_mode" in self.training:
             raise RoundsError("training: drop reference_mode, the rounds name each round's reference from `reference`")
-        if str(getattr(evaluation := self.training.get("eval_strategy", "no"), "value", evaluation)) != "no":
+        evaluation = self.training.get("eval_strategy", "no")
+        if getattr(evaluation, "value", evaluation) != "no":  # a text, or TrainingArguments' IntervalStrategy
             raise RoundsError(f"training: drop eval_strategy {evaluation!r}, a round's DPO pass has no held-out pairs "
                               "(held_out_share holds out prompts, scored after each round)")
 

@@ -118,7 +118,6 @@ def decide(model_args: ModelArguments, data_args: DataArguments, args: DPOMinCon
     mixture = _mixture_form(data_args, is_main=args.process_index == 0)
     if rounds is None:
         _check_data_options(data_args, args, mixture)
-        _check_reference_mode(args, model_args.use_peft, needs_second_load(args, trains_adapter=model_args.use_peft))
     folder = RunFolder(args.output_dir)  # follows links once; refuses the working folder or above it
     push, args.push_to_hub = args.push_to_hub, False  # Trainer would name the repo after the staging folder
     checkpoint = args.resume_from_checkpoint
@@ -136,6 +135,8 @@ def decide(model_args: ModelArguments, data_args: DataArguments, args: DPOMinCon
         folder=folder, repo_id=hub_repo_id(folder.named, args.hub_model_id), push=push, resuming=resuming,
         resumes_here=checkpoint == "latest" or (
             resuming and Path(checkpoint).resolve().is_relative_to(folder.staging.resolve())), rounds=rounds)
+    if rounds is None:  # a rounds run refuses --reference_mode itself (train/rounds.py)
+        _check_reference_mode(plan)
     return replace(plan, resume_settings=resume_settings(model_args, data_args, args, decided=plan.decided_settings))
 
 
@@ -197,13 +198,13 @@ _COMMAND_REFERENCE = {
 }
 
 
-def _check_reference_mode(args: DPOMinConfig, trains_adapter: bool, reload_reference: bool) -> None:
+def _check_reference_mode(plan: Plan) -> None:
     """--reference_mode names the reference the library would build from the models it is given (its ValueError
     came after the model loaded, in the library's terms): the command gives one kind, refused here otherwise."""
-    mode = args.reference_mode
-    if mode is None or not args.loss_settings.reads_reference:  # a loss without a reference ignores it
+    mode = plan.args.reference_mode
+    if mode is None or not plan.args.loss_settings.reads_reference:  # a loss without a reference ignores it
         return
-    fits = "ref_model" if reload_reference else "adapter_off" if trains_adapter else "policy_at_start"
+    fits = "ref_model" if plan.reload_reference else "adapter_off" if plan.trains_adapter else "policy_at_start"
     if mode != fits:
         raise UsageError(f"--reference_mode {mode}: this run trains {_COMMAND_REFERENCE[fits]} ({fits}); leave "
                          f"--reference_mode out, or give {fits}")
