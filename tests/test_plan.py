@@ -6,7 +6,7 @@ import json
 import re
 
 import pytest
-from conftest import write_hh_rows
+from conftest import _one_line_error, write_hh_rows
 
 import dpo_min.train
 from dpo_min.train.args import DEMO_DEFAULTS, EVAL_FRACTION, UsageError
@@ -99,6 +99,30 @@ def test_zero3_full_fine_tuning_loads_the_reference_again(tmp_path, monkeypatch)
     assert decide(model_args, data_args, args).reload_reference
     args.precompute_ref_log_probs = True  # the reference is scored once, before the weights are partitioned
     assert not decide(model_args, data_args, args).reload_reference
+
+
+@pytest.mark.parametrize(("argv", "mode", "fits"), [
+    (["--model", "m"], "ref_model", "policy_at_start"),  # full fine-tuning: one model loaded, no ref_model
+    (["--model", "m"], "adapter_at_start", "policy_at_start"),
+    (["--model", "m", "--use_peft"], "adapter_at_start", "adapter_off"),  # the command wraps a bare model in LoRA
+    ([], "ref_model", "adapter_off"),  # the demo's model, with LoRA
+    (["--model", "m", "zero3"], "policy_at_start", "ref_model"),  # ZeRO-3 full fine-tuning: the model loaded again
+])
+def test_a_reference_mode_the_command_does_not_give_is_refused_before_the_model_loads(tmp_path, capsys, monkeypatch,
+                                                                                      argv, mode, fits):
+    # It was the library's ValueError once the model had loaded ("reference_mode='ref_model' needs a ref_model").
+    from dpo_min.train import plan as plan_module
+
+    if "zero3" in argv:
+        argv = argv[:-1]
+        monkeypatch.setattr(plan_module.zero, "zero_stage", lambda args: 3)
+    argv = [*argv, "--dataset", "p.jsonl"]
+    line = _one_line_error([*argv, "--reference_mode", mode], tmp_path, capsys, monkeypatch)
+    assert line.startswith(f"python -m dpo_min.train: error: --reference_mode {mode}: this run trains "), line
+    assert line.endswith(f"({fits}); leave --reference_mode out, or give {fits}"), line
+    for given in ([fits], [mode, "--loss_type", "simpo"]):  # the one it gives; any, for a loss without a reference
+        plan = resolve([*argv, "--reference_mode", *given, "--output_dir", str(tmp_path / "o")])
+        assert plan.args.reference_mode == given[0]
 
 
 def test_the_run_folder_discards_a_failed_run_it_began_and_always_releases_its_lock(tmp_path):

@@ -1,9 +1,7 @@
 """`python -m dpo_min.train --rounds N`: the command on a tiny model leaves each round's files; bad input is one
-line; the rounds' demo takes its own defaults; the arithmetic prompts are generated deterministically and their
-reward reads the last integer of a completion."""
+line; the rounds' demo takes its own defaults (its data and reward: tests/test_rounds_arithmetic.py)."""
 
 import hashlib
-import importlib.util
 import json
 import os
 import shutil
@@ -15,12 +13,12 @@ from pathlib import Path
 import pytest
 
 from dpo_min import load_preference_dataset
+from dpo_min.files import staging_path
 from dpo_min.rounds import rewards as rounds_rewards
-from dpo_min.rounds.arithmetic import last_integer, last_integer_reward
 from dpo_min.split import held_out_split
 from dpo_min.train import main
 from dpo_min.train import rounds as rounds_cmd
-from dpo_min.train.args import ROUNDS_DEMO_DEFAULTS
+from dpo_min.train.args import EVAL_FRACTION, ROUNDS_DEMO_DEFAULTS, ROUNDS_DEMO_PROMPT_SETTINGS
 from dpo_min.train.plan import resolve
 from dpo_min.train.rounds import EMBEDDED_PROMPTS, load_prompts, rounds_config
 from dpo_min.train.rounds_args import RoundsArguments
@@ -103,6 +101,18 @@ def run_main(argv, capsys):
      "--missing_eos_penalty must be a finite number, got inf"),
     (["--rounds", "1", "--reward_funcs", "accuracy_reward", "--max_eval_samples", "8"], 2,
      "--max_eval_samples is not read with --rounds (a share of --dataset's prompts is held out: --eval_fraction)"),
+    (["--rounds", "1", "--reward_funcs", "accuracy_reward", "--eval_strategy", "steps"], 2,
+     "--eval_strategy steps is not read with --rounds (a round's DPO pass has no held-out pairs; the held-out prompts, "
+     "--eval_fraction, are scored after each round: held_out.jsonl)"),
+    (["--rounds", "1", "--reward_funcs", "accuracy_reward", "--eval_on_start", "true"], 2,
+     "--eval_on_start True is not read with --rounds (a round's DPO pass has no held-out pairs; the held-out prompts, "
+     "--eval_fraction, are scored after each round: held_out.jsonl)"),
+    (["--rounds", "1", "--reward_funcs", "accuracy_reward", "--temperature", "inf"], 2,
+     "--temperature must be a finite number <= 10, got inf: at 10 a sample is already close to a uniform draw over "
+     "the vocabulary"),
+    (["--rounds", "2", "--reward_funcs", "accuracy_reward", "--temperature", "0.7", "1e30"], 2,
+     "--temperature must be a finite number <= 10, got [0.7, 1e+30]: at 10 a sample is already close to a uniform "
+     "draw over the vocabulary"),
 ])
 def test_a_bad_command_line_is_one_line(tmp_path, prompts_file, capsys, extra, code, message):
     argv = ["--dataset", str(prompts_file), "--output_dir", str(tmp_path / "out"), *extra]
@@ -220,6 +230,23 @@ def test_an_output_folder_holding_other_files_is_refused_and_left_as_it_was(tmp_
     assert sorted(path.name for path in tmp_path.iterdir()) == ["out", "prompts.jsonl"]  # no lock left behind
 
 
+def test_a_first_settings_write_killed_before_its_rename_leaves_a_folder_the_same_command_runs_in(
+        tmp_path, tiny_model_dir, prompts_file, capsys):
+    # A SIGKILL while settings.json is written leaves only the writer's staging file: the package's own, not a
+    # foreign file that would refuse the folder for good.
+    out = tmp_path / "out"
+    out.mkdir()
+    staging = staging_path(out / rounds_cmd.SETTINGS_FILE)
+    staging.write_text('{"num_generations": 2, "tempera')
+    argv = ["--rounds", "1", "--model", str(tiny_model_dir), "--dataset", str(prompts_file), "--reward_funcs",
+            "dpo_min.rounds.arithmetic:last_integer_reward", "--num_generations", "2", "--max_completion_length", "2",
+            "--eval_fraction", "0", "--output_dir", str(out)]
+    code, err = run_main(argv, capsys)
+    assert code == 0 and "error" not in err, err
+    assert json.loads((out / "settings.json").read_text())["num_generations"] == 2 and not staging.exists()
+    assert [json.loads(line)["round"] for line in (out / "rounds.jsonl").read_text().splitlines()] == [1]
+
+
 def test_a_resume_with_another_model_dtype_or_chat_template_is_refused_naming_old_and_new(tmp_path, tiny_model_dir,
                                                                                           prompts_file, capsys):
     # Each would go on: the finished round's adapter on another base, or the next round sampled through another
@@ -262,94 +289,25 @@ def test_rounds_with_no_model_and_no_data_take_the_demos_defaults_and_prompts(tm
     assert offline.rounds is None and offline.args.learning_rate != ROUNDS_DEMO_DEFAULTS["learning_rate"]
 
 
+def test_rounds_with_a_model_and_no_data_take_the_demos_prompts_with_its_round_settings(tmp_path):
+    # The demo's 3,000 prompts at RoundsConfig's defaults were every prompt every round, ~11,400 samples each.
+    argv = ["--rounds", "3", "--model", "my/model", "--output_dir", str(tmp_path / "out")]
+    plan = resolve(argv)
+    config = rounds_config(plan, None)
+    assert not plan.demo and load_prompts(plan) == load_prompts(resolve(argv[:2] + argv[4:]))  # the demo's pool
+    reached = {**vars(config), "eval_fraction": config.held_out_share}
+    for name in ROUNDS_DEMO_PROMPT_SETTINGS:
+        assert reached[name] == ROUNDS_DEMO_DEFAULTS[name], name
+    # Its training options and template are the model's own, as offline (DPOMinConfig's defaults, TRL's).
+    assert config.training == {"ddp_find_unused_parameters": False} and plan.model.chat_template is None
+    assert rounds_config(resolve([*argv, "--prompts_per_round", "8"]), None).prompts_per_round == 8  # a flag wins
+    own = rounds_config(resolve([*argv, "--dataset", "p.jsonl", "--reward_funcs", "accuracy_reward"]), None)
+    assert (own.prompts_per_round, own.held_out_share) == (None, EVAL_FRACTION)  # prompts of one's own: the defaults
+
+
 def test_every_rounds_option_is_in_help_and_readme(capsys):
     with pytest.raises(SystemExit):
         main(["--help"])
     shown, readme = capsys.readouterr().out, (ROOT / "README.md").read_text()
     for option in (f.name for f in fields(RoundsArguments) if f.init):
         assert f"--{option} " in shown and f"--{option}" in readme, option
-
-
-# ---- the demo's data and reward -----------------------------------------------------------------------------------
-def load_generator(name: str = "make_arithmetic"):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "data" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_the_arithmetic_prompts_are_the_generators_output_byte_for_byte(tmp_path):
-    subprocess.run([sys.executable, str(ROOT / "data" / "make_arithmetic.py"), str(tmp_path / "a.jsonl")],
-                   check=True)
-    assert (tmp_path / "a.jsonl").read_bytes() == ARITHMETIC.read_bytes()
-
-
-def test_the_arithmetic_prompts_follow_the_rule_in_data_readme():
-    rows = [json.loads(line) for line in ARITHMETIC.read_text().splitlines()]
-    generator = load_generator()
-    assert len(rows) == generator.ROWS and len({json.dumps(row) for row in rows}) == len(rows)
-    for index, row in enumerate(rows):
-        (message,) = row["prompt"]
-        a, op, b = message["content"].removeprefix("What is ").removesuffix("? Answer with the number.").split()
-        a, b = int(a), int(b)
-        kind = index % 4  # single-digit +, -, *, then two-digit + with no carry
-        assert op == "+-*+"[kind] and message["role"] == "user"
-        if kind < 3:
-            assert 2 <= a <= 9 and 2 <= b <= 9
-        else:
-            assert all(1 <= n // 10 <= 4 and n % 10 <= 4 for n in (a, b))  # no column sums past 9
-        assert row["solution"] == {"+": a + b, "-": a - b, "*": a * b}[op] >= 0
-    digest = hashlib.sha256(ARITHMETIC.read_bytes()).hexdigest()
-    assert f"`{digest}`" in (ROOT / "data" / "README.md").read_text()  # the sha256 data/README.md gives
-
-
-# ---- the arithmetic pool (issue 39): fresh prompts every round -----------------------------------------------------
-POOL = ROOT / "data" / "arithmetic-pool.jsonl"
-
-
-def test_the_arithmetic_pool_is_its_generators_output_byte_for_byte(tmp_path):
-    subprocess.run([sys.executable, str(ROOT / "data" / "make_arithmetic_pool.py"), str(tmp_path / "p.jsonl")],
-                   check=True)
-    assert (tmp_path / "p.jsonl").read_bytes() == POOL.read_bytes()
-
-
-def test_the_arithmetic_pool_follows_the_rule_in_data_readme():
-    rows = [json.loads(line) for line in POOL.read_text().splitlines()]
-    generator = load_generator("make_arithmetic_pool")
-    assert len(rows) == generator.ROWS == 3000 and len({json.dumps(row["prompt"]) for row in rows}) == len(rows)
-    kinds = []
-    for row in rows:
-        (message,) = row["prompt"]
-        a, op, b = message["content"].removeprefix("What is ").removesuffix("? Reply with only the number.").split()
-        a, b = int(a), int(b)
-        assert message["role"] == "user" and 10 <= a <= 99 and 2 <= b <= 98
-        if b <= 9:  # a two-digit number and a one-digit one: no carry, no borrow
-            assert (a % 10 + b <= 9) if op == "+" else (a % 10 >= b)
-        else:  # two two-digit numbers: no carry and a sum under 100; the larger first, no borrow
-            assert (a % 10 + b % 10 <= 9 and a + b <= 99) if op == "+" else (a > b and a % 10 >= b % 10)
-        kinds.append((op, b <= 9))
-        assert row["solution"] == (a + b if op == "+" else a - b) >= 0
-    assert [kinds.count(kind) for kind in [("+", True), ("-", True), ("+", False), ("-", False)]] == \
-        [300, 300, 1200, 1200]
-    digest = hashlib.sha256(POOL.read_bytes()).hexdigest()
-    assert f"`{digest}`" in (ROOT / "data" / "README.md").read_text()  # the sha256 data/README.md gives
-
-
-@pytest.mark.parametrize(("text", "expected"), [
-    ("3 + 2 = 5", 5),  # the first integer is an operand
-    ("47 + 38 = 85.", 85),
-    ("The answer is 51", 51),
-    ("90 - 99 = -9", -9),
-    ("8.5, so 7", 7),  # a decimal is no integer
-    ("about 8.5", None),
-    ("no digits", None),
-])
-def test_last_integer_reads_the_last_whole_number(text, expected):
-    assert last_integer(text) == expected
-
-
-def test_the_reward_is_exact_match_of_the_last_integer_for_text_and_messages():
-    completions = ["83 + 31 = 114", "83 + 31 = 113", "114 is 83 + 31", "none"]
-    assert last_integer_reward(completions=completions, solution=[114] * 4) == [1.0, 0.0, 0.0, 0.0]
-    messages = [[{"role": "assistant", "content": text}] for text in completions]
-    assert last_integer_reward(completions=messages, solution=["114"] * 4, prompts=[None] * 4) == [1.0, 0.0, 0.0, 0.0]

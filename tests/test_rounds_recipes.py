@@ -3,6 +3,8 @@ round, more than one pair per prompt, a temperature per round, the NLL term and 
 each round's count of saturated prompts."""
 
 import json
+import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -10,6 +12,7 @@ import torch.nn.functional as F
 from test_rounds import PROMPTS, constant, letters, settings, tiny_policy
 
 from dpo_min.rounds import RoundsConfig, RoundsError, make_pairs, run_rounds
+from dpo_min.rounds.config import MAX_TEMPERATURE
 from dpo_min.rounds.pairs import saturated
 from dpo_min.rounds.prompts import split_held_out
 from dpo_min.rounds.sampling import hf_generate
@@ -112,6 +115,45 @@ def test_a_temperature_list_is_one_value_or_one_per_round_and_a_longer_resume_is
         RoundsConfig("out", rounds=4, temperature=[0.7, 1.0, 1.2])
     with pytest.raises(RoundsError, match=r"^temperature must be > 0, got \[0.7, 0.0\]$"):
         RoundsConfig("out", rounds=2, temperature=[0.7, 0])
+
+
+def test_a_run_with_a_temperature_per_round_resumes_with_more_rounds_and_a_list_that_starts_with_its_own(tmp_path,
+                                                                                                   tokenizer):
+    seen = []
+
+    def generate(model, prompt_ids, settings_):
+        seen.append(settings_.temperature)
+        return hf_generate(model, prompt_ids, settings_, tokenizer.eos_token_id)
+    three = settings(tmp_path, rounds=3, held_out_share=0.0, temperature=[0.5, 1.0, 1.5], training=ONE_STEP)
+    run_rounds(tiny_policy(), tokenizer, PROMPTS, letters, three, generate_fn=generate)
+    seen.clear()
+    longer = [*three.temperature, 2.0]  # "needs a temperature for each": given one for each, it is the same run
+    result = run_rounds(tiny_policy(), tokenizer, PROMPTS, letters, replace(three, rounds=4, temperature=longer),
+                        generate_fn=generate)
+    assert [(line["round"], line["status"]) for line in result.rounds] == [(k, "trained") for k in range(1, 5)]
+    assert set(seen) == {2.0}  # the finished rounds are not sampled again; round 4 at its own
+    assert json.loads((tmp_path / "run" / "settings.json").read_text())["temperature"] == longer
+    assert run_rounds(tiny_policy(), tokenizer, PROMPTS, letters, three).rounds == result.rounds  # the list's start
+    with pytest.raises(RoundsError, match=r"holds a run with other settings \(temperature \[0.5, 1.0, 1.5, 2.0\] -> "
+                                          r"\[0.5, 0.7, 1.5, 2.0, 2.5\]\)"):  # a finished round's changed: refused
+        run_rounds(tiny_policy(), tokenizer, PROMPTS, letters,
+                   replace(three, rounds=5, temperature=[0.5, 0.7, 1.5, 2.0, 2.5]))
+
+
+@pytest.mark.parametrize("temperature", [math.inf, math.nan, 1e30, MAX_TEMPERATURE * 1.01, [0.7, math.inf]])
+def test_a_temperature_that_is_not_finite_or_past_the_bound_is_refused(temperature):
+    # inf (or 1e30) samples uniformly over the vocabulary: noise, paired and trained on.
+    with pytest.raises(RoundsError, match=rf"^temperature must be a finite number <= {MAX_TEMPERATURE:g}, got "):
+        RoundsConfig("out", rounds=2, temperature=temperature)
+    assert RoundsConfig("out", temperature=MAX_TEMPERATURE).temperature == MAX_TEMPERATURE
+
+
+@pytest.mark.parametrize("strategy", ["steps", "epoch"])
+def test_an_evaluation_in_a_rounds_dpo_pass_is_refused_by_the_config(strategy):
+    # The pass has no held-out pairs: Trainer refused it after the round had sampled and scored.
+    with pytest.raises(RoundsError, match=rf"^training: drop eval_strategy '{strategy}', a round's DPO pass has no "):
+        RoundsConfig("out", training={"eval_strategy": strategy})
+    assert RoundsConfig("out", training={"eval_strategy": "no"}).training == {"eval_strategy": "no"}
 
 
 @pytest.mark.parametrize(("name", "value"), [("prompts_per_round", 0), ("pairs_per_prompt", 0)])

@@ -1,16 +1,22 @@
 """The rounds' reward contract (TRL GRPOTrainer's: TRL's own reward functions run unmodified) and the pair rule."""
 
+import hashlib
+import importlib
 import json
 import math
+import re
+import sys
+from dataclasses import replace
 
 import numpy as np
 import pytest
 import torch
 from datasets import Dataset
+from test_rounds import PROMPTS, tiny_policy
 from trl.rewards import accuracy_reward, think_format_reward
 
 from dpo_min import DPOMinConfig, tokenize_dataset
-from dpo_min.rounds import RoundsConfig, RoundsError, held_out, make_pairs
+from dpo_min.rounds import RoundsConfig, RoundsError, held_out, make_pairs, run_rounds
 from dpo_min.rounds.pairs import keep_trainable
 from dpo_min.rounds.rewards import Rewards
 from dpo_min.rounds.sampling import Completion
@@ -166,6 +172,63 @@ def test_a_weight_or_penalty_that_is_not_finite_is_refused_by_the_config(tmp_pat
 def test_reward_weights_must_match_the_functions():
     with pytest.raises(RoundsError, match="reward_weights has 2 weights for 1 reward functions"):
         Rewards(too_few, weights=[1.0, 2.0])
+
+
+LENGTH = """def length(completions, **_):
+    return [{sign}float(len(c if isinstance(c, str) else c[0]["content"])) for c in completions]
+"""
+
+
+@pytest.fixture
+def lengths(tmp_path, monkeypatch):
+    """Two reward functions named `length`, of opposite signs, in modules rw and rw2 of the working folder."""
+    for module, sign in (("rw", ""), ("rw2", "-")):
+        (tmp_path / f"{module}.py").write_text(LENGTH.format(sign=sign))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield [importlib.import_module(module).length for module in ("rw", "rw2")]
+    for module in ("rw", "rw2"):
+        sys.modules.pop(module, None)
+
+
+def test_reward_functions_of_the_same_name_are_named_by_their_full_reference(lengths, tmp_path, tokenizer):
+    # samples.jsonl kept one `length` of the two, while the total summed both.
+    rewards = Rewards(lengths)
+    samples = completions("ab", "abc")
+    assert rewards.names == ["rw:length", "rw2:length"]
+    assert rewards.score(["p"] * 2, samples, {}, 1).per_function == [
+        {"rw:length": len(c.text), "rw2:length": -len(c.text)} for c in samples]
+    assert Rewards([lengths[0], lengths[0]]).names == ["rw:length#0", "rw:length#1"]
+    assert Rewards([lengths[0], accuracy_reward]).names == ["length", "accuracy_reward"]  # TRL's, as runs recorded
+    config = RoundsConfig(str(tmp_path / "run"), rounds=1, num_generations=2, max_completion_length=3)
+    run_rounds(tiny_policy(), tokenizer, PROMPTS, lengths, config)  # every total 0: a tie, no pair, no training
+    for row in map(json.loads, (tmp_path / "run" / "round-1" / "samples.jsonl").read_text().splitlines()):
+        size = len(row["completion"])
+        assert row["rewards"] == {"rw:length": size, "rw2:length": -size} and row["total"] == 0
+
+
+def test_a_resume_with_another_reward_function_of_the_same_name_is_refused_naming_old_and_new(lengths, tmp_path,
+                                                                                              tokenizer):
+    # rw2:length (the opposite sign) went on under the name the run recorded, `length`.
+    config = RoundsConfig(str(tmp_path / "run"), rounds=1, num_generations=2, max_completion_length=3)
+    run_rounds(tiny_policy(), tokenizer, PROMPTS, lengths[0], config)
+    path = tmp_path / "run" / "settings.json"
+    old = hashlib.sha256(LENGTH.format(sign="").encode()).hexdigest()  # rw.py holds the function alone
+    assert json.loads(path.read_text())["reward_identity"] == {"length": {"reference": "rw:length",
+                                                                          "source (sha256)": old}}
+    assert len(run_rounds(tiny_policy(), tokenizer, PROMPTS, lengths[0], config).rounds) == 1  # the same: resumes
+    new = hashlib.sha256(LENGTH.format(sign="-").encode()).hexdigest()
+    changed = f"reward_identity[length][source (sha256)] {old[:12]} -> {new[:12]}"
+    with pytest.raises(RoundsError, match=re.escape(f"{tmp_path / 'run'} holds a run with other settings ("
+                                                    f"reward_identity[length][reference] rw:length -> rw2:length; "
+                                                    f"{changed}): resume it with the same ones")):
+        run_rounds(tiny_policy(), tokenizer, PROMPTS, lengths[1], replace(config, rounds=2))
+    (tmp_path / "rw.py").write_text(LENGTH.format(sign="-"))  # the same function, its source edited
+    with pytest.raises(RoundsError, match=re.escape(f"other settings ({changed}): ")):
+        run_rounds(tiny_policy(), tokenizer, PROMPTS, importlib.reload(sys.modules["rw"]).length, config)
+    recorded = json.loads(path.read_text())
+    del recorded["reward_identity"]  # a run recorded before it: compared once recorded
+    path.write_text(json.dumps(recorded))
+    assert len(run_rounds(tiny_policy(), tokenizer, PROMPTS, lengths[1], config).rounds) == 1
 
 
 def group(index, *totals, prompt="p"):

@@ -8,6 +8,11 @@ from typing import Any
 REFERENCES = ("initial", "previous")
 NO_PAIR_CHOICES = ("stop", "skip")
 DEFAULT_PROMPTS_PER_BATCH = 8
+# The highest sampling temperature taken. Neither TRL nor transformers bound it, but past a few units a sample is a
+# draw from (near) the uniform distribution over the vocabulary: SmolLM2-135M-Instruct's next-token entropy on the
+# arithmetic prompts is 58% of the uniform's at 2, 97.5% at 5 and 99.4% at 10 (its greedy token's probability 0.68,
+# 0.002, 0.0002), docs/rounds.md. inf and 1e30 would sample noise and pair it.
+MAX_TEMPERATURE = 10.0
 # Options that came after runs were recorded: at these values settings.json leaves them out, as it did before.
 RECIPE_DEFAULTS = {"prompts_per_round": None, "pairs_per_prompt": 1, "pair_rule": "best"}
 PAIR_RULES = ("best", "every")  # pairs.py: the best against the k worst, or every better against every worse
@@ -81,6 +86,10 @@ class RoundsConfig:
             raise RoundsError("training: drop output_dir, each round trains under output_dir/round-K/train")
         if "reference_mode" in self.training:
             raise RoundsError("training: drop reference_mode, the rounds name each round's reference from `reference`")
+        evaluation = self.training.get("eval_strategy", "no")
+        if getattr(evaluation, "value", evaluation) != "no":  # a text, or TrainingArguments' IntervalStrategy
+            raise RoundsError(f"training: drop eval_strategy {evaluation!r}, a round's DPO pass has no held-out pairs "
+                              "(held_out_share holds out prompts, scored after each round)")
 
     @property
     def prompts_per_batch(self) -> int:
@@ -99,6 +108,9 @@ class RoundsConfig:
                                   "one per round (a resume that adds rounds needs a temperature for each)")
             self.temperature = values[0] if len(values) == 1 else values
         values = self.temperature if isinstance(self.temperature, list) else [self.temperature]
+        if not all(math.isfinite(value) and value <= MAX_TEMPERATURE for value in values):
+            raise RoundsError(f"temperature must be a finite number <= {MAX_TEMPERATURE:g}, got {self.temperature}: "
+                              f"at {MAX_TEMPERATURE:g} a sample is already close to a uniform draw over the vocabulary")
         if not all(value > 0 for value in values):
             raise RoundsError(f"temperature must be > 0, got {self.temperature}")
 

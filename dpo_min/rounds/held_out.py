@@ -9,6 +9,18 @@ from typing import Any
 from dpo_min.intervals import mean_interval
 
 
+def also_training(prompt_ids: list[list[int]], train_rows: list[int], held_rows: list[int]) -> str | None:
+    """The warning when held-out prompts are also training prompts, as rendered (the ids the policy is given): the
+    split is by row, so duplicate rows put one prompt on both sides, and its held-out score then measures recall.
+    Counted and said, never dropped, in the words of the offline split's held-out pairs (dpo_min/data/overlap.py)."""
+    training = {tuple(prompt_ids[i]) for i in train_rows}
+    shared = sum(tuple(prompt_ids[i]) in training for i in held_rows)
+    if not shared:
+        return None
+    return (f"prompts: {shared} of the {len(held_rows)} held-out prompts are also training prompts (the same prompt: "
+            "duplicate rows); their held-out scores measure recall")
+
+
 def mean_with_interval(values: list[float]) -> dict[str, Any]:
     """Mean and 95% interval of the scorable values; the interval needs two of them. Finite rewards near the float
     range (1e308) overflow a plain sum: they are averaged scaled down, and a bound past the range is its end."""

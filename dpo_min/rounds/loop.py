@@ -291,6 +291,7 @@ def _open(model: Any, tokenizer: Any, prompts: Any, reward_funcs: Any, config: R
                rendered_prompts(tokenizer, rows, config.training.get("chat_template_kwargs")),
                store.RoundFiles(config.output_dir), generate_fn, state)
     settings = {**config.settings(), "prompts": fingerprint(rows), "reward_funcs": rewards.names,
+                "reward_identity": rewards.identity(),
                 "processes": state.num_processes,
                 "model": store.model_record(model, tokenizer) if model_record is None else model_record}
     if state.is_main_process:
@@ -298,6 +299,9 @@ def _open(model: Any, tokenizer: Any, prompts: Any, reward_funcs: Any, config: R
     state.wait_for_everyone()
     if not state.is_main_process:
         run.folder.claim(settings)  # the main process wrote it, or refused: each process refuses alike
+    shared = held_out.also_training(run.prompt_ids, train_rows, held_rows)
+    if shared:
+        run.say(shared)
     policy = Policy(model, config.peft_config, config.reference)
     done = run.folder.finished_rounds()
     checkpoint = run.folder.last_checkpoint()

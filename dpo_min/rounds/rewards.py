@@ -8,10 +8,12 @@ is "this function does not judge this sample" (TRL: NaN, left out of the weighte
 is unscorable. TRL's missing_eos_penalty is taken off a completion that max_completion_length cut.
 """
 
+import hashlib
+import inspect
 import math
 import numbers
 import sys
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -42,6 +44,42 @@ def function_name(func: Any) -> str:
         return str(getattr(func.config, "_name_or_path", "") or type(func).__name__).rstrip("/").split("/")[-1]
     inner = getattr(func, "func", func)
     return getattr(inner, "__name__", type(inner).__name__)
+
+
+def function_reference(func: Any) -> str:
+    """A reward function's full reference: module:qualname (a partial's function's, a callable object's class's), or
+    a reward model's path as it was loaded."""
+    if isinstance(func, RewardModel):
+        return str(getattr(func.model.config, "_name_or_path", "") or func.__name__)
+    inner = getattr(func, "func", func)
+    owner = inner if inspect.isroutine(inner) else type(inner)
+    return f"{getattr(owner, '__module__', None) or '?'}:{getattr(owner, '__qualname__', function_name(func))}"
+
+
+def reward_names(funcs: Sequence[Any]) -> list[str]:
+    """Each function's name in samples.jsonl and in messages: TRL's (function_name), or where two share it, each one's
+    full reference (`rw:length`, `rw2:length`), then its position too where even that is shared (`rw:length#1`).
+    Names that do not collide stay as runs recorded them, so those runs resume."""
+    names = [function_name(func) for func in funcs]
+    counts = Counter(names)
+    names = [function_reference(func) if counts[name] > 1 else name for func, name in zip(funcs, names)]
+    counts = Counter(names)
+    return [f"{name}#{index}" if counts[name] > 1 else name for index, name in enumerate(names)]
+
+
+def _source_digest(func: Any) -> str | None:
+    """sha256 of a reward function's source (a partial's arguments too), or None where there is no source to read
+    (a reward model, a builtin, code typed at a prompt)."""
+    if isinstance(func, RewardModel):
+        return None
+    inner = getattr(func, "func", func)
+    try:
+        source = inspect.getsource(inner if inspect.isroutine(inner) else type(inner))
+    except Exception:  # OSError, TypeError; a file changed since it was imported may fail to tokenize
+        return None
+    if inner is not func:  # a partial: the same function with other arguments is another reward
+        source += repr((getattr(func, "args", ()), sorted(getattr(func, "keywords", {}).items())))
+    return hashlib.sha256(source.encode()).hexdigest()
 
 
 class RewardModel:
@@ -135,11 +173,17 @@ class Rewards:
     def __init__(self, reward_funcs: RewardFunc | Sequence[RewardFunc], weights: Sequence[float] | None = None,
                  missing_eos_penalty: float | None = None):
         self.funcs = as_callables(reward_funcs)
-        self.names = [function_name(func) for func in self.funcs]
+        self.names = reward_names(self.funcs)
         if weights is not None and len(weights) != len(self.funcs):
             raise RoundsError(f"reward_weights has {len(weights)} weights for {len(self.funcs)} reward functions")
         self.weights = list(weights) if weights is not None else [1.0] * len(self.funcs)
         self.missing_eos_penalty = missing_eos_penalty
+
+    def identity(self) -> dict[str, dict[str, str | None]]:
+        """What a resume checks it has the same functions by, beyond their names: each one's full reference and the
+        sha256 of its source (another `length` of the opposite sign would otherwise go on under the same name)."""
+        return {name: {"reference": function_reference(func), "source (sha256)": _source_digest(func)}
+                for name, func in zip(self.names, self.funcs)}
 
     def score(self, prompts: list, completions: list[Completion], columns: dict[str, list], round_index: int,
               state: TrainerState | None = None) -> Scores:

@@ -29,7 +29,10 @@ from ..records import ABSENT, changes
 from .config import RoundsError
 
 # Settings an earlier version's settings.json lacks: a resume of such a run compares them only once recorded.
-RECORDED_SINCE = ("model",)
+RECORDED_SINCE = ("model", "reward_identity")
+# Settings a resume may lengthen: one temperature per round, a list that rounds added to the run extend (the old list
+# its start); settings.json then records the longer one.
+EXTENDABLE = ("temperature",)
 
 
 @contextmanager
@@ -78,6 +81,15 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
 
+def _extends(old: Any, new: Any) -> bool:
+    """Whether one list of per-round values starts with the other: the rounds both name are sampled alike (a
+    resume with more rounds, or with fewer, where the rounds past the shorter are not run)."""
+    if not (isinstance(old, list) and isinstance(new, list)):
+        return False
+    shorter, longer = sorted((old, new), key=len)
+    return longer[:len(shorter)] == shorter
+
+
 class RoundFiles:
     """The rounds' files under output_dir (the module's docstring lists them) and their resume record,
     settings.json. Not the folder's lock or checks: the command's RunFolder owns those."""
@@ -96,12 +108,16 @@ class RoundFiles:
         settings = json.loads(json.dumps(settings))  # as JSON reads it back: tuples as lists
         if path.exists():
             saved = json.loads(path.read_text())
+            extended = {name: settings[name] for name in EXTENDABLE if _extends(saved.get(name), settings.get(name))}
             changed = [change for name in sorted(set(saved) | set(settings))
-                       if name in saved or name not in RECORDED_SINCE
+                       if (name in saved or name not in RECORDED_SINCE) and name not in extended
                        for change in changes(name, saved.get(name, ABSENT), settings.get(name, ABSENT))]
             if changed:
                 raise RoundsError(f"{self.root} holds a run with other settings ({'; '.join(changed)}): resume it "
                                   "with the same ones, or give another output_dir")
+            if any(len(value) > len(saved[name]) for name, value in extended.items()):
+                with writing(path):
+                    write_whole(path, json.dumps({**saved, **extended}, indent=1) + "\n")
             return True
         self.root.mkdir(parents=True, exist_ok=True)
         with writing(path):

@@ -83,7 +83,9 @@ class DataArguments:
     dataset: str | None = field(default=None, metadata={
         "help": "A .json/.jsonl/.parquet/.csv file (optionally .gz), a dataset folder (a hub repository's copy, or "
                 "save_to_disk's) or a datasets name (TRL: dataset_name). "
-                "Default: the single-turn HH-RLHF harmless pairs in data/."})
+                "Default: the single-turn HH-RLHF harmless pairs in data/; with --rounds, the arithmetic prompts "
+                "of data/arithmetic-pool.jsonl, with the rounds demo's round settings whatever the model (marked "
+                "'rounds demo and its prompts')."})
     dataset_config: str | None = field(default=None, metadata={"help": "The datasets name's configuration."})
     split: str = field(default="train", metadata={
         "help": "Split to train on (a datasets name's split; TRL: dataset_train_split)."})
@@ -218,6 +220,12 @@ ROUNDS_DEMO_DEFAULTS = {
     "save_strategy": "no",
     "report_to": "none",
 }
+# The rounds demo's settings that size a round of its prompts: `--rounds` without data takes them with a model of one's
+# own too (`--rounds 3 --model X` runs the demo's task: 32 of the pool's 3,000 prompts a round, 8 samples each, 64
+# held out, not every prompt every round, ~11,400 samples a round at RoundsConfig's defaults). The training options
+# and the template stay the demo model's only: a model of one's own keeps DPOMinConfig's (TRL's), as offline.
+ROUNDS_DEMO_PROMPT_SETTINGS = ("num_generations", "max_completion_length", "temperature", "eval_fraction",
+                               "prompts_per_round", "pairs_per_prompt")
 
 # The three mixture forms (TRL's, the alignment-handbook's, its legacy one), typed as text on the command line (JSON
 # there) and written as YAML lists or mappings in a recipe, and the options that only go with one.

@@ -22,6 +22,7 @@ from .args import (
     MIXTURE_KEYS,
     PROG,
     ROUNDS_DEMO_DEFAULTS,
+    ROUNDS_DEMO_PROMPT_SETTINGS,
     DataArguments,
     ModelArguments,
     UsageError,
@@ -38,7 +39,9 @@ class _Parser(HfArgumentParser):
         raise UsageError(message)
 
 
-def build_parser(demo: bool = False, rounds: bool = False) -> HfArgumentParser:
+def build_parser(demo: bool = False, rounds: bool = False, demo_prompts: bool = False) -> HfArgumentParser:
+    """The parser, with the command's defaults and the demo's (`demo`: no model, no data); `demo_prompts`: a rounds
+    run on the rounds demo's prompts (no data), which takes the demo's settings of a round with any model."""
     parser = _Parser(
         ARGUMENT_TYPES, prog=PROG, allow_abbrev=False,
         usage=f"{PROG} [recipe.yaml | --config recipe.yaml] [--option value ...]",
@@ -47,18 +50,21 @@ def build_parser(demo: bool = False, rounds: bool = False) -> HfArgumentParser:
                     "YAML file of options (TRL's names accepted) may come first or follow --config; flags override "
                     "it. A flag's value is text, as written; a mapping's or a mixture's is JSON.",
         epilog="Options marked 'demo:' take that default in the demo only ('rounds demo:', in --rounds without "
-               "--model and data); with --model or data (--dataset, datasets, dataset_mixture, dataset_mixer), "
-               "DPOMinConfig's (TRL's) defaults apply.")
-    demo_defaults = ROUNDS_DEMO_DEFAULTS if rounds else DEMO_DEFAULTS
+               "--model and data; 'rounds demo and its prompts:', in --rounds without data, with any --model); "
+               "with --model or data (--dataset, datasets, dataset_mixture, dataset_mixer), DPOMinConfig's (TRL's) "
+               "defaults apply.")
+    demo_defaults = (ROUNDS_DEMO_DEFAULTS if rounds else DEMO_DEFAULTS) if demo else \
+        {name: ROUNDS_DEMO_DEFAULTS[name] for name in ROUNDS_DEMO_PROMPT_SETTINGS} if rounds and demo_prompts else {}
     parser.set_defaults(**{**COMMAND_DEFAULTS, **(ROUNDS_COMMAND_DEFAULTS if rounds else {}),
-                           **(demo_defaults if demo else {})})  # the demo's win
+                           **demo_defaults})  # the demo's win
     if not _has_accelerator():
         # A CPU-only machine: without use_cpu, transformers refuses --bf16 ("You need to assign use_cpu") and, for
         # one of several processes, accelerate would leave each training alone instead of joining them over gloo.
         parser.set_defaults(use_cpu=True)
     for action in parser._actions:
+        rounds_label = "rounds demo and its prompts" if action.dest in ROUNDS_DEMO_PROMPT_SETTINGS else "rounds demo"
         marks = [f"{label}: {DEMO_DEFAULTS_SHOWN.get(action.dest, table[action.dest])}"
-                 for label, table in (("demo", DEMO_DEFAULTS), ("rounds demo", ROUNDS_DEMO_DEFAULTS))
+                 for label, table in (("demo", DEMO_DEFAULTS), (rounds_label, ROUNDS_DEMO_DEFAULTS))
                  if action.dest in table and action.option_strings[0] == f"--{action.dest}"]
         if marks:
             action.help = f"{action.help or ''} {'; '.join(marks)}; otherwise:".strip()
@@ -88,7 +94,7 @@ def parse_with_rounds(argv: list[str] | None = None) -> tuple[ModelArguments, Da
     named = set(recipe) | flags
     # The demo is the run given no data at all (and no model): a mixture in any form is data as --dataset is.
     demo = not named & {"model", "dataset", *MIXTURE_KEYS, "help"} and "-h" not in argv
-    parser = build_parser(demo=demo, rounds="rounds" in named)
+    parser = build_parser(demo=demo, rounds="rounds" in named, demo_prompts=not named & {"dataset", *MIXTURE_KEYS})
     if "model" in named:
         # A model of one's own trains what TRL would train from the same keys: LoRA only when asked for (ModelConfig's
         # use_peft=False). Without one, the demo's model keeps its LoRA adapter, whatever the data.

@@ -135,6 +135,8 @@ def decide(model_args: ModelArguments, data_args: DataArguments, args: DPOMinCon
         folder=folder, repo_id=hub_repo_id(folder.named, args.hub_model_id), push=push, resuming=resuming,
         resumes_here=checkpoint == "latest" or (
             resuming and Path(checkpoint).resolve().is_relative_to(folder.staging.resolve())), rounds=rounds)
+    if rounds is None:  # a rounds run refuses --reference_mode itself (train/rounds.py)
+        _check_reference_mode(plan)
     return replace(plan, resume_settings=resume_settings(model_args, data_args, args, decided=plan.decided_settings))
 
 
@@ -185,6 +187,27 @@ def _check_data_options(data_args: DataArguments, args: DPOMinConfig, mixture: s
         raise UsageError(f"--eval_fraction {data_args.eval_fraction}: a stream has no length to hold out a "
                          "fraction of; hold out its first pairs with --max_eval_samples N"
                          + ("" if mixture else ", or give --eval_split"))
+
+
+# The reference the command's trainer gets, by how it trains: it loads one bare model (a second one as ref_model
+# for full fine-tuning under ZeRO-3) and hands it over with its LoRA config, if any.
+_COMMAND_REFERENCE = {
+    "adapter_off": "a LoRA adapter (--use_peft): its reference is the model with the adapter off",
+    "policy_at_start": "every weight (no --use_peft): its reference is the model as it starts",
+    "ref_model": "every weight under ZeRO-3: its reference is the model loaded a second time",
+}
+
+
+def _check_reference_mode(plan: Plan) -> None:
+    """--reference_mode names the reference the library would build from the models it is given (its ValueError
+    came after the model loaded, in the library's terms): the command gives one kind, refused here otherwise."""
+    mode = plan.args.reference_mode
+    if mode is None or not plan.args.loss_settings.reads_reference:  # a loss without a reference ignores it
+        return
+    fits = "ref_model" if plan.reload_reference else "adapter_off" if plan.trains_adapter else "policy_at_start"
+    if mode != fits:
+        raise UsageError(f"--reference_mode {mode}: this run trains {_COMMAND_REFERENCE[fits]} ({fits}); leave "
+                         f"--reference_mode out, or give {fits}")
 
 
 def _mixture_form(data_args: DataArguments, is_main: bool) -> str | None:

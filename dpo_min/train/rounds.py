@@ -18,6 +18,7 @@ from typing import Any
 
 from ..config import DPOMinConfig
 from ..data.loading import load_rows
+from ..files import staging_path
 from ..models import is_repo_id
 from ..rounds import RewardModel, RoundsConfig, RoundsError, run_rounds
 from ..rounds.held_out import describe
@@ -123,6 +124,13 @@ def _refuse_unsupported(plan: Plan) -> None:
     for option, instead in NOT_IN_ROUNDS.items():
         if option in given:
             raise UsageError(f"--{option} is not read with --rounds ({instead})")
+    # A round's DPO pass has no held-out pairs: Trainer refuses an evaluation after the round has sampled.
+    evaluation = {"eval_strategy": getattr(plan.args.eval_strategy, "value", plan.args.eval_strategy),
+                  "eval_on_start": plan.args.eval_on_start}
+    for option, value in evaluation.items():
+        if option in given and value not in ("no", False):
+            raise UsageError(f"--{option} {value} is not read with --rounds (a round's DPO pass has no held-out pairs; "
+                             "the held-out prompts, --eval_fraction, are scored after each round: held_out.jsonl)")
 
 
 def _imported(spec: str) -> Callable[..., list] | str:
@@ -202,9 +210,12 @@ def load_prompts(plan: Plan) -> list[dict[str, Any]]:
 
 
 def _check_folder(folder: RunFolder) -> None:
-    """A rounds run writes into --output_dir itself: refused when it holds anything but a rounds run."""
+    """A rounds run writes into --output_dir itself: refused when it holds anything but a rounds run. The staging
+    file of its first settings.json (dpo_min.files), left by a kill before the rename, is the run's own: the same
+    command starts the run there again, and the writer replaces it."""
     out = folder.output_dir
-    if out.is_dir() and any(out.iterdir()) and not (out / SETTINGS_FILE).is_file():
+    own = staging_path(out / SETTINGS_FILE).name
+    if out.is_dir() and any(entry.name != own for entry in out.iterdir()) and not (out / SETTINGS_FILE).is_file():
         raise OutputDirError(f"--output_dir {folder.shown} holds files that are not a rounds run's (no "
                              f"{SETTINGS_FILE}); choose another folder")
 
