@@ -93,7 +93,7 @@ def _completion_text(completion: Any, name: str) -> str:
     if len(completion) == 1 and isinstance(completion[0].get("content"), str):
         return completion[0]["content"]
     raise ValueError(f"field '{name}': given ids are checked against a completion of one text or one assistant "
-                     f"message, and this one has {len(completion)} messages; {_AGAIN}")
+                     f"message with text, got {len(completion)} message(s); {_AGAIN}")
 
 
 def _shown(text: str) -> str:
