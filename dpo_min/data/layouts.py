@@ -20,7 +20,6 @@ from .unpaired import NO_ANSWER, NO_COMMON_PROMPT, SAME_ANSWERS, Unpaired
 
 # Columns carried from the source row to the pair: TRL hands both to the chat template.
 CARRIED_COLUMNS = ("tools", "chat_template_kwargs")
-MAPPABLE = ("prompt", "chosen", "rejected", "system")
 _ROLES = ("system", "user", "assistant", "tool")
 _SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
 MAPPING_HINT = ("name the columns with --prompt_column/--chosen_column/--rejected_column [--system_column] "
@@ -296,22 +295,6 @@ def layout_by_name(name: str) -> Layout:
         if layout.name == name:
             return layout
     raise ValueError(f"unknown layout {name!r}; known layouts: {', '.join(LAYOUT_NAMES)}")
-
-
-def rename_columns(row: Mapping[str, Any], columns: Mapping[str, str]) -> dict[str, Any]:
-    """A row with the user's columns under our names (columns maps ours -> theirs); the other columns stay."""
-    renamed = {key: value for key, value in row.items() if key not in columns.values() and key not in columns}
-    renamed.update({ours: row.get(theirs) for ours, theirs in columns.items()})
-    return renamed
-
-
-def check_mapping(columns: Mapping[str, str], found: list[str]) -> None:
-    unknown = sorted(set(columns) - set(MAPPABLE))
-    if unknown:
-        raise ValueError(f"columns: unknown key(s) {unknown}; map {', '.join(MAPPABLE)} to your column names")
-    missing = [theirs for theirs in columns.values() if theirs not in found]
-    if missing:
-        raise ValueError(f"columns: no column named {', '.join(map(repr, missing))} in [{', '.join(found)}]")
 
 
 # ---- validation of the result -----------------------------------------------------------------------------------

@@ -11,15 +11,14 @@ from typing import Any
 
 from datasets import Dataset, IterableDataset
 
+from .columns import check_mapping, rename_columns
 from .given_ids import GIVEN_IDS, MADE_BY
 from .layouts import (
     CARRIED_COLUMNS,
     Layout,
-    check_mapping,
     detect_layout,
     feature_kind,
     layout_by_name,
-    rename_columns,
     to_pair,
     value_kind,
 )
