@@ -24,6 +24,7 @@ from typing import Any
 import yaml
 from datasets import Dataset, DatasetDict, IterableDataset, concatenate_datasets
 
+from .given_ids import GIVEN_IDS, MADE_BY
 from .layouts import feature_kind
 from .options import LayoutOptions
 from .overlap import warn_shared_pairs
@@ -35,8 +36,9 @@ logger = logging.getLogger("dpo_min.data")  # the command shows this logger's li
 
 TRL_KEYS = ("path", "name", "data_dir", "data_files", "split", "columns", "fraction", "rename_columns")
 HANDBOOK_KEYS = ("id", "config", "split", "columns", "weight", "rename_columns")
-# The columns the handbook's run_dpo.py kept (columns_to_keep) when it read dataset_mixer.
-LEGACY_KEPT_COLUMNS = ("messages", "chosen", "rejected", "prompt", "completion", "label")
+# The columns the handbook's run_dpo.py kept (columns_to_keep) when it read dataset_mixer, and dpo_min's given ids
+# with what made them, which the other two forms keep: without them the text would be tokenized again.
+LEGACY_KEPT_COLUMNS = ("messages", "chosen", "rejected", "prompt", "completion", "label", *GIVEN_IDS, *MADE_BY)
 
 
 @dataclass
