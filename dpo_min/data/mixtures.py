@@ -17,6 +17,7 @@ the tables.
 """
 
 import logging
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -168,8 +169,8 @@ def _trl_shares(raws: list[AnyDataset], fractions: list[Any], streaming: bool) -
     if streaming:
         raise ValueError("datasets: a dataset `fraction` is not supported with streaming datasets")
     for position, fraction in enumerate(fractions):
-        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or fraction < 0:
-            raise ValueError(f"datasets[{position}]: fraction is its share of the mixture, a number >= 0, "
+        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 <= fraction < math.inf:
+            raise ValueError(f"datasets[{position}]: fraction is its share of the mixture, a finite number >= 0, "
                              f"got {fraction!r}")
     if not sum(fractions) > 0:
         raise ValueError("datasets: every fraction is 0; give one a share > 0")
