@@ -13,7 +13,6 @@ from datasets import Dataset, DatasetDict, concatenate_datasets, load_dataset
 
 from dpo_min.data.loading import load_preference_dataset
 from dpo_min.data.mixtures import handbook_mixture, legacy_mixer, load_mixture, trl_mixture
-from dpo_min.tokenizing import tokenize_dataset
 
 ROOT = Path(__file__).resolve().parent.parent
 TRL_RECIPES = ROOT / "tests" / "recipes"
@@ -293,25 +292,6 @@ def test_a_mixture_whose_every_share_takes_no_row_is_one_line(tmp_path):
                                          r"of its 3 rows, shuffled with seed 0$"):
         handbook_mixture({"datasets": [{"id": zero, "weight": 0.2}]})
 
-
-@pytest.mark.parametrize("form", ["trl", "handbook", "legacy"])
-def test_a_mixture_of_pairs_with_their_ids_trains_the_ids_in_every_form(tmp_path, tokenizer, form):
-    # Ids without an EOS, as a cut sample of DPO in rounds has them: the text tokenized again would append one.
-    rows = []
-    for i in range(6):
-        text = {"prompt": f"What is {i} + {i}?", "chosen": f" It is {2 * i}.", "rejected": f" It is {2 * i + 1}."}
-        rows.append({**text, **{f"{name}_ids": tokenizer(value)["input_ids"] for name, value in text.items()}})
-    path = tmp_path / "pairs.jsonl"
-    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    mixture = {"trl": lambda: trl_mixture([{"path": str(path)}]),
-               "handbook": lambda: handbook_mixture({"datasets": [{"id": str(path)}]}),
-               "legacy": lambda: legacy_mixer({str(path): 1.0}, ["train"])}[form]()
-    trained = tokenize_dataset(mixture.train, tokenizer)
-    ids = ("prompt_ids", "chosen_ids", "rejected_ids")
-    # The legacy form kept only the handbook's text columns, and the text was tokenized again with an EOS.
-    assert sorted(tuple(map(tuple, (row[name] for name in ids))) for row in trained) == \
-        sorted(tuple(map(tuple, (row[name] for name in ids))) for row in rows)
-    assert all(tokenizer.eos_token_id not in row["chosen_ids"] for row in trained)
 
 # ---- local folders (item 4) --------------------------------------------------------------------------------------
 def test_a_hub_layout_folder_is_read_by_split_and_config_and_a_missing_split_is_named(hub_copies):

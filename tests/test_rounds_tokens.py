@@ -5,7 +5,8 @@ Checked on a tiny random Llama with the SmolLM2 tokenizer: a sample cut by max_c
 an EOS it never produced (the text path appends one), the trainer's per-sequence log-prob of each sampled
 completion equals the sum of the sampler's own per-token log-probs of the same ids, a template switch in
 chat_template_kwargs reaches the sampled prompt, and a round's pairs.jsonl trained again offline uses its ids, once
-they are checked to be its text's and made by the run's tokenizer and chat template (`dpo_min/data/given_ids.py`)."""
+they are checked to be its text's and made by the run's tokenizer and chat template (`dpo_min/data/given_ids.py`),
+alone or in a mixture of any of the three forms."""
 
 import copy
 import hashlib
@@ -18,6 +19,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from dpo_min import DPOMinConfig, DPOMinTrainer, load_preference_dataset, sequence_logps, tokenize_dataset
+from dpo_min.data.mixtures import handbook_mixture, legacy_mixer, trl_mixture
 from dpo_min.rounds import RoundsConfig, run_rounds
 from dpo_min.rounds.loop import pair_dataset
 from dpo_min.tokenizing import render_prompts
@@ -263,3 +265,23 @@ def test_the_command_refuses_given_ids_beside_a_rewritten_text_in_one_line(one_r
     assert err.splitlines()[-1].startswith("python -m dpo_min.train: error: row 1: field 'rejected_ids': the ids "
                                            "decode to"), err
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("form", ["trl", "handbook", "legacy"])
+def test_a_mixture_of_pairs_with_their_ids_trains_the_ids_in_every_form(tmp_path, tokenizer, form):
+    # Ids without an EOS, as a cut sample of DPO in rounds has them: the text tokenized again would append one.
+    rows = []
+    for i in range(6):
+        text = {"prompt": f"What is {i} + {i}?", "chosen": f" It is {2 * i}.", "rejected": f" It is {2 * i + 1}."}
+        rows.append({**text, **{f"{name}_ids": tokenizer(value)["input_ids"] for name, value in text.items()}})
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    mixture = {"trl": lambda: trl_mixture([{"path": str(path)}]),
+               "handbook": lambda: handbook_mixture({"datasets": [{"id": str(path)}]}),
+               "legacy": lambda: legacy_mixer({str(path): 1.0}, ["train"])}[form]()
+    trained = tokenize_dataset(mixture.train, tokenizer)
+    ids = ("prompt_ids", "chosen_ids", "rejected_ids")
+    # The legacy form kept only the handbook's text columns, and the text was tokenized again with an EOS.
+    assert sorted(tuple(map(tuple, (row[name] for name in ids))) for row in trained) == \
+        sorted(tuple(map(tuple, (row[name] for name in ids))) for row in rows)
+    assert all(tokenizer.eos_token_id not in row["chosen_ids"] for row in trained)
