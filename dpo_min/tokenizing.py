@@ -14,7 +14,9 @@ import numpy as np
 from datasets import Dataset, IterableDataset
 
 from .collator import REFERENCE_COLUMNS, TOKEN_COLUMNS
-from .data.layouts import CARRIED_COLUMNS, GIVEN_IDS, layout_by_name, validate_text, validate_turns
+from .data import given_ids
+from .data.given_ids import GIVEN_IDS, MADE_BY, made_by, template_fingerprint  # noqa: F401 - the rounds record them
+from .data.layouts import CARRIED_COLUMNS, layout_by_name, validate_text, validate_turns
 from .data.pairs import (
     DEFAULT_OPTIONS,
     PAIR_COLUMNS,
@@ -32,11 +34,13 @@ from .data.unpaired import NO_ANSWER  # noqa: F401 - drop_reason returns it: its
 
 logger = logging.getLogger("dpo_min.data")  # the data folder's logger: the command shows its lines
 
+# What a pair with given ids carries beside its text for their check: the rounds write these to pairs.jsonl.
+GIVEN_COLUMNS = (*GIVEN_IDS, *MADE_BY, *CARRIED_COLUMNS)
 DROPPED = "dropped_because"  # a pair's reason in DROP_REASONS ('' for a kept pair), between tokenizing and dropping
 # The datasets cache keys a map by its function's own code and arguments, not by the helpers it calls: a change
 # to what tokenizing writes (the drop reasons became names, not 0/1/2) must change this, or a cached map of
 # the old form is read back.
-TOKENIZED_VERSION = 3  # 3: a pair's given ids (GIVEN_IDS) are trained as given
+TOKENIZED_VERSION = 4  # 3: a pair's given ids (GIVEN_IDS) are trained as given; 4: once checked (given_ids.py)
 
 
 def tokenize_row(row: Mapping[str, Any], tokenizer: Any,
@@ -47,10 +51,11 @@ def tokenize_row(row: Mapping[str, Any], tokenizer: Any,
     text appended to plain-string completions (a chat template closes its own turns). Where prompt and
     prompt+completion tokenize differently at the seam, the completion starts where they diverge. A row's `tools`
     (a list, or JSON text) and `chat_template_kwargs` go to the chat template, after the run's own kwargs. A row
-    that carries its ids (`prompt_ids`, `chosen_ids`, `rejected_ids`: a round's samples) is trained on those ids.
+    that carries its ids (`prompt_ids`, `chosen_ids`, `rejected_ids`: a round's samples) is trained on those ids,
+    once they are checked to be its text's and this run's (`data/given_ids.py`).
     """
     if all(row.get(name) is not None for name in GIVEN_IDS):
-        return _given_ids(row, tokenizer)
+        return _given_ids(row, tokenizer, chat_template_kwargs)
     return _tokenize_pairs([row], tokenizer, chat_template_kwargs)[0]
 
 
@@ -111,8 +116,11 @@ def _tokenize_pairs(pairs: list[Mapping[str, Any]], tokenizer: Any,
     return examples
 
 
-def _given_ids(pair: Mapping[str, Any], tokenizer: Any) -> dict[str, list[int]]:
-    """A pair's own ids, checked: what the policy was given and sampled, so no EOS is added where it emitted none."""
+def _given_ids(pair: Mapping[str, Any], tokenizer: Any,
+               chat_template_kwargs: Mapping[str, Any] | None) -> dict[str, list[int]]:
+    """A pair's own ids, checked: what the policy was given and sampled, so no EOS is added where it emitted none;
+    made by this run's tokenizer and template where the pair records them, and its text's (`given_ids.py`)."""
+    given_ids.check_made_by(pair, tokenizer)  # first: ids of another tokenizer fail the checks below for that
     vocabulary = len(tokenizer)
     example = {}
     for name in GIVEN_IDS:
@@ -122,6 +130,8 @@ def _given_ids(pair: Mapping[str, Any], tokenizer: Any) -> dict[str, list[int]]:
             raise ValueError(f"field '{name}': expected a non-empty list of token ids in [0, {vocabulary}), got "
                              f"{str(ids)[:80]}")
         example[name] = list(ids)
+    rendered = render_prompts(tokenizer, [pair["prompt"]], template_kwargs_of(pair, chat_template_kwargs))[0]
+    given_ids.check_text(pair, example, rendered, tokenizer)
     return example
 
 

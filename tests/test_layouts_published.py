@@ -178,6 +178,35 @@ def test_a_mapping_to_a_missing_column_names_it(tmp_path):
         load(tmp_path, [{"prompt": "p", "chosen": "a", "rejected": "b"}], columns={"prompt": "question"})
 
 
+
+CLASH = "columns: 'prompt' is mapped from the column 'question' (--prompt_column question), and the data has a " \
+        "'prompt' column too: which one is meant is not said; drop or rename one of them"
+
+
+def test_a_mapping_onto_a_column_the_data_also_has_is_refused_naming_both(tmp_path):
+    rows = [{"question": "What is 2 + 2?", "prompt": "old", "chosen": "4", "rejected": "5"}]
+    with pytest.raises(ValueError) as error:  # it trained 'question' and dropped 'prompt' without a word
+        load(tmp_path, rows, columns={"prompt": "question"})
+    assert str(error.value) == f"{tmp_path / 'rows.jsonl'}: {CLASH}"
+    with pytest.raises(ValueError, match=r"columns: 'chosen' is mapped from the column 'good' \(--chosen_column good"):
+        load(tmp_path, [dict(rows[0], good="four")], columns={"chosen": "good"})
+    # A column of our name that is itself mapped elsewhere is read, not dropped: no clash.
+    shifted = [{"question": "What is 2 + 2?", "prompt": "4", "chosen": "5"}]
+    assert load(tmp_path, shifted, columns={"prompt": "question", "chosen": "prompt", "rejected": "chosen"}) == [
+        {"prompt": "What is 2 + 2?", "chosen": "4", "rejected": "5"}]
+
+
+def test_the_command_refuses_a_prompt_column_beside_a_prompt_column_in_one_line(tmp_path, capsys):
+    from dpo_min.train import main
+
+    path = tmp_path / "both.jsonl"
+    path.write_text("".join(json.dumps({"question": f"What is {i} + 2?", "prompt": "old", "chosen": f"{i + 2}",
+                                        "rejected": "5"}) + "\n" for i in range(4)))
+    code = main(["--dataset", str(path), "--prompt_column", "question", "--model", str(tmp_path / "no_model"),
+                 "--output_dir", str(tmp_path / "out")])
+    assert (code, capsys.readouterr().err.strip()) == (1, f"python -m dpo_min.train: error: {path}: {CLASH}")
+    assert not (tmp_path / "out").exists()
+
 # ---- text no layout may drop (issue 18) ---------------------------------------------------------------------------
 def test_sharegpt_system_column_is_the_first_turn_as_llamafactory_reads_it(tmp_path):
     turn = {"conversations": [{"from": "human", "value": "Hi"}], "chosen": {"from": "gpt", "value": "Hello!"},

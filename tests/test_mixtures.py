@@ -243,6 +243,18 @@ def test_trl_fraction_on_some_entries_only_is_refused_as_trl_does(tmp_path):
         trl_mixture([{"path": str(path), "fraction": 1}, {"path": str(path)}])
 
 
+@pytest.mark.parametrize("share", [math.nan, math.inf])
+def test_a_share_that_is_not_finite_is_refused_naming_the_entry_and_the_field(tmp_path, share):
+    path = write_prompts(tmp_path / "p.jsonl", "P", 3)
+    # TRL's fraction: nan said "every fraction is 0", inf "min() arg is an empty sequence".
+    with pytest.raises(ValueError) as error:
+        trl_mixture([{"path": path, "fraction": 1}, {"path": path, "fraction": share}])
+    assert str(error.value) == f"datasets[1]: fraction is its share of the mixture, a finite number >= 0, got {share!r}"
+    with pytest.raises(ValueError, match=r"^dataset_mixture.datasets\[0\]: weight is the fraction of its rows taken"):
+        handbook_mixture({"datasets": [{"id": path, "weight": share}]})
+    with pytest.raises(ValueError, match=rf"^dataset_mixer: {re.escape(path)}: a fraction of its train rows in "):
+        legacy_mixer({path: share}, ["train"])
+
 def test_rename_columns_is_datasets_mapping_from_the_source_column_to_the_new_name(tmp_path):
     path = tmp_path / "mine.jsonl"
     path.write_text("".join(json.dumps({"instruction": f"Q{i}", "good": "a", "bad": "b"}) + "\n" for i in range(3)))
@@ -346,6 +358,10 @@ def test_trls_mixture_recipe_trains_the_pairs_trls_get_dataset_gives(hub_copies,
      "dataset_mixer holds out its test splits"),
     ("", ["--dataset", "P", "--test_split_size", "2"], "test_split_size belongs to a mixture"),
     ("dataset_mixture: {datasets: [{id: P, weight: 2}]}\n", [], "weight is the fraction of its rows taken, in [0, 1]"),
+    ("datasets: [{path: P, fraction: 1}, {path: P, fraction: .nan}]\n", [],
+     "datasets[1]: fraction is its share of the mixture, a finite number >= 0, got nan"),
+    ("datasets: [{path: P, fraction: .inf}]\n", [],
+     "datasets[0]: fraction is its share of the mixture, a finite number >= 0, got inf"),
 ])
 def test_the_command_refuses_an_ambiguous_mixture_in_one_line(recipe, flags, message, tmp_path, tiny_model_dir,
                                                               capsys):

@@ -165,6 +165,17 @@ def test_a_dataset_that_is_not_prompt_only_is_one_line(tmp_path, tiny_model_dir,
     assert run_main(argv, capsys) == (1, f"python -m dpo_min.train: error: {message.format(file=data)}")
 
 
+def test_a_prompt_column_beside_a_prompt_column_is_one_line_before_the_model_loads(tmp_path, capsys):
+    data = write_jsonl(tmp_path / "data.jsonl", [{"question": "What is 2 + 2?", "prompt": "old", "solution": "4"}])
+    argv = ["--rounds", "1", "--model", str(tmp_path / "no_model"), "--dataset", str(data), "--prompt_column",
+            "question", "--reward_funcs", "accuracy_reward", "--output_dir", str(tmp_path / "out")]
+    # It was datasets' traceback from rename_column; the words are the offline mapping's.
+    assert run_main(argv, capsys) == (1, f"python -m dpo_min.train: error: {data}: columns: 'prompt' is mapped from "
+                                         "the column 'question' (--prompt_column question), and the data has a "
+                                         "'prompt' column too: which one is meant is not said; drop or rename one of "
+                                         "them")
+    assert not (tmp_path / "out").exists()
+
 def test_prompts_that_all_fill_max_length_are_refused_before_the_first_sample(tmp_path, tiny_model_dir, capsys,
                                                                                prompts_file, monkeypatch):
     monkeypatch.setattr(rounds_cmd, "run_rounds", lambda *a, **k: pytest.fail("the rounds started"))

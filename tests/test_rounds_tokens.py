@@ -4,17 +4,22 @@ one prompt renderer (`tokenizing.render_prompts`) that the DPO pass, the sampler
 Checked on a tiny random Llama with the SmolLM2 tokenizer: a sample cut by max_completion_length trains without
 an EOS it never produced (the text path appends one), the trainer's per-sequence log-prob of each sampled
 completion equals the sum of the sampler's own per-token log-probs of the same ids, a template switch in
-chat_template_kwargs reaches the sampled prompt, and a round's pairs.jsonl trained again offline uses its ids."""
+chat_template_kwargs reaches the sampled prompt, and a round's pairs.jsonl trained again offline uses its ids, once
+they are checked to be its text's and made by the run's tokenizer and chat template (`dpo_min/data/given_ids.py`),
+alone or in a mixture of any of the three forms."""
 
 import copy
+import hashlib
 import json
 
 import pytest
 import torch
 from datasets import Dataset
-from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from dpo_min import DPOMinConfig, DPOMinTrainer, load_preference_dataset, sequence_logps, tokenize_dataset
+from dpo_min.data.mixtures import handbook_mixture, legacy_mixer, trl_mixture
 from dpo_min.rounds import RoundsConfig, run_rounds
 from dpo_min.rounds.loop import pair_dataset
 from dpo_min.tokenizing import render_prompts
@@ -137,8 +142,8 @@ def test_a_rounds_pairs_file_trained_offline_uses_its_ids(one_round, tokenizer):
 
 
 def test_given_ids_are_checked_naming_the_row_and_the_field(tokenizer):
-    good = {"prompt": "p", "chosen": "a", "rejected": "b", "prompt_ids": [1, 2], "chosen_ids": [3],
-            "rejected_ids": [4]}
+    good = {"prompt": "p", "chosen": "a", "rejected": "b", "prompt_ids": tokenizer("p")["input_ids"],
+            "chosen_ids": tokenizer("a")["input_ids"], "rejected_ids": tokenizer("b")["input_ids"]}
     with pytest.raises(ValueError, match=r"row 1: field 'chosen_ids': expected a non-empty list of token ids"):
         tokenize_dataset(Dataset.from_list([good, {**good, "chosen_ids": [10**9]}]), tokenizer)
     with pytest.raises(ValueError, match=r"row 0: field 'rejected_ids' is missing"):
@@ -160,3 +165,123 @@ def test_a_template_switch_in_chat_template_kwargs_reaches_the_sampled_prompt(tm
     expected = render_prompts(switched, [PROMPTS[0]["prompt"]], {"think": False})[0]
     made = [json.loads(line) for line in (tmp_path / "run" / "round-1" / "pairs.jsonl").read_text().splitlines()]
     assert any(pair["prompt_ids"] == expected for pair in made)
+
+
+# ---- given ids that are not their text's, or another tokenizer's or template's (issue 44, item 1) -----------------
+def rewritten(made, folder, name, change=None, drop=()):
+    """The round's pairs.jsonl with `change(rows)` applied and the columns `drop` left out, as a file."""
+    rows = [{key: value for key, value in copy.deepcopy(row).items() if key not in drop} for row in made]
+    if change is not None:
+        change(rows)
+    path = folder / name
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return str(path)
+
+
+def refusal(path, tokenizer) -> str:
+    with pytest.raises(ValueError) as error:
+        tokenize_dataset(load_preference_dataset(path), tokenizer)
+    assert len(str(error.value).splitlines()) == 1
+    return str(error.value)
+
+
+def another_tokenizer(chat_template) -> PreTrainedTokenizerFast:
+    """A byte-level BPE of 400 tokens trained here on a few sentences: another vocabulary than SmolLM2's."""
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.train_from_iterator([f"What is {i} + {i}? It is {2 * i}." for i in range(50)], trainers.BpeTrainer(
+        vocab_size=400, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    other = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    other.chat_template = chat_template
+    return other
+
+
+def test_a_rounds_pairs_file_records_the_tokenizer_and_template_that_made_its_ids(one_round, tokenizer):
+    made, _, _, folder = one_round
+    vocabulary = hashlib.sha256(json.dumps(tokenizer.get_vocab(), sort_keys=True).encode()).hexdigest()
+    template = hashlib.sha256(tokenizer.chat_template.encode()).hexdigest()
+    assert made and all(pair["ids_tokenizer"] == vocabulary and pair["ids_template"] == template for pair in made)
+    # Read back as data, the file passes its own check: the same ids, a cut sample's without an EOS.
+    trained = tokenize_dataset(load_preference_dataset(str(folder / "run" / "round-1" / "pairs.jsonl")), tokenizer)
+    assert trained["chosen_ids"] == [pair["chosen_ids"] for pair in made]
+
+
+def test_given_ids_beside_a_rewritten_text_are_refused_naming_the_row_and_the_field(one_round, tokenizer):
+    made, _, _, folder = one_round
+
+    def answer(rows):
+        rows[1]["chosen"][0]["content"] = "It is 4."
+
+    def question(rows):
+        rows[0]["prompt"][0]["content"] = "What is 9 + 9?"
+    decoded = tokenizer.decode(made[1]["chosen_ids"], skip_special_tokens=True)
+    assert refusal(rewritten(made, folder, "answer.jsonl", answer), tokenizer).startswith(
+        f"row 1: field 'chosen_ids': the ids decode to {decoded!r}, not to the row's chosen text 'It is 4.'")
+    for drop in ((), ("ids_tokenizer", "ids_template")):  # a file without fingerprints: its text is checked alike
+        assert refusal(rewritten(made, folder, "question.jsonl", question, drop), tokenizer).startswith(
+            "row 0: field 'prompt_ids': the ids are not the row's prompt as this run renders it")
+
+
+def test_given_ids_of_another_tokenizer_are_refused_naming_the_row_and_the_field(one_round, tokenizer):
+    made, _, _, folder = one_round
+    other = another_tokenizer(tokenizer.chat_template)
+    assert refusal(rewritten(made, folder, "pairs.jsonl"), other).startswith(
+        "row 0: field 'ids_tokenizer': the ids were made by another tokenizer")
+    # A hand-made file of the other tokenizer's ids, with no fingerprint, trained with SmolLM2's: each id is in
+    # its vocabulary, and the text they decode to is not the row's.
+    text = {"prompt": "What is 2 + 2?", "chosen": " It is 4.", "rejected": " It is 5."}
+    row = {**text, **{f"{name}_ids": other(value)["input_ids"] for name, value in text.items()}}
+    assert max(max(row[f"{name}_ids"]) for name in text) < len(other) < len(tokenizer)
+    path = rewritten([row], folder, "by_hand.jsonl")
+    assert refusal(path, tokenizer).startswith("row 0: field 'prompt_ids': the ids are not the row's prompt")
+    assert tokenize_dataset(load_preference_dataset(path), other)["chosen_ids"] == [row["chosen_ids"]]
+
+
+def test_given_ids_under_another_chat_template_are_refused_naming_the_row_and_the_field(one_round, tokenizer):
+    made, _, _, folder = one_round
+    switched = copy.deepcopy(tokenizer)
+    switched.chat_template = tokenizer.chat_template.replace("You are a helpful AI assistant", "You are terse")
+    assert refusal(rewritten(made, folder, "pairs.jsonl"), switched).startswith(
+        "row 0: field 'ids_template': the prompt ids were rendered by another chat template")
+    unmarked = rewritten(made, folder, "unmarked.jsonl", drop=("ids_tokenizer", "ids_template"))
+    assert refusal(unmarked, switched).startswith("row 0: field 'prompt_ids': the ids are not the row's prompt")
+
+
+def test_the_command_refuses_given_ids_beside_a_rewritten_text_in_one_line(one_round, tiny_model_dir, tmp_path,
+                                                                           capsys):
+    from dpo_min.train import main
+
+    made, _, _, folder = one_round
+
+    def answer(rows):
+        rows[1]["rejected"][0]["content"] = "It is 4."
+    path = rewritten(made, folder, "command.jsonl", answer)
+    code = main(["--model", str(tiny_model_dir), "--dataset", path, "--eval_fraction", "0", "--max_steps", "1",
+                 "--report_to", "none", "--output_dir", str(tmp_path / "run")])
+    err = capsys.readouterr().err.strip()
+    assert code == 1 and "Traceback" not in err, err
+    assert err.splitlines()[-1].startswith("python -m dpo_min.train: error: row 1: field 'rejected_ids': the ids "
+                                           "decode to"), err
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("form", ["trl", "handbook", "legacy"])
+def test_a_mixture_of_pairs_with_their_ids_trains_the_ids_in_every_form(tmp_path, tokenizer, form):
+    # Ids without an EOS, as a cut sample of DPO in rounds has them: the text tokenized again would append one.
+    rows = []
+    for i in range(6):
+        text = {"prompt": f"What is {i} + {i}?", "chosen": f" It is {2 * i}.", "rejected": f" It is {2 * i + 1}."}
+        rows.append({**text, **{f"{name}_ids": tokenizer(value)["input_ids"] for name, value in text.items()}})
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    mixture = {"trl": lambda: trl_mixture([{"path": str(path)}]),
+               "handbook": lambda: handbook_mixture({"datasets": [{"id": str(path)}]}),
+               "legacy": lambda: legacy_mixer({str(path): 1.0}, ["train"])}[form]()
+    trained = tokenize_dataset(mixture.train, tokenizer)
+    ids = ("prompt_ids", "chosen_ids", "rejected_ids")
+    # The legacy form kept only the handbook's text columns, and the text was tokenized again with an EOS.
+    assert sorted(tuple(map(tuple, (row[name] for name in ids))) for row in trained) == \
+        sorted(tuple(map(tuple, (row[name] for name in ids))) for row in rows)
+    assert all(tokenizer.eos_token_id not in row["chosen_ids"] for row in trained)

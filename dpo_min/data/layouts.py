@@ -13,15 +13,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import labelled
+from .given_ids import given_columns
 from .labelled import check_label_option, check_labels_read, hh_messages, require
 from .options import PREFERENCE_LABELS, LayoutOptions
 from .unpaired import NO_ANSWER, NO_COMMON_PROMPT, SAME_ANSWERS, Unpaired
 
 # Columns carried from the source row to the pair: TRL hands both to the chat template.
 CARRIED_COLUMNS = ("tools", "chat_template_kwargs")
-# A pair's token ids beside its text (a round's pairs.jsonl: what the policy was given and sampled), trained as given.
-GIVEN_IDS = ("prompt_ids", "chosen_ids", "rejected_ids")
-MAPPABLE = ("prompt", "chosen", "rejected", "system")
 _ROLES = ("system", "user", "assistant", "tool")
 _SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
 MAPPING_HINT = ("name the columns with --prompt_column/--chosen_column/--rejected_column [--system_column] "
@@ -299,22 +297,6 @@ def layout_by_name(name: str) -> Layout:
     raise ValueError(f"unknown layout {name!r}; known layouts: {', '.join(LAYOUT_NAMES)}")
 
 
-def rename_columns(row: Mapping[str, Any], columns: Mapping[str, str]) -> dict[str, Any]:
-    """A row with the user's columns under our names (columns maps ours -> theirs); the other columns stay."""
-    renamed = {key: value for key, value in row.items() if key not in columns.values() and key not in columns}
-    renamed.update({ours: row.get(theirs) for ours, theirs in columns.items()})
-    return renamed
-
-
-def check_mapping(columns: Mapping[str, str], found: list[str]) -> None:
-    unknown = sorted(set(columns) - set(MAPPABLE))
-    if unknown:
-        raise ValueError(f"columns: unknown key(s) {unknown}; map {', '.join(MAPPABLE)} to your column names")
-    missing = [theirs for theirs in columns.values() if theirs not in found]
-    if missing:
-        raise ValueError(f"columns: no column named {', '.join(map(repr, missing))} in [{', '.join(found)}]")
-
-
 # ---- validation of the result -----------------------------------------------------------------------------------
 def to_pair(layout: Layout, row: Mapping[str, Any], index: int, options: LayoutOptions) -> dict[str, Any] | None:
     """Row -> validated {prompt, chosen, rejected, carried columns}, or None for a row the layout skips."""
@@ -330,11 +312,7 @@ def to_pair(layout: Layout, row: Mapping[str, Any], index: int, options: LayoutO
     pair["prompt"] = _with_system(pair["prompt"], row.get("system"), index)
     validate_pair(pair, index)
     pair.update({name: row[name] for name in CARRIED_COLUMNS if row.get(name) is not None})
-    given = {name: row[name] for name in GIVEN_IDS if row.get(name) is not None}
-    if given and len(given) < len(GIVEN_IDS):
-        raise ValueError(f"row {index}: field '{min(set(GIVEN_IDS) - set(given))}' is missing: a pair's ids are "
-                         f"given all three ({', '.join(GIVEN_IDS)}) or none")
-    pair.update(given)
+    pair.update(given_columns(row, index))  # a pair's token ids beside its text, trained as given (given_ids.py)
     return pair
 
 

@@ -17,6 +17,7 @@ the tables.
 """
 
 import logging
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,6 +25,7 @@ from typing import Any
 import yaml
 from datasets import Dataset, DatasetDict, IterableDataset, concatenate_datasets
 
+from .given_ids import GIVEN_IDS, MADE_BY
 from .layouts import feature_kind
 from .options import LayoutOptions
 from .overlap import warn_shared_pairs
@@ -35,8 +37,9 @@ logger = logging.getLogger("dpo_min.data")  # the command shows this logger's li
 
 TRL_KEYS = ("path", "name", "data_dir", "data_files", "split", "columns", "fraction", "rename_columns")
 HANDBOOK_KEYS = ("id", "config", "split", "columns", "weight", "rename_columns")
-# The columns the handbook's run_dpo.py kept (columns_to_keep) when it read dataset_mixer.
-LEGACY_KEPT_COLUMNS = ("messages", "chosen", "rejected", "prompt", "completion", "label")
+# The columns the handbook's run_dpo.py kept (columns_to_keep) when it read dataset_mixer, and dpo_min's given ids
+# with what made them, which the other two forms keep: without them the text would be tokenized again.
+LEGACY_KEPT_COLUMNS = ("messages", "chosen", "rejected", "prompt", "completion", "label", *GIVEN_IDS, *MADE_BY)
 
 
 @dataclass
@@ -166,8 +169,8 @@ def _trl_shares(raws: list[AnyDataset], fractions: list[Any], streaming: bool) -
     if streaming:
         raise ValueError("datasets: a dataset `fraction` is not supported with streaming datasets")
     for position, fraction in enumerate(fractions):
-        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or fraction < 0:
-            raise ValueError(f"datasets[{position}]: fraction is its share of the mixture, a number >= 0, "
+        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 <= fraction < math.inf:
+            raise ValueError(f"datasets[{position}]: fraction is its share of the mixture, a finite number >= 0, "
                              f"got {fraction!r}")
     if not sum(fractions) > 0:
         raise ValueError("datasets: every fraction is 0; give one a share > 0")

@@ -11,15 +11,14 @@ from typing import Any
 
 from datasets import Dataset, IterableDataset
 
+from .columns import check_mapping, rename_columns
+from .given_ids import GIVEN_IDS, MADE_BY
 from .layouts import (
     CARRIED_COLUMNS,
-    GIVEN_IDS,
     Layout,
-    check_mapping,
     detect_layout,
     feature_kind,
     layout_by_name,
-    rename_columns,
     to_pair,
     value_kind,
 )
@@ -119,7 +118,7 @@ def _convert_batch(batch: dict[str, list], indices: list[int], layout_name: str,
                                strict_pairs)
     out = {name: [pair[name] for _, pair in kept] for name in PAIR_COLUMNS}
     out[SOURCE_ROW] = [rows[position].get(SOURCE_ROW, indices[position]) for position, _ in kept]
-    for name in (name for name in (*CARRIED_COLUMNS, *GIVEN_IDS, *keep) if name in batch):
+    for name in (name for name in (*CARRIED_COLUMNS, *GIVEN_IDS, *MADE_BY, *keep) if name in batch):
         out[name] = [rows[position][name] for position, _ in kept]
     if counts is not None:  # a stream: its drops are counted as they happen (see StreamCounts)
         unpaired_rows = sum(map(len, unpaired.values()))

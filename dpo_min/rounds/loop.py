@@ -16,7 +16,7 @@ from transformers import PrinterCallback, ProgressCallback, TrainerState
 
 from dpo_min import DPOMinConfig, DPOMinTrainer
 from dpo_min.devices import several_on_cpu
-from dpo_min.tokenizing import render_prompts, template_kwargs_of
+from dpo_min.tokenizing import CARRIED_COLUMNS, GIVEN_COLUMNS, made_by, render_prompts, template_kwargs_of
 
 from . import held_out, pairs, schedule, store
 from .config import RoundsConfig, RoundsError
@@ -137,6 +137,10 @@ def _pairs(run: _Run, samples: list[dict[str, Any]], args: DPOMinConfig) -> tupl
                "samples": [row for row in samples if row["prompt_index"] == i]} for i in _sampled(samples)]
     made, dropped = pairs.make_pairs(groups, run.config.min_margin, run.config.pairs_per_prompt,
                                      run.config.pair_rule)
+    # What made the ids, and the row's own template arguments: the DPO pass checks the ids by them (given_ids.py).
+    made = [{**pair, **made_by(run.tokenizer, pair["prompt"]),
+             **{name: run.rows[pair["prompt_index"]][name] for name in CARRIED_COLUMNS
+                if run.rows[pair["prompt_index"]].get(name) is not None}} for pair in made]
     kept, untrainable = pairs.keep_trainable(made, run.tokenizer, args)
     return kept, {**dropped, **untrainable}, pairs.saturated(groups)
 
@@ -184,9 +188,10 @@ def _phase(run: _Run, path: Path, times: dict[str, float], name: str, make: Call
 
 def pair_dataset(made: list[dict[str, Any]]) -> Dataset:
     """A round's pairs as its DPO pass reads them: the ids the policy was given and sampled, trained as they are (no
-    EOS where the policy emitted none); the text beside them is for reading."""
-    columns = ("prompt", "chosen", "rejected", "prompt_ids", "chosen_ids", "rejected_ids")
-    return Dataset.from_list([{key: pair[key] for key in columns} for pair in made])
+    EOS where the policy emitted none), once checked against the text beside them and what made them."""
+    columns = [name for name in ("prompt", "chosen", "rejected", *GIVEN_COLUMNS)
+               if any(name in pair for pair in made)]
+    return Dataset.from_list([{key: pair.get(key) for key in columns} for pair in made])
 
 
 def _training_args(run: _Run, folder: Path, round_index: int, policy: Policy) -> DPOMinConfig:

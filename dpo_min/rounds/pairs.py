@@ -10,7 +10,7 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
-from dpo_min.tokenizing import NO_ANSWER, NO_COMPLETION, SAME_COMPLETIONS, drop_reason
+from dpo_min.tokenizing import GIVEN_COLUMNS, NO_ANSWER, NO_COMPLETION, SAME_COMPLETIONS, drop_reason
 
 PAIR_RULE_REASONS = ("unscorable", "all_tied", "below_min_margin")
 # Why the DPO pass drops a pair (reading it as data, tokenizing and truncating it), as rounds.jsonl names it.
@@ -139,7 +139,7 @@ def keep_trainable(pairs: list[dict[str, Any]], tokenizer: Any, args: Any) -> tu
     truncation_mode and chat_template_kwargs, so that rounds.jsonl's `pairs` is what trains."""
     kept, dropped = [], Counter(dict.fromkeys(TRAINING_REASONS.values(), 0))
     for pair in pairs:
-        given = ("prompt", "chosen", "rejected", "prompt_ids", "chosen_ids", "rejected_ids")
+        given = ("prompt", "chosen", "rejected", *GIVEN_COLUMNS)
         reason = drop_reason({name: pair[name] for name in given if name in pair}, tokenizer,
                              args.max_length, args.max_prompt_length, args.truncation_mode, args.chat_template_kwargs)
         if reason is None:

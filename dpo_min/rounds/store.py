@@ -16,7 +16,6 @@ The folder's lock and its checks are the command's (dpo_min.train.run_dir.RunFol
 run); `RoundFiles` is only the rounds' layout in it and their resume record.
 """
 
-import hashlib
 import json
 import os
 from collections.abc import Iterator
@@ -26,6 +25,7 @@ from typing import Any
 
 from ..files import NO_SPACE, staged, write_fault, write_whole
 from ..records import ABSENT, changes
+from ..tokenizing import template_fingerprint
 from .config import RoundsError
 
 # Settings an earlier version's settings.json lacks: a resume of such a run compares them only once recorded.
@@ -69,12 +69,9 @@ def model_record(model: Any, tokenizer: Any) -> dict[str, Any]:
     """What the numbers depend on that a library caller's model and tokenizer say of themselves: the weights' name or
     folder, their dtype, and the chat template by sha256 (a resume on another base would put the finished rounds'
     adapter on it)."""
-    template = getattr(tokenizer, "chat_template", None)
-    if template is not None and not isinstance(template, str):  # a mapping of named templates
-        template = json.dumps(template, sort_keys=True)
     return {"name_or_path": getattr(getattr(model, "config", None), "_name_or_path", None),
             "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
-            "chat_template (sha256)": None if template is None else hashlib.sha256(template.encode()).hexdigest()}
+            "chat_template (sha256)": template_fingerprint(tokenizer)}
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:

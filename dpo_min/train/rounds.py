@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config import DPOMinConfig
+from ..data.columns import check_no_clash
 from ..data.loading import load_rows
 from ..files import staging_path
 from ..models import is_repo_id
@@ -195,6 +196,10 @@ def load_prompts(plan: Plan) -> list[dict[str, Any]]:
         if data_args.prompt_column not in rows.column_names:
             raise InputError(f"{source}: no column {data_args.prompt_column!r} (--prompt_column); it has "
                              f"{', '.join(rows.column_names)}")
+        try:  # the offline mapping's rule: a prompt column beside the mapped one is refused, not dropped
+            check_no_clash({"prompt": data_args.prompt_column}, rows.column_names)
+        except ValueError as error:
+            raise InputError(f"{source}: {error}") from None
         rows = rows.rename_column(data_args.prompt_column, "prompt")
     answers = [name for name in ("chosen", "rejected", "completion") if name in rows.column_names]
     if answers:
