@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .batch import IGNORE_INDEX, NON_MODEL_KEYS
+from .collator import IGNORE_INDEX, NON_MODEL_KEYS
 from .logps_chunked import LabelLogProbs
 from .scale.attention import packed_forward_kwargs
 

@@ -5,7 +5,7 @@ from typing import Any
 
 import torch
 
-from .batch import IGNORE_INDEX
+from .collator import IGNORE_INDEX
 from .logps import SequenceLogps
 
 

@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 from . import ref_cache, trainer_setup
-from .batch import REFERENCE_COLUMNS
+from .collator import REFERENCE_COLUMNS
 from .compat import TRL_ITERABLE_REFUSAL
 from .scale import zero
 

@@ -18,7 +18,7 @@ from datasets import Dataset, IterableDataset
 from transformers import EvalPrediction, PreTrainedModel, Trainer, TrainerCallback, set_seed
 
 from . import safe_steps, trainer_setup
-from .batch import REFERENCE_COLUMNS
+from .collator import REFERENCE_COLUMNS
 from .compat import trl_hub_tags
 from .config import DPOMinConfig
 from .logps import SequenceLogps, sequence_logps

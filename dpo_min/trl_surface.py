@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from .batch import NON_MODEL_KEYS, REFERENCE_COLUMNS
+from .collator import NON_MODEL_KEYS, REFERENCE_COLUMNS
 from .reference import ModelReference, NoReference
 
 
