@@ -90,7 +90,7 @@ def run_config(config: str, model_path: str, batch_size: int, warmup: int, steps
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
     from dpo_min import DPOMinConfig, DPOMinTrainer, load_model_and_tokenizer, load_preference_dataset
-    from dpo_min.collator import PackedDPODataCollator
+    from dpo_min.collator_packed import PackedDPODataCollator
     from dpo_min.logps import sequence_logps
     from dpo_min.losses import LossSettings
     from dpo_min.scale.attention import use_packed_attention

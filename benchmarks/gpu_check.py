@@ -107,10 +107,10 @@ def check_layouts(device: str) -> list[str]:
     """Packed layouts (sdpa, flex) against the padded one: log-probs and, where flex has a backward, gradients."""
     from datasets import Dataset
 
-    from dpo_min.collator import make_collator
     from dpo_min.logps import sequence_logps
     from dpo_min.scale.attention import use_packed_attention
     from dpo_min.tokenizing import tokenize_dataset
+    from dpo_min.trainer_setup import make_collator
 
     tokenizer = word_tokenizer(TINY["vocab_size"])
     pairs = tokenize_dataset(Dataset.from_list(random_pairs(6, TINY["vocab_size"], (3, 40), (1, 30))), tokenizer,

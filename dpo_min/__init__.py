@@ -1,6 +1,7 @@
 """dpo_min: Direct Preference Optimization (DPO) of causal language models on transformers.Trainer."""
 
-from .collator import DPODataCollator, PackedDPODataCollator
+from .collator import DPODataCollator
+from .collator_packed import PackedDPODataCollator
 from .config import DPOMinConfig
 from .data.loading import load_preference_dataset
 from .data.mixtures import load_mixture

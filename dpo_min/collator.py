@@ -5,9 +5,10 @@ The batch is the seam between data and model. Whatever the layout, it holds
 - `labels`: the token id at completion tokens, -100 elsewhere (aligned with `input_ids`, not shifted: position t
   predicts the label at t + 1 of the same row),
 - `sequence_index`: for each label, which of the 2B sequences it belongs to: chosen i -> i, rejected i -> B + i,
-so the trainer sums log-probs per sequence without knowing how the rows were laid out. The columns' names are in
-batch.py. `DPODataCollator` pads the 2B rows to the longest (as TRL); `make_collator` picks the padding-free and
-shared-prompt layouts of collator_packed.py when the config asks for them.
+so the trainer sums log-probs per sequence without knowing how the rows were laid out. The columns' names are
+below, read by every collator, the log-probs and the trainer. `DPODataCollator` pads the 2B rows to the longest (as
+TRL), the default; the padding-free and shared-prompt layouts are collator_packed.py's (`trainer_setup.make_collator`
+picks a layout from the config).
 """
 
 from dataclasses import dataclass
@@ -15,11 +16,19 @@ from typing import Any
 
 import torch
 
-from .batch import IGNORE_INDEX, NON_MODEL_KEYS, REFERENCE_COLUMNS, TOKEN_COLUMNS, add_reference_logps
-from .collator_packed import PackedDPODataCollator
+TOKEN_COLUMNS = ("prompt_ids", "chosen_ids", "rejected_ids")  # a tokenized pair, as the collators read it
+REFERENCE_COLUMNS = ("ref_chosen_logps", "ref_rejected_logps")  # a pair's precomputed reference log-probs, if any
+IGNORE_INDEX = -100
+# Keys of a batch that are not model inputs.
+NON_MODEL_KEYS = ("labels", "sequence_index", "segment_bounds", "segment_ids", "branch_ids", *REFERENCE_COLUMNS)
 
-__all__ = ["IGNORE_INDEX", "NON_MODEL_KEYS", "REFERENCE_COLUMNS", "TOKEN_COLUMNS", "DPODataCollator",
-           "PackedDPODataCollator", "add_reference_logps", "make_collator"]
+
+def add_reference_logps(batch: dict[str, torch.Tensor], examples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+    """Carry precomputed reference log-probs, when the examples have them, as [B] float tensors."""
+    for name in REFERENCE_COLUMNS:
+        if name in examples[0]:
+            batch[name] = torch.tensor([ex[name] for ex in examples], dtype=torch.float32)
+    return batch
 
 
 @dataclass
@@ -53,12 +62,3 @@ class DPODataCollator:
                  "sequence_index": sequence_index}
         return add_reference_logps(batch, examples)
 
-
-def make_collator(pad_token_id: int, padding_free: bool = False, share_prompt: bool = False,
-                  dense_mask: bool = True, pad_to_multiple_of: int | None = None
-                  ) -> DPODataCollator | PackedDPODataCollator:
-    """The collator of a layout: padded unless `padding_free` or `share_prompt`."""
-    if padding_free or share_prompt:
-        return PackedDPODataCollator(pad_token_id, padding_free=padding_free, share_prompt=share_prompt,
-                                     dense_mask=dense_mask, pad_to_multiple_of=pad_to_multiple_of)
-    return DPODataCollator(pad_token_id, pad_to_multiple_of=pad_to_multiple_of)

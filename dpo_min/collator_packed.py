@@ -1,4 +1,4 @@
-"""The packed layouts, beside the padded one of collator.py (which `make_collator` there picks by default).
+"""The packed layouts, beside the padded one of collator.py (`trainer_setup.make_collator` picks the padded by default).
 
 - `PackedDPODataCollator(padding_free=True)`: the 2B sequences in one row, `position_ids` restarting at 0 for each;
   no `attention_mask`, from which transformers keeps each sequence to itself (a block-diagonal causal mask).
@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from .batch import IGNORE_INDEX, add_reference_logps
+from .collator import IGNORE_INDEX, add_reference_logps
 
 
 @dataclass

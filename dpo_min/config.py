@@ -9,8 +9,7 @@ from typing import Any
 from transformers import TrainingArguments
 
 from .compat import TRL_FIELDS, apply_trl_negations, check_trl_fields, trl_pad_to_multiple_of
-from .loss_family import F_DIVERGENCES
-from .losses import LOSS_TYPES, LOSSES, LossSettings
+from .losses import F_DIVERGENCES, LOSS_TYPES, LOSSES, LossSettings
 
 # The references DPOMinConfig.reference_mode names (reference._named_reference builds each).
 REFERENCE_MODES = ("ref_model", "adapter_off", "adapter_at_start", "policy_at_start")

@@ -1,7 +1,17 @@
-"""Writing a file whole: the package's one way to put a file where a reader (a resume, a user, another process) may
-look, used by every writer (the command's run folder and its metrics, card and plot, the reference log-prob cache,
-the rounds' files). The bytes go to a hidden sibling first and are renamed onto the name: a rename within a folder is
-atomic, so a kill or a full disk leaves the old file or the new one, never part of one, and no temporary behind."""
+"""Writing a file whole: the package's one way to put a single file where a reader (a resume, a user, another process)
+may look: the command's metrics, card, plot and run records, the reference log-prob cache, the rounds' files. The
+bytes go to a hidden sibling first and are renamed onto the name: a rename within a folder is atomic, so a kill or a
+full disk leaves the old file or the new one, never part of one, and no temporary behind.
+
+The writers that do not come through here, each for its reason (tests/test_files.py fails on any other):
+- a folder staged and renamed by its owner: the run folder and its lock (`train/run_dir.py`), a checkpoint around
+  Trainer's own save (`checkpoints.py`), a converted .gguf model (`models.py`: a temporary folder per process, for
+  several may convert the same file at once);
+- files written inside the run's staging folder, which is published whole: the trained weights
+  (`train/__init__.py`), the completions appended at each evaluation (`train/report.py`);
+- a plot drawn onto the staged path its caller hands it (`train/report.py`, `rounds/held_out.py`);
+- a bad reference cache entry moved aside, not written (`ref_cache.py`);
+- the rounds' save that every process joins and only the main one, inside `staged`, writes (`rounds/policy.py`)."""
 
 import errno
 import os

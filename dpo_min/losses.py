@@ -4,8 +4,9 @@
 `LOSSES`: a per-pair loss of those `PairTerms` (plain tensors and plain hyperparameter values), carrying its own
 constraints (a `LossEntry`): the hyperparameters it reads (config fields) and the values it accepts, whether it reads
 the reference, needs lengths, sorts across the batch, has an f-divergence form, or rewards of its own (AlphaPO's form).
-DPO's `sigmoid` and the losses that take it of logits of their own (aot, cpo, simpo) are written here; the other loss
-types, `Knob`, `LossEntry` and f-DPO's `F_DIVERGENCES` are in loss_family.py, which the one `LOSSES` table below reads.
+DPO's `sigmoid` and the losses that take it of logits of their own (aot, cpo, simpo) are written here, with what the
+table holds of each (`LossEntry`, its `Knob`s) and f-DPO's `F_DIVERGENCES`; the other loss types and `PairTerms` are
+in loss_family.py.
 `LossSettings` is built from the config, validated once (`DPOMinConfig.__post_init__`), and is what `dpo_loss` reads.
 Several variants combine as sum_i w_i * L_i per pair, so that the mean over pairs is sum_i w_i * mean(L_i). Adding
 a loss type with a hyperparameter of its own is one `LOSSES` entry and one `DPOMinConfig` field of the same name:
@@ -13,7 +14,7 @@ a loss type with a hyperparameter of its own is one `LOSSES` entry and one `DPOM
 """
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -21,7 +22,79 @@ import torch
 import torch.nn.functional as F
 
 from . import loss_family as family
-from .loss_family import ALPHA, F_DIVERGENCES, GAMMA, RANGES, READS_LABEL_SMOOTHING, TAU, Knob, LossEntry, PairTerms
+from .loss_family import PairTerms
+
+
+# ---- what the `LOSSES` table holds of each loss type: its function and its constraints -------------------------
+@dataclass(frozen=True)
+class Knob:
+    """A hyperparameter a loss reads: its default (the config field's) and the values this loss accepts."""
+
+    default: float
+    low: float = -math.inf
+    high: float = math.inf
+    open_low: bool = False
+    open_high: bool = False
+    note: str = ""
+
+    def holds(self, value: float) -> bool:
+        above = value > self.low if self.open_low else value >= self.low
+        below = value < self.high if self.open_high else value <= self.high
+        return above and below
+
+    def __str__(self) -> str:  # "in [0, 0.5)", or "> 0" for a range open above
+        if self.high == math.inf:
+            return f"{'>' if self.open_low else '>='} {self.low:g}"
+        return f"in {'(' if self.open_low else '['}{self.low:g}, {self.high:g}{')' if self.open_high else ']'}"
+
+
+# Checked whatever the loss types (each is a config field of its own): the values that make sense at all.
+SMOOTHING, TAU, NON_NEGATIVE = Knob(0.0, 0.0, 1.0, open_high=True), Knob(0.05, 0.0, open_low=True), Knob(0.0, 0.0)
+RANGES: dict[str, Knob] = {"label_smoothing": SMOOTHING, "discopop_tau": TAU, "cpo_alpha": NON_NEGATIVE}
+ALPHA, GAMMA = Knob(0.0), Knob(0.5)
+
+
+@dataclass(frozen=True)
+class LossEntry:
+    """One loss type and its constraints.
+
+    `reads`: the hyperparameters (config field names) it reads beyond beta, with the values it accepts.
+    `reads_reference`: its loss reads the reference log-probs (a run without one still keeps the reference for the
+    reward metrics, the log-ratios, unless a loss type has `rewards` of its own: `LossSettings.reads_reference`).
+    `sorts_batch`: it sorts pairs across the batch (no per-pair
+    weights). `f_divergence`: built on the chosen-rejected score difference, where f-DPO's reparameterisation holds
+    (TRL's list). `rewards`: the (chosen, rejected) implicit rewards before beta, when they are not the log-ratios
+    (AlphaPO's reward form, for the losses that read `alpha`)."""
+
+    loss: Callable[[PairTerms], torch.Tensor]
+    reads: Mapping[str, Knob] = field(default_factory=dict)
+    reads_reference: bool = True
+    needs_lengths: bool = False
+    sorts_batch: bool = False
+    f_divergence: bool = False
+    rewards: Callable[[PairTerms], tuple[torch.Tensor, torch.Tensor]] | None = None
+    tie: float | None = None  # its loss of a pair whose policy is its reference, when the same for every pair
+
+
+READS_LABEL_SMOOTHING = {"label_smoothing": SMOOTHING}  # a label-flip probability in [0, 1)
+
+
+# ---- f-DPO's regularisers, which `dpo_loss` looks up (reverse KL, DPO's own, the log-ratio itself) ---------------
+def _alpha_divergence_score(logratios: torch.Tensor, coef: float) -> torch.Tensor:
+    if abs(coef - 1.0) < 1e-6:  # the limit f'(t) -> log t: reverse KL (as TRL)
+        return logratios
+    # (t^(coef-1) - 1) / (coef - 1), exponent clamped so that exp stays finite (TRL's float32 clamp)
+    exponent = torch.clamp(((coef - 1.0) * logratios).float(), max=80.0)
+    return (torch.exp(exponent) - 1.0).to(logratios.dtype) / (coef - 1.0)
+
+
+# f-DPO, arXiv 2309.16240: f'(pi / pi_ref) of each f-divergence, written from the log-ratio u = log(pi / pi_ref).
+F_DIVERGENCES: dict[str, Callable[[torch.Tensor, float], torch.Tensor]] = {
+    "reverse_kl": lambda u, coef: u,
+    "forward_kl": lambda u, coef: 1 - torch.exp(-u),
+    "js_divergence": lambda u, coef: math.log(2) + F.logsigmoid(u),
+    "alpha_divergence": _alpha_divergence_score,
+}
 
 
 # ---- DPO and the losses that take its loss of logits of their own: r = log pi - log pi_ref, D = r_c - r_r --------

@@ -1,11 +1,12 @@
-"""The metrics `compute_loss` records, TRL's names and definitions, kept per mode until `Trainer.log` averages them."""
+"""The metrics `compute_loss` records, TRL's names and definitions, kept per mode until the trainer's `log`
+averages them."""
 
 from collections import defaultdict
 from typing import Any
 
 import torch
 
-from .batch import IGNORE_INDEX
+from .collator import IGNORE_INDEX
 from .logps import SequenceLogps
 
 

@@ -1,9 +1,11 @@
 """The precompute pass (`precompute_ref_log_probs=True`): the reference's log-probs of every pair, once, up front.
 
-`DPOMinTrainer.precompute_reference` is its one entry point; it runs before the first step (or before a resumed run
-loads its checkpoint), so that for full fine-tuning the reference is the model as given. Each dataset gains the
-columns `ref_chosen_logps` and `ref_rejected_logps`, which the collator carries and `compute_loss` reads in place of
-a reference forward. The log-probs are cached on disk (ref_cache.py), keyed by the reference's weights and the data.
+`DPOMinTrainer.precompute_reference` is its one entry point; it calls `precompute_reference` below only when
+`precompute_ref_log_probs` is set (a default run never enters this file). It runs before the first step (or before a
+resumed run loads its checkpoint), so that for full fine-tuning the reference is the model as given. Each dataset
+gains the columns `ref_chosen_logps` and `ref_rejected_logps`, which the collator carries and `compute_loss` reads in
+place of a reference forward. The log-probs are cached on disk (ref_cache.py), keyed by the reference's weights and
+the data.
 """
 
 from typing import Any
@@ -14,56 +16,24 @@ from datasets import Dataset, IterableDataset
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
-from . import ref_cache, trainer_setup
-from .batch import REFERENCE_COLUMNS
+from . import ref_cache
+from .collator import REFERENCE_COLUMNS
 from .compat import TRL_ITERABLE_REFUSAL
 from .scale import zero
 
 
-class PrecomputeHooks:
-    """DPOMinTrainer's dataloaders and `train`, each starting the precompute pass through its one entry point,
-    `precompute_reference`, before Trainer's own: the reference's log-probs are taken before the first step."""
-
-    def precompute_reference(self, eval_dataset: Any = None) -> Any:
-        """The precompute pass's one entry point: the train and eval datasets, and `eval_dataset` when given (returned),
-        gain the reference's log-probs (once each; cached on disk). A no-op without `precompute_ref_log_probs`."""
-        if not self.args.precompute_ref_log_probs:
-            return eval_dataset
-        if eval_dataset is not None:
-            return with_reference_logps(self, self._tokenized_eval(eval_dataset), "eval")
-        self.train_dataset = with_reference_logps(self, self.train_dataset, "train")
-        if isinstance(self.eval_dataset, dict):
-            self.eval_dataset = {name: with_reference_logps(self, data, name)
-                                 for name, data in self.eval_dataset.items()}
-        else:
-            self.eval_dataset = with_reference_logps(self, self.eval_dataset, "eval")
-        return None
-
-    def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs: Any):
-        if resume_from_checkpoint:
-            # Before Trainer loads the checkpoint's weights: the reference is the model as given, not as trained.
-            self.precompute_reference()
-        return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
-
-    def _tokenized_eval(self, dataset: Dataset) -> Dataset:
-        tokenizer = getattr(self.processing_class, "tokenizer", self.processing_class)
-        return trainer_setup.tokenized(dataset, tokenizer, self.args)
-
-    def get_train_dataloader(self) -> DataLoader:
-        # The eval data too, now: for full fine-tuning the reference is the model before its first step.
-        self.precompute_reference()
-        return super().get_train_dataloader()
-
-    def get_eval_dataloader(self, eval_dataset: Any = None) -> DataLoader:
-        if isinstance(eval_dataset, str) and self.args.precompute_ref_log_probs:
-            eval_dataset = self.eval_dataset[eval_dataset]
-        if eval_dataset is None:
-            self.precompute_reference()
-        elif self.args.precompute_ref_log_probs:
-            eval_dataset = self.precompute_reference(eval_dataset)
-        elif not isinstance(eval_dataset, str):
-            eval_dataset = self._tokenized_eval(eval_dataset)
-        return super().get_eval_dataloader(eval_dataset)
+def precompute_reference(trainer: Any, eval_dataset: Dataset | None = None) -> Dataset | None:
+    """`eval_dataset` (tokenized) with the reference's log-probs, when given; otherwise the trainer's train and eval
+    datasets gain them, in place (once each; cached on disk)."""
+    if eval_dataset is not None:
+        return with_reference_logps(trainer, eval_dataset, "eval")
+    trainer.train_dataset = with_reference_logps(trainer, trainer.train_dataset, "train")
+    if isinstance(trainer.eval_dataset, dict):
+        trainer.eval_dataset = {name: with_reference_logps(trainer, data, name)
+                                for name, data in trainer.eval_dataset.items()}
+    else:
+        trainer.eval_dataset = with_reference_logps(trainer, trainer.eval_dataset, "eval")
+    return None
 
 
 def with_reference_logps(trainer: Any, dataset: Dataset, description: str) -> Dataset:

@@ -1,7 +1,9 @@
-"""The package's one held-out split, a seeded share of N rows: the command's held-out pairs (--eval_fraction) and the
-rounds' held-out prompts (held_out_share) are both this split, so the same count, share and seed hold out the same
-rows whichever asks. It is `datasets`' own `train_test_split`, as TRL and the handbook split, the share rounded up as
-`datasets` rounds a fraction."""
+"""The held-out split of the command's pairs (--eval_fraction) and of the rounds' prompts (held_out_share), a seeded
+share of N rows: both are this split, so the same count, share and seed hold out the same rows whichever asks. It is
+`datasets`' own `train_test_split`, as TRL and the handbook split, the share rounded up as `datasets` rounds a
+fraction. A mixture's `test_split_size` is not this split: data/mixtures.py splits a mixture as TRL's and the
+handbook's code do (a seeded `train_test_split(test_size=...)` of the concatenated rows, a count or a fraction),
+and data/ imports nothing of the core."""
 
 import math
 

@@ -1,10 +1,10 @@
 """DPOMinTrainer: transformers.Trainer whose loss is DPO over one concatenated chosen+rejected forward.
 
 `compute_loss` is the design card: one policy forward, the reference's log-probs, `.chunk(2)` into chosen and
-rejected, `dpo_loss`. What the default run does not need lives beside, each named in the class's bases or called by
-name: trl_surface.py (TRL's attributes, `prediction_step`, the card's tags), precompute.py (the dataloaders' hooks
-for `precompute_ref_log_probs`), safe_steps.py (non-finite checks, staged checkpoints), metrics.py (TRL's metrics),
-trainer_setup.py (the phases of the constructor), reference.py (which reference, decided once).
+rejected, `dpo_loss`. Every `Trainer` method a default run calls is written in the class body below; what a default
+run never calls lives beside, each named where it is called: trl_surface.py (TRL's attributes and card, a base of
+the class), precompute.py (`precompute_ref_log_probs`), collator_packed.py (the packed layouts), loss_family.py (the
+loss types besides DPO's). The constructor's phases are trainer_setup.py's; which reference applies, reference.py's.
 """
 
 import contextlib
@@ -15,28 +15,35 @@ from typing import Any
 
 import torch
 from datasets import Dataset, IterableDataset
+from torch.utils.data import DataLoader
 from transformers import EvalPrediction, PreTrainedModel, Trainer, TrainerCallback, set_seed
 
-from . import safe_steps, trainer_setup
-from .batch import REFERENCE_COLUMNS
+from . import checkpoints, precompute, trainer_setup
+from .collator import NON_MODEL_KEYS, REFERENCE_COLUMNS
 from .compat import trl_hub_tags
 from .config import DPOMinConfig
 from .logps import SequenceLogps, sequence_logps
-from .losses import dpo_loss
+from .losses import LossSettings, dpo_loss
 from .metrics import StepMetrics
-from .precompute import PrecomputeHooks
 from .reference import SyncReferenceCallback, choose_reference
-from .safe_steps import SafeStepsHooks
 from .scale.offload import OffloadActivations
 from .trl_surface import TRLSurface
 
 logger = logging.getLogger(__name__)
 
 
-class DPOMinTrainer(TRLSurface, PrecomputeHooks, SafeStepsHooks, Trainer):
+class DPOMinTrainer(TRLSurface, Trainer):
     """Direct Preference Optimization on `transformers.Trainer`; the constructor is TRL 1.16 `DPOTrainer`'s (see
     README, "Coming from TRL"). Which reference applies is decided once, in `reference.choose_reference`;
-    `precompute_ref_log_probs=True` computes its log-probs once, up front (cached on disk)."""
+    `precompute_ref_log_probs=True` computes its log-probs once, up front (cached on disk).
+
+    The `Trainer` methods it overrides, all in this body: `compute_loss` and `prediction_step` (the loss of a batch,
+    training and evaluating), `log` (the metrics of every micro-batch since the last log), `train`,
+    `get_train_dataloader` and `get_eval_dataloader` (the precompute pass, when asked for), `_clip_grad_norm` and
+    `_get_grad_norm` (a non-finite gradient stops the run), `_save_checkpoint` and `_save` (each checkpoint staged,
+    then renamed; a sharded model saved whole). Its base `TRLSurface` (trl_surface.py) overrides two more that a
+    default run never calls: `_set_signature_columns_if_needed` (`remove_unused_columns=True`) and
+    `create_model_card` (a push)."""
 
     def __init__(
         self,
@@ -86,6 +93,16 @@ class DPOMinTrainer(TRLSurface, PrecomputeHooks, SafeStepsHooks, Trainer):
             self.add_callback(SyncReferenceCallback(self.sync_reference))
 
     @property
+    def aux_loss_enabled(self) -> bool:
+        """TRL's attribute: a mixture-of-experts model whose router load-balancing loss joins the loss."""
+        return self.router_aux_loss_coef != 0.0
+
+    @property
+    def eval_margins(self) -> list[float]:
+        """Each held-out pair's reward margin at the latest evaluation, in order."""
+        return self.step_metrics.eval_margins
+
+    @property
     def maybe_activation_offload_context(self) -> contextlib.AbstractContextManager:
         """TRL's attribute, and what `compute_loss` runs the policy's forward in: activation offloading while training
         with gradients, when `activation_offloading`."""
@@ -94,7 +111,7 @@ class DPOMinTrainer(TRLSurface, PrecomputeHooks, SafeStepsHooks, Trainer):
 
     # ---- loss ---------------------------------------------------------------------------------------------------
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        settings = self.args.loss_settings
+        settings = LossSettings.from_config(self.args)  # read at each step, as TRL's attributes are (trl_surface.py)
         with self.maybe_activation_offload_context:
             policy = sequence_logps(model, inputs, with_sum_sq_probs=settings.use_weighting,
                                     with_aux_loss=self.aux_loss_enabled)
@@ -115,8 +132,8 @@ class DPOMinTrainer(TRLSurface, PrecomputeHooks, SafeStepsHooks, Trainer):
         if policy.aux_loss is not None:
             loss = loss + self.router_aux_loss_coef * policy.aux_loss
         if not torch.isfinite(loss):
-            safe_steps.raise_non_finite(self.state.global_step, loss, chosen_logps, rejected_logps, ref_chosen_logps,
-                                        ref_rejected_logps)
+            _raise_non_finite(self.state.global_step, loss, chosen_logps, rejected_logps, ref_chosen_logps,
+                              ref_rejected_logps)
         self.step_metrics.record(self.accelerator, self.state, "train" if self.model.training else "eval", policy,
                                  (chosen_logps, rejected_logps), (chosen_rewards, rejected_rewards),
                                  (ref_chosen_logps, ref_rejected_logps), inputs)
@@ -133,9 +150,92 @@ class DPOMinTrainer(TRLSurface, PrecomputeHooks, SafeStepsHooks, Trainer):
         with self.reference.computing(self.model) as model:
             return sequence_logps(model, inputs)
 
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        """The loss; with `compute_metrics`, also what TRL 1.16 passes it: the logits of a plain forward of the
+        [2B, T] batch (chosen rows, then rejected) as predictions, and its `input_ids` as label_ids."""
+        inputs = self._prepare_inputs(inputs)
+        with torch.no_grad(), self.compute_loss_context_manager():
+            loss = self.compute_loss(model, inputs).detach()
+            if prediction_loss_only or self.compute_metrics is None:
+                return loss, None, None
+            model_inputs = {name: value for name, value in inputs.items() if name not in NON_MODEL_KEYS}
+            logits = model(**model_inputs, use_cache=False).logits
+        return loss, logits, inputs["input_ids"]
+
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         # Every micro-batch since the last log counts, not only the last one. In place: Trainer.evaluate returns logs.
         mode = "train" if self.model.training else "eval"
         prefix = "eval_" if mode == "eval" else ""
         logs.update({f"{prefix}{key}": value for key, value in self.step_metrics.averages(mode).items()})
         super().log(logs, start_time)
+
+    # ---- the precompute pass (precompute.py): before the first step, only with precompute_ref_log_probs ----------
+    def precompute_reference(self, eval_dataset: Any = None) -> Any:
+        """The precompute pass's one entry point: the train and eval datasets, and `eval_dataset` when given (returned),
+        gain the reference's log-probs (once each; cached on disk). A no-op without `precompute_ref_log_probs`."""
+        if not self.args.precompute_ref_log_probs:
+            return eval_dataset
+        return precompute.precompute_reference(self, None if eval_dataset is None else self._tokenized(eval_dataset))
+
+    def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs: Any):
+        if resume_from_checkpoint:
+            # Before Trainer loads the checkpoint's weights: the reference is the model as given, not as trained.
+            self.precompute_reference()
+        return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
+
+    def get_train_dataloader(self) -> DataLoader:
+        # The eval data too, now: for full fine-tuning the reference is the model before its first step.
+        self.precompute_reference()
+        return super().get_train_dataloader()
+
+    def get_eval_dataloader(self, eval_dataset: Any = None) -> DataLoader:
+        if isinstance(eval_dataset, str) and self.args.precompute_ref_log_probs:
+            eval_dataset = self.eval_dataset[eval_dataset]
+        if eval_dataset is None:
+            self.precompute_reference()
+        elif self.args.precompute_ref_log_probs:
+            eval_dataset = self.precompute_reference(eval_dataset)
+        elif not isinstance(eval_dataset, str):
+            eval_dataset = self._tokenized(eval_dataset)
+        return super().get_eval_dataloader(eval_dataset)
+
+    def _tokenized(self, dataset: Dataset) -> Dataset:
+        """A dataset passed to `evaluate()`, tokenized as the constructor tokenizes its own."""
+        tokenizer = getattr(self.processing_class, "tokenizer", self.processing_class)
+        return trainer_setup.tokenized(dataset, tokenizer, self.args)
+
+    # ---- faults stop the run: a non-finite gradient, before the optimizer step -----------------------------------
+    def _clip_grad_norm(self, model):
+        self._check_finite_gradients(model)  # before clipping, which would smear one non-finite gradient over all
+        return super()._clip_grad_norm(model)
+
+    def _get_grad_norm(self, model, grad_norm=None):
+        if grad_norm is None:  # no clipping this run: the check has not happened yet
+            self._check_finite_gradients(model)
+        return super()._get_grad_norm(model, grad_norm=grad_norm)
+
+    def _check_finite_gradients(self, model) -> None:
+        if self.accelerator.scaler is not None:  # fp16's loss scaler expects overflowing steps and skips them
+            return
+        grads = [(name, p.grad) for name, p in model.named_parameters() if p.grad is not None]
+        if grads and not torch.stack([torch.isfinite(g).all() for _, g in grads]).all():
+            culprit = next(name for name, g in grads if not torch.isfinite(g).all())
+            raise FloatingPointError(f"step {self.state.global_step + 1}: non-finite gradient in {culprit}; "
+                                     "training stopped before the optimizer step, earlier checkpoints kept")
+
+    # ---- checkpoints are all-or-nothing (checkpoints.py) ---------------------------------------------------------
+    def _save_checkpoint(self, model, trial):
+        save = super()._save_checkpoint
+        checkpoints.save_staged(self, trial, lambda: save(model, trial))
+
+    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
+        super()._save(output_dir, state_dict=checkpoints.whole_state_dict(self.model, state_dict))
+
+
+def _raise_non_finite(step: int, loss: torch.Tensor, *logps: torch.Tensor | None) -> None:
+    """Stop on a non-finite loss, naming the step and the first non-finite of the four log-probs."""
+    names = ("policy chosen logps", "policy rejected logps", "reference chosen logps", "reference rejected logps")
+    culprit = next((name for name, value in zip(names, logps)
+                    if value is not None and not torch.isfinite(value).all()), "loss")
+    raise FloatingPointError(f"step {step + 1}: the DPO loss is {loss.item()} "
+                             f"(first non-finite quantity: {culprit}); training stopped, earlier checkpoints kept")

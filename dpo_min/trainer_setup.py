@@ -16,7 +16,8 @@ import torch
 from datasets import IterableDataset
 from transformers import TrainingArguments
 
-from .collator import make_collator
+from .collator import DPODataCollator
+from .collator_packed import PackedDPODataCollator
 from .compat import TRL_ITERABLE_REFUSAL, trl_default_output_dir
 from .config import DPOMinConfig
 from .models import load_causal_lm, load_tokenizer, pad_with_eos
@@ -150,6 +151,16 @@ def prepare_models(modules: list[torch.nn.Module], args: DPOMinConfig) -> None:
                     submodule.p = 0.0
         if args.shard_with_fsdp2:
             sharding.shard_model(module, args.device.type)
+
+
+def make_collator(pad_token_id: int, padding_free: bool = False, share_prompt: bool = False,
+                  dense_mask: bool = True, pad_to_multiple_of: int | None = None
+                  ) -> DPODataCollator | PackedDPODataCollator:
+    """The collator of a layout: padded (collator.py) unless `padding_free` or `share_prompt` (collator_packed.py)."""
+    if padding_free or share_prompt:
+        return PackedDPODataCollator(pad_token_id, padding_free=padding_free, share_prompt=share_prompt,
+                                     dense_mask=dense_mask, pad_to_multiple_of=pad_to_multiple_of)
+    return DPODataCollator(pad_token_id, pad_to_multiple_of=pad_to_multiple_of)
 
 
 def default_collator(model: Any, tokenizer: Any, args: DPOMinConfig) -> Callable:

@@ -1,12 +1,13 @@
-"""What DPOMinTrainer answers to as TRL 1.16's `DPOTrainer`, beyond the loss: its public attributes (`beta`,
-`ref_model`, ...), `prediction_step`'s logits for `compute_metrics`, the columns kept for the collator, the model card's
-tags. Scripts written for TRL read these; the DPO path itself does not."""
+"""What DPOMinTrainer answers to as TRL 1.16's `DPOTrainer`, beyond the loss and the steps: its public attributes
+(`beta`, `ref_model`, ...), TR-DPO's sync, the columns kept for the collator under `remove_unused_columns=True`, the
+model card's tags. Scripts written for TRL read these; a default run calls none of them (what TRL's trainer does at
+every step, `prediction_step` and `aux_loss_enabled` among them, is written in trainer.py)."""
 
 from typing import Any
 
 import torch
 
-from .batch import NON_MODEL_KEYS, REFERENCE_COLUMNS
+from .collator import REFERENCE_COLUMNS
 from .reference import ModelReference, NoReference
 
 
@@ -26,16 +27,6 @@ class TRLSurface:
     padding_free = property(lambda self: self.args.padding_free)
 
     @property
-    def eval_margins(self) -> list[float]:
-        """Each held-out pair's reward margin at the latest evaluation, in order."""
-        return self.step_metrics.eval_margins
-
-    @property
-    def aux_loss_enabled(self) -> bool:
-        """TRL's: a mixture-of-experts model whose router load-balancing loss joins the loss."""
-        return self.router_aux_loss_coef != 0.0
-
-    @property
     def ref_model(self) -> torch.nn.Module | None:
         """The separate reference model (prepared for the run), or None: TRL's attribute."""
         return self.reference.model
@@ -52,18 +43,6 @@ class TRLSurface:
     def sync_reference(self) -> None:
         """TR-DPO: reference <- alpha * policy + (1 - alpha) * reference, for a reference model or adapter."""
         self.reference.sync(self.model, self.args.ref_model_mixup_alpha)
-
-    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
-        """The loss; with `compute_metrics`, also what TRL 1.16 passes it: the logits of a plain forward of the
-        [2B, T] batch (chosen rows, then rejected) as predictions, and its `input_ids` as label_ids."""
-        inputs = self._prepare_inputs(inputs)
-        with torch.no_grad(), self.compute_loss_context_manager():
-            loss = self.compute_loss(model, inputs).detach()
-            if prediction_loss_only or self.compute_metrics is None:
-                return loss, None, None
-            model_inputs = {name: value for name, value in inputs.items() if name not in NON_MODEL_KEYS}
-            logits = model(**model_inputs, use_cache=False).logits
-        return loss, logits, inputs["input_ids"]
 
     def _set_signature_columns_if_needed(self) -> None:
         # The columns the collator reads, so that remove_unused_columns=True (TRL's default) keeps them, as TRL does.

@@ -7,8 +7,8 @@ from peft import LoraConfig, get_peft_model
 from torch.utils.flop_counter import FlopCounterMode
 
 from benchmarks.bench_vs_trl import step_flops
-from dpo_min.collator import make_collator
 from dpo_min.logps import sequence_logps
+from dpo_min.trainer_setup import make_collator
 
 
 @pytest.mark.parametrize("full", [True, False], ids=["full", "lora"])

@@ -9,8 +9,6 @@ from transformers import HfArgumentParser, Trainer, TrainingArguments
 from dpo_min import DPOMinConfig, DPOMinTrainer, dpo_loss
 from dpo_min.compat import TRL_AUTO_PAD, TRL_FIELDS, TRL_NEGATIONS
 from dpo_min.losses import LOSS_TYPES
-from dpo_min.precompute import PrecomputeHooks
-from dpo_min.safe_steps import SafeStepsHooks
 from dpo_min.trl_surface import TRLSurface
 
 
@@ -73,7 +71,7 @@ def test_trl_only_fields_and_attributes_are_written_in_the_class_bodies():
     # A reader finds them in DPOMinConfig's body and in TRLSurface's (trl_surface.py, a base DPOMinTrainer names),
     # not in classes generated at import.
     assert DPOMinConfig.__bases__ == (TrainingArguments,)
-    assert DPOMinTrainer.__bases__ == (TRLSurface, PrecomputeHooks, SafeStepsHooks, Trainer)
+    assert DPOMinTrainer.__bases__ == (TRLSurface, Trainer)
     own_fields = DPOMinConfig.__annotations__
     assert set(TRL_FIELDS) | {f"no_{name}" for name in TRL_NEGATIONS} <= set(own_fields)
     attributes = ("beta", "loss_types", "loss_weights", "label_smoothing", "ld_alpha", "use_weighting",

@@ -67,10 +67,19 @@ def test_every_local_link_in_the_pages_exists(page):
 
 
 def test_readme_gives_the_default_paths_line_counts():
-    # README's "What is where" names the four files of the default path with their line counts, and their sum.
+    # README's "What is where" names the six files a default training step enters (tests/test_default_path.py traces
+    # it) with their line counts, and their sum.
     text = (ROOT / "README.md").read_text()
-    quoted = dict(re.findall(r"`(\w+\.py)`\s+\((\d+) lines", text.split("**The default path**", 1)[1].split("\n\n")[0]))
-    assert sorted(quoted) == ["collator.py", "logps.py", "losses.py", "trainer.py"]
+    paragraph = " ".join(text.split("**The default path**", 1)[1].split("\n\n")[0].split())
+    quoted = dict(re.findall(r"`(\w+\.py)` \((\d+) lines", paragraph))
+    assert sorted(quoted) == ["collator.py", "logps.py", "losses.py", "metrics.py", "reference.py", "trainer.py"]
     counts = {name: len((ROOT / "dpo_min" / name).read_text().splitlines()) for name in quoted}
     assert {name: int(lines) for name, lines in quoted.items()} == counts
-    assert f"{sum(counts.values())} lines in all" in text
+    assert f"{sum(counts.values()):,} lines in all" in paragraph
+
+
+def test_readmes_table_of_the_core_names_every_file_at_dpo_mins_top():
+    # "The core is all the files at the top of dpo_min/": the table a reader follows names each of them.
+    table = (ROOT / "README.md").read_text().split("Read the files in this order:", 1)[1].split("\n\n", 2)[1]
+    top = {path.name for path in (ROOT / "dpo_min").glob("*.py")} - {"__init__.py"}
+    assert top - set(re.findall(r"`(\w+\.py)`", table)) == set()

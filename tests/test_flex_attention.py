@@ -14,9 +14,9 @@ from test_trainer import config
 from torch.nn.attention.flex_attention import create_mask
 
 from dpo_min import DPOMinConfig, DPOMinTrainer
-from dpo_min.collator import make_collator
 from dpo_min.logps import sequence_logps
 from dpo_min.scale.attention import FLEX, PACKED_ATTENTION, packed_attention, packed_mask_mod, use_packed_attention
+from dpo_min.trainer_setup import make_collator
 
 PACKED = {name: layout for name, layout in LAYOUTS.items() if name != "padded"}
 

@@ -3,6 +3,7 @@ the rounds (dpo_min.rounds, above the core) as folders, and imports that point o
 the source (those inside functions too), so a lazy import cannot hide a wrong direction."""
 
 import ast
+import re
 import sys
 from graphlib import CycleError, TopologicalSorter
 from pathlib import Path
@@ -14,7 +15,7 @@ MAY_IMPORT = {
     "data": {"data"},
     "scale": {"scale"},
     "command": {"core", "data", "scale", "command", "rounds"},
-    "rounds": {"core", "rounds"},  # the core's public API only: DPOMinTrainer and DPOMinConfig, as a user has them
+    "rounds": {"core", "rounds"},  # of the core, the modules README names (a test below), by their public names
 }
 
 
@@ -122,3 +123,21 @@ def test_no_module_defines_what_pytest_would_collect_where_it_is_imported():
              for node in ast.parse(path.read_text()).body
              if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and node.name.lower().startswith("test")]
     assert found == []
+
+
+def test_the_rounds_use_the_core_modules_readme_names_by_their_public_names():
+    # README's row for dpo_min/rounds/ names the core modules the rounds ask; they import those and no other, and
+    # only public names of them (from `dpo_min` itself, only what it exports).
+    import dpo_min
+
+    row = next(line for line in (PACKAGE.parent / "README.md").read_text().splitlines()
+               if line.startswith("| `dpo_min/rounds/` |"))
+    named = {f"dpo_min.{name}" for name in re.findall(r"`(\w+)\.py`", row)}
+    paths = sorted((PACKAGE / "rounds").glob("*.py"))
+    core = {name for path in paths for name in imported_modules(path) if part_of(name) == "core"}
+    assert core - {"dpo_min"} == named
+    names = {(node.module, alias.name) for path in paths for node in ast.walk(ast.parse(path.read_text()))
+             if isinstance(node, ast.ImportFrom) and (node.level == 2 or (node.module or "").startswith("dpo_min"))
+             for alias in node.names}
+    assert [name for _, name in names if name.startswith("_")] == []
+    assert {name for module, name in names if module == "dpo_min"} <= set(dpo_min.__all__)

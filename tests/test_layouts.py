@@ -27,9 +27,10 @@ from transformers import (
 )
 
 from dpo_min import DPOMinConfig, DPOMinTrainer, tokenize_dataset
-from dpo_min.collator import PackedDPODataCollator, make_collator
+from dpo_min.collator_packed import PackedDPODataCollator
 from dpo_min.logps import sequence_logps
 from dpo_min.scale.attention import PACKED_FAMILIES, SEGMENTED_SDPA, use_packed_attention
+from dpo_min.trainer_setup import make_collator
 
 # (padding_free, share_prompt); (False, False) is the padded reference layout.
 LAYOUTS = {"padded": (False, False), "padding_free": (True, False), "shared_packed": (True, True),

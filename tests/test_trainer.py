@@ -1,5 +1,7 @@
 import copy
 import math
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -262,8 +264,17 @@ def test_a_tokenizer_without_pad_token_pads_with_eos(tmp_path, tokenizer, hh_pai
 @pytest.mark.parametrize("max_grad_norm", [1.0, 0.0], ids=["clipping", "no-clipping"])
 def test_every_overridden_trainer_hook_is_called(tmp_path, tokenizer, hh_pairs, monkeypatch, max_grad_norm):
     """The overrides of private Trainer hooks run: if transformers renames a hook, this fails instead of the
-    override going quiet (no finite-gradient check, checkpoints written in place)."""
-    calls = {name: 0 for name in ("_clip_grad_norm", "_get_grad_norm", "_save_checkpoint", "_check_finite_gradients")}
+    override going quiet (no finite-gradient check, checkpoints written in place, pair columns dropped)."""
+    from transformers import Trainer
+
+    from dpo_min.trl_surface import TRLSurface
+
+    # Every private Trainer method DPOMinTrainer or its base overrides, read from the classes: a new one joins here.
+    overridden = {name for cls in (DPOMinTrainer, TRLSurface) for name in vars(cls)
+                  if name.startswith("_") and not name.startswith("__") and hasattr(Trainer, name)}
+    assert overridden == {"_clip_grad_norm", "_get_grad_norm", "_save", "_save_checkpoint",
+                          "_set_signature_columns_if_needed"}
+    calls = {name: 0 for name in (*overridden, "_check_finite_gradients")}
 
     def counting(name, original):
         def counted(self, *args, **kwargs):
@@ -273,13 +284,40 @@ def test_every_overridden_trainer_hook_is_called(tmp_path, tokenizer, hh_pairs, 
 
     for name in calls:
         monkeypatch.setattr(DPOMinTrainer, name, counting(name, getattr(DPOMinTrainer, name)))
-    args = config(tmp_path, max_steps=2, max_grad_norm=max_grad_norm, save_strategy="steps", save_steps=1)
+    # remove_unused_columns=True (TRL's default) is what makes Trainer ask for the signature columns.
+    args = config(tmp_path, max_steps=2, max_grad_norm=max_grad_norm, save_strategy="steps", save_steps=1,
+                  remove_unused_columns=True)
     trainer = DPOMinTrainer(tiny_llama(), args=DPOMinConfig(**args), train_dataset=hh_pairs.select(range(4)),
                             processing_class=tokenizer, peft_config=lora())
     trainer.train()
     assert calls == {"_clip_grad_norm": 2 if max_grad_norm else 0, "_get_grad_norm": 2, "_save_checkpoint": 2,
+                     "_save": 2, "_set_signature_columns_if_needed": 1,
                      "_check_finite_gradients": 2}  # the gradients checked once per step, by either hook
     assert sorted(path.name for path in (tmp_path / "out").iterdir()) == ["checkpoint-1", "checkpoint-2"]
+
+
+def test_trls_attributes_can_be_assigned_where_docs_trl_says_and_the_others_cannot(tmp_path, tokenizer, hh_pairs):
+    # docs/trl.md lists TRL's public attributes and the ones that can be assigned, as in TRL; the others raise, and
+    # those read from args follow args.
+    text = " ".join((Path(__file__).parent.parent / "docs" / "trl.md").read_text().split())
+    listed = re.search(r"TRL's public trainer attributes that scripts read exist with TRL's meaning \((.*?)\): (.*?) "
+                       r"can be assigned", text)
+    attributes, assignable = (re.findall(r"`(\w+)`", group) for group in listed.groups())
+    assert set(assignable) == {"ref_model", "router_aux_loss_coef"}
+    trainer = DPOMinTrainer(tiny_llama(), args=DPOMinConfig(**config(tmp_path)),
+                            train_dataset=hh_pairs.select(range(2)), processing_class=tokenizer)
+    for name in attributes:
+        value = getattr(trainer, name)
+        if name in assignable:
+            setattr(trainer, name, value)
+        else:
+            with pytest.raises(AttributeError):
+                setattr(trainer, name, value)
+    trainer.args.beta = 0.25
+    assert trainer.beta == 0.25
+    assert not trainer.aux_loss_enabled
+    trainer.router_aux_loss_coef = 0.01
+    assert trainer.aux_loss_enabled
 
 
 def test_without_a_config_the_output_folder_is_trls_default(tmp_path, monkeypatch):

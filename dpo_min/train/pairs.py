@@ -85,7 +85,7 @@ def _load_dataset(plan: Plan) -> tuple[str, Any, Any]:
 
 def _split(pairs: Dataset, plan: Plan) -> tuple[Dataset, Dataset]:
     """The seeded split of one dataset, holding out the plan's count of its pairs."""
-    try:  # the package's one split (dpo_min.split), which the rounds' held-out prompts take too
+    try:  # dpo_min.split, the split the rounds' held-out prompts take too
         train, held_out = held_out_split(len(pairs), plan.eval_fraction, plan.seed)
     except ValueError:
         raise UsageError(f"--eval_fraction {plan.eval_fraction} of {len(pairs)} pairs leaves no pair to train on") \

@@ -1,0 +1,121 @@
+"""README's "What is where" names the files a default run enters, and this test traces one to hold it to that.
+
+A run of `DPOMinTrainer` on `DPOMinConfig`'s defaults (only the sizes a tiny test must set), full fine-tuning and
+LoRA, is traced with `sys.setprofile`: every function of `dpo_min/` it enters, by phase. The file lists are read from
+README's paragraph, so the page and the test cannot drift: a training step enters exactly the default path's files;
+an evaluation, a checkpoint save and the construction of the config and the trainer enter those and exactly the files
+README names for each; and no phase enters a file README says the default never runs."""
+
+import re
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+from conftest import tiny_llama
+from peft import LoraConfig
+
+import dpo_min
+from dpo_min import DPOMinConfig, DPOMinTrainer
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = Path(dpo_min.__file__).parent
+PREFIX = f"{PACKAGE}/"  # as the code objects name their files
+# Trainer's hooks around a save: what runs inside them is the save's, not the step's.
+SAVE_HOOKS = {"_save_checkpoint", "save_model"}
+
+
+def readme_lists() -> dict[str, set[str]]:
+    """The files README's "The default path" paragraph names for each phase, as paths under dpo_min/."""
+    paragraph = (ROOT / "README.md").read_text().split("**The default path**", 1)[1].split("\n\n")[0]
+    paragraph = " ".join(paragraph.split())
+
+    def files(start: str, end: str = r"(?:;|\.(?:\s|$))") -> set[str]:
+        match = re.search(re.escape(start) + r"(.*?)" + end, paragraph)
+        assert match, f"README's default-path paragraph has no {start!r}"
+        return set(re.findall(r"`([\w/]+\.py)`", match.group(1)))
+
+    return {"default": files("enters exactly these files", r"lines in all"),
+            "evaluate": files("an evaluation also enters"),
+            "save": files("a checkpoint save also enters"),
+            "construction": files("constructing the config and the trainer also enters"),
+            "never": files("never runs, in any of these phases:")}
+
+
+class Trace:
+    """Every function of dpo_min/ entered while `sys.setprofile` runs it: {phase: {file under dpo_min/: the functions
+    entered there}}. A function called inside one of Trainer's save hooks counts for the phase "save"."""
+
+    def __init__(self) -> None:
+        self.phase = "construction"
+        self.entered: dict[str, dict[str, set[str]]] = defaultdict(lambda: defaultdict(set))
+
+    def __enter__(self) -> "Trace":
+        self._previous = sys.getprofile()
+        sys.setprofile(self._profile)
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        sys.setprofile(self._previous)
+
+    def _profile(self, frame, event, arg) -> None:
+        # Called for every call of the process, torch's included: a string test first, nothing more for most.
+        if event == "call" and frame.f_code.co_filename.startswith(PREFIX):
+            name = frame.f_code.co_filename[len(PREFIX):]
+            self.entered[self._phase_of(frame)][name].add(frame.f_code.co_qualname)
+
+    def _phase_of(self, frame) -> str:
+        while frame is not None:
+            if frame.f_code.co_name in SAVE_HOOKS:
+                return "save"
+            frame = frame.f_back
+        return self.phase
+
+    def files(self) -> dict[str, set[str]]:
+        return {phase: set(entered) for phase, entered in self.entered.items()}
+
+
+def traced_run(tokenizer, pairs, output_dir: Path, lora: bool) -> Trace:
+    """A default run, traced: building the config and the trainer, `train()` (two steps, then the checkpoint Trainer
+    saves at the end) and `evaluate()`."""
+    with Trace() as trace:
+        args = DPOMinConfig(output_dir=str(output_dir), max_steps=2, per_device_train_batch_size=2,
+                            per_device_eval_batch_size=2, report_to="none")
+        peft_config = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear") if lora else None
+        trainer = DPOMinTrainer(tiny_llama(), args=args, train_dataset=pairs.select(range(4)),
+                                eval_dataset=pairs.select(range(4, 6)), processing_class=tokenizer,
+                                peft_config=peft_config)
+        trace.phase = "step"
+        trainer.train()
+        trace.phase = "evaluate"
+        trainer.evaluate()
+    return trace
+
+
+def test_readme_names_each_phases_files():
+    lists = readme_lists()
+    assert 3 <= len(lists["default"]) <= 6  # the default path is a few files a reader can hold at once
+    assert {"collator_packed.py", "precompute.py", "trl_surface.py", "loss_family.py"} <= lists["never"]
+    named = [name for names in lists.values() for name in names]
+    assert all((PACKAGE / name).is_file() for name in named), named
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full fine-tuning", "LoRA"])
+def test_a_default_run_enters_exactly_the_files_readme_names(tokenizer, hh_pairs, tmp_path, lora):
+    lists = readme_lists()
+    trace = traced_run(tokenizer, hh_pairs, tmp_path / "out", lora)
+    files, entered = trace.files(), trace.entered
+    assert files["step"] == lists["default"], entered["step"]
+    assert files["evaluate"] - lists["default"] == lists["evaluate"], entered["evaluate"]
+    assert files["save"] - lists["default"] == lists["save"], entered["save"]
+    assert files["construction"] - lists["default"] == lists["construction"], entered["construction"]
+    assert set().union(*files.values()) & lists["never"] == set()
+
+
+def test_the_trace_sees_a_file_the_default_never_runs():
+    # The tracer itself: a packed layout enters collator_packed.py, which README says the default never runs.
+    from dpo_min.trainer_setup import make_collator
+
+    with Trace() as trace:
+        make_collator(0, padding_free=True)([{"prompt_ids": [1], "chosen_ids": [2], "rejected_ids": [3]}])
+    assert "collator_packed.py" in trace.files()["construction"] & readme_lists()["never"]
