@@ -18,7 +18,7 @@ from dpo_min.intervals import mean_interval
 from dpo_min.rounds.held_out import mean_with_interval
 from dpo_min.tokenizing import tokenize_dataset
 from dpo_min.train import main
-from dpo_min.train.report import describe_held_out, describe_ties, plot_training, smoothed, tie_figures
+from dpo_min.train.report import describe_held_out, describe_plan, describe_ties, plot_training, smoothed, tie_figures
 
 
 def test_each_evaluation_logs_scalars_and_completions_to_tensorboard(tmp_path, tiny_model_dir):
@@ -165,3 +165,14 @@ def test_training_curves_draw_each_step_and_its_running_mean(tmp_path, monkeypat
     assert lines["train, per step"] == [1, 0, 1, 0, 1]
     assert lines["train, running mean"] == pytest.approx(smoothed([1, 0, 1, 0, 1]))
     assert lines["held-out"] == [0.5]
+
+
+@pytest.mark.parametrize(("steps", "pairs", "expected"), [
+    (1, 4, "training: 1 step (1 epoch of 4 pairs), global batch 4 (4 per device x 1 accumulation x 1 process)"),
+    (2, 4, "training: 2 steps (2 epochs of 4 pairs), global batch 4 (4 per device x 1 accumulation x 1 process)"),
+    (1, 8, "training: 1 step (0.5 epochs of 8 pairs), global batch 4 (4 per device x 1 accumulation x 1 process)"),
+])
+def test_the_plan_line_puts_each_noun_in_the_number_it_counts(tmp_path, steps, pairs, expected):
+    args = DPOMinConfig(output_dir=str(tmp_path), max_steps=steps, per_device_train_batch_size=4, report_to="none",
+                        use_cpu=True)
+    assert describe_plan(args, pairs).startswith(f"{expected}, learning rate 1e-06 (linear, warmup 0)")

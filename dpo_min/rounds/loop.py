@@ -21,6 +21,7 @@ from dpo_min.tokenizing import CARRIED_COLUMNS, GIVEN_COLUMNS, made_by, render_p
 from . import held_out, pairs, schedule, store
 from .config import RoundsConfig, RoundsError
 from .policy import Policy
+from .progress import RoundBar, phase_bar
 from .prompts import fingerprint, prompt_rows, split_held_out
 from .rewards import RewardFunc, Rewards
 from .sampling import Completion, GenerateFn, GenerationSettings, sample
@@ -80,16 +81,27 @@ def _columns(run: _Run, row_indices: Sequence[int], per_row: int) -> dict[str, l
     return {name: [run.rows[i].get(name) for i in row_indices for _ in range(per_row)] for name in names}
 
 
-def _sample_shared(run: _Run, model: Any, indices: list[int], settings: GenerationSettings) -> list[list[Completion]]:
+def _bar(run: _Run, label: str, total: int, unit: str) -> Any:
+    hidden = not run.state.is_main_process or bool(run.config.training.get("disable_tqdm"))
+    return phase_bar(label, total, unit, hidden)
+
+
+def _sample_shared(run: _Run, model: Any, indices: list[int], settings: GenerationSettings,
+                   label: str = "sampling") -> list[list[Completion]]:
     """The samples of each prompt in `indices`, in order: batches of prompts_per_batch prompts (generation_batch_size
     completions), batch b seeded settings.seed + b and dealt to the processes in turn, so a prompt's samples do not
-    depend on the process count."""
+    depend on the process count. `label` names the progress bar."""
     size = run.config.prompts_per_batch
     batches = [(b, indices[start:start + size]) for b, start in enumerate(range(0, len(indices), size))]
 
     def work(mine: list[tuple[int, list[int]]]) -> list[list[list[Completion]]]:
-        return [sample(model, run.tokenizer, [run.prompt_ids[i] for i in batch],
-                       replace(settings, seed=settings.seed + b), size, run.generate_fn) for b, batch in mine]
+        groups = []
+        with _bar(run, label, sum(len(batch) for _, batch in mine), "prompt") as bar:
+            for b, batch in mine:
+                groups.append(sample(model, run.tokenizer, [run.prompt_ids[i] for i in batch],
+                                     replace(settings, seed=settings.seed + b), size, run.generate_fn))
+                bar.update(len(batch))
+        return groups
     return [group for groups in _shared(batches, work, run.state) for group in groups]
 
 
@@ -101,7 +113,7 @@ def _generate(run: _Run, model: Any, round_index: int) -> list[dict[str, Any]]:
                                   schedule.round_temperature(config.temperature, round_index), config.top_p,
                                   seed=config.seed + 1000 * round_index)
     indices = schedule.round_prompts(run.train_rows, config.prompts_per_round, config.seed, round_index)
-    groups = _sample_shared(run, model, indices, settings)
+    groups = _sample_shared(run, model, indices, settings, f"round {round_index}: sampling")
     return [{"prompt_index": i, "sample": s, "completion": c.text, "completion_ids": c.ids, "truncated": c.truncated}
             for i, group in zip(indices, groups) for s, c in enumerate(group)]
 
@@ -120,8 +132,10 @@ def _score(run: _Run, generated: list[dict[str, Any]], round_index: int, steps: 
             return [[] for _ in groups]
         completions = [Completion(row["completion"], row["completion_ids"], row["truncated"]) for row in rows]
         indices = [row["prompt_index"] for row in rows]
-        scores = run.rewards.score([run.rows[i]["prompt"] for i in indices], completions,
-                                   _columns(run, indices, 1), round_index, TrainerState(global_step=steps))
+        with _bar(run, f"round {round_index}: scoring", len(rows), "sample") as bar:  # one call per function
+            scores = run.rewards.score([run.rows[i]["prompt"] for i in indices], completions,
+                                       _columns(run, indices, 1), round_index, TrainerState(global_step=steps))
+            bar.update(len(rows))
         results = list(zip(scores.per_function, scores.total))
         return [results[sum(map(len, groups[:g])):][:len(group)] for g, group in enumerate(groups)]
     by_prompt = [[row for row in generated if row["prompt_index"] == i] for i in _sampled(generated)]
@@ -149,7 +163,9 @@ def _evaluate(run: _Run, model: Any, round_index: int) -> None:
     """held_out.jsonl: a greedy completion of each held-out prompt, scored; printed and plotted."""
     if not run.held_rows or any(line["round"] == round_index for line in run.folder.held_out()):
         return
-    greedy = _sample_shared(run, model, run.held_rows, GenerationSettings(1, run.config.max_completion_length, False))
+    when = "before round 1" if round_index == 0 else f"after round {round_index}"
+    greedy = _sample_shared(run, model, run.held_rows, GenerationSettings(1, run.config.max_completion_length, False),
+                            f"held-out {when}: greedy")
 
     def work(items: list[tuple[int, Completion]]) -> list[float | None]:
         if not items:
@@ -215,7 +231,7 @@ def _train(run: _Run, policy: Policy, made: list[dict[str, Any]], args: DPOMinCo
     # The round's one line says the pass's figures (_summary); Trainer would print every step's dict, every round.
     trainer.remove_callback(PrinterCallback)
     if trainer.pop_callback(ProgressCallback) is not None:
-        trainer.add_callback(_BarWithoutLogs())
+        trainer.add_callback(RoundBar(f"{folder.name.replace('-', ' ')}: DPO pass"))
     policy.warm_start(trainer)
     resume = any((folder / "train").glob("checkpoint-*"))
     with store.writing(folder / "train"):  # its checkpoint-N
@@ -225,13 +241,6 @@ def _train(run: _Run, policy: Policy, made: list[dict[str, Any]], args: DPOMinCo
     metrics = {key: sum(e[key] for e in steps if key in e) / sum(key in e for e in steps) for key in keys}
     # Not Trainer's training_loss: after a resume it averages only the steps that call ran.
     return {**metrics, "steps": output.global_step}, trainer
-
-
-class _BarWithoutLogs(ProgressCallback):
-    """Trainer's progress bar, without its lines of logged dicts (rounds.jsonl keeps the metrics)."""
-
-    def on_log(self, args, state, control, logs=None, **kwargs):
-        pass
 
 
 def _round(run: _Run, policy: Policy, round_index: int, steps: int) -> tuple[dict[str, Any], Any]:

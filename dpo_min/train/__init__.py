@@ -25,6 +25,7 @@ import datasets
 from datasets import Dataset
 from transformers import ProgressCallback
 
+from ..devices import deepspeed_on_cpu
 from ..files import NO_SPACE, staged, write_fault, write_whole
 from ..models import cache_dir
 from ..trainer import DPOMinTrainer
@@ -107,6 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     warnings.filterwarnings("ignore", message=".*pin_memory.*")
     warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
     datasets.disable_progress_bars()  # one bar per file read: noise next to the training bar
+    deepspeed_on_cpu()
     plan = None
     try:
         plan = resolve(argv)

@@ -29,6 +29,7 @@ from ..rounds.schedule import check_pool
 from .args import ROUNDS_DEMO_DEFAULTS, InputError, UsageError
 from .pairs import DATA_SUFFIXES
 from .plan import Plan
+from .report import describe_rounds_plan
 from .run_dir import OutputDirError, RunFolder
 
 EMBEDDED_PROMPTS = Path(__file__).resolve().parents[2] / "data" / "arithmetic-pool.jsonl"  # the demo's prompts
@@ -79,6 +80,8 @@ def run(plan: Plan, load_model: Callable[[Plan], tuple]) -> None:
             _check_folder(folder)
         prompts = load_prompts(plan)
         train_rows = _training_rows(prompts, config)
+        if plan.is_main:  # the run's one plan line, before the model loads
+            print(describe_rounds_plan(plan, config, len(train_rows), len(prompts) - len(train_rows)), flush=True)
         trust = plan.load.kwargs.get("trust_remote_code", False)  # --trust_remote_code, as the policy loads
         reward_funcs = [_reward_model(func, trust) if isinstance(func, str) else func for func in reward_funcs]
         model, tokenizer, peft_config, _ = load_model(plan)
@@ -228,7 +231,7 @@ def _check_folder(folder: RunFolder) -> None:
 def _say_results(result: Any, folder: RunFolder, seconds: float) -> None:
     """The held-out figures of every round together (each was printed as it came), and where the files are."""
     if result.held_out:
-        print("held-out mean reward by round (greedy, 95% interval):")
+        print("held-out by round (greedy, 95% intervals):")
         for line in result.held_out:
             print(f"  {describe(line)}")
     print(f"wrote {len(result.rounds)} round(s) to {folder.shown} in {seconds:.0f} s: rounds.jsonl, held_out.jsonl, "
