@@ -238,8 +238,9 @@ class DPOMinTrainer(TRLSurface, Trainer):
 
     # ---- checkpoints are all-or-nothing (checkpoints.py) ---------------------------------------------------------
     def _save_checkpoint(self, model, trial):
-        save = super()._save_checkpoint
-        checkpoints.save_staged(self, trial, lambda: save(model, trial))
+        if trial is not None:  # hyperparameter search keeps Trainer's own layout
+            return super()._save_checkpoint(model, trial)
+        checkpoints.save_whole(self)
 
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
         super()._save(output_dir, state_dict=checkpoints.whole_state_dict(self.model, state_dict))
