@@ -37,6 +37,10 @@ logger = logging.getLogger("dpo_min.data")  # the data folder's logger: the comm
 # What a pair with given ids carries beside its text for their check: the rounds write these to pairs.jsonl.
 GIVEN_COLUMNS = (*GIVEN_IDS, *MADE_BY, *CARRIED_COLUMNS)
 DROPPED = "dropped_because"  # a pair's reason in DROP_REASONS ('' for a kept pair), between tokenizing and dropping
+# A column that tokenizing carries through, as it carries precomputed reference log-probs: a caller that numbers its
+# rows in it finds the row each kept pair came from (`trainer_setup.kept_rows`).
+ROW_POSITION = "_dpo_min_row_position"
+CARRIED_THROUGH = (*REFERENCE_COLUMNS, ROW_POSITION)
 # The datasets cache keys a map by its function's own code and arguments, not by the helpers it calls: a change
 # to what tokenizing writes (the drop reasons became names, not 0/1/2) must change this, or a cached map of
 # the old form is read back.
@@ -242,13 +246,13 @@ def tokenize_dataset(dataset: AnyDataset | Iterable[Mapping[str, Any]], tokenize
         dataset = Dataset.from_list(to_pairs(dataset))
     names = column_names(dataset)
     if not {*PAIR_COLUMNS, SOURCE_ROW} <= set(names):  # not yet read by to_preference_dataset, which marks its rows
-        dataset = to_preference_dataset(dataset, num_proc=num_proc, keep=REFERENCE_COLUMNS, counts=counts)
+        dataset = to_preference_dataset(dataset, num_proc=num_proc, keep=CARRIED_THROUGH, counts=counts)
         names = column_names(dataset)
     streaming = isinstance(dataset, IterableDataset)
     truncation = {"max_length": max_length, "max_prompt_length": max_prompt_length, "truncation_mode": truncation_mode}
     map_kwargs: dict[str, Any] = {
         "batched": True, "with_indices": True,
-        "remove_columns": [name for name in names if name not in REFERENCE_COLUMNS],
+        "remove_columns": [name for name in names if name not in CARRIED_THROUGH],
         "fn_kwargs": {"tokenizer": tokenizer, "truncation": truncation, "chat_template_kwargs": (
             dict(chat_template_kwargs) if chat_template_kwargs else None), "output_version": TOKENIZED_VERSION}}
     if not streaming:

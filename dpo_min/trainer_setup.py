@@ -13,7 +13,7 @@ from typing import Any
 
 import datasets
 import torch
-from datasets import IterableDataset
+from datasets import Dataset, IterableDataset
 from transformers import TrainingArguments
 
 from .collator import DPODataCollator
@@ -23,7 +23,7 @@ from .config import DPOMinConfig
 from .models import load_causal_lm, load_tokenizer, pad_with_eos
 from .scale import sharding, zero
 from .scale.attention import check_packed_model, packed_attention, use_packed_attention
-from .tokenizing import is_tokenized, tokenize_dataset
+from .tokenizing import ROW_POSITION, is_tokenized, tokenize_dataset
 
 logger = logging.getLogger(__name__)
 
@@ -193,3 +193,16 @@ def tokenized(dataset: Any, tokenizer: Any, args: DPOMinConfig) -> Any:
             datasets_progress_bars(not args.disable_tqdm and args.local_process_index == 0):
         return tokenize_dataset(dataset, tokenizer, args.max_length, args.max_prompt_length, args.truncation_mode,
                                 num_proc=args.dataset_num_proc, chat_template_kwargs=args.chat_template_kwargs)
+
+
+def kept_rows(dataset: Dataset, tokenizer: Any, args: DPOMinConfig) -> list[int]:
+    """The positions in `dataset` of the pairs `tokenized` keeps, in order: it drops those truncation leaves
+    unusable, so the n-th tokenized pair need not be the n-th row (the command shows each row beside its pair)."""
+    numbered = dataset.add_column(ROW_POSITION, list(range(len(dataset))))
+    data_log = logging.getLogger("dpo_min.data")
+    level = data_log.level
+    data_log.setLevel(logging.ERROR)  # its drops were said when the trainer tokenized these rows
+    try:
+        return tokenized(numbered, tokenizer, args)[ROW_POSITION]
+    finally:
+        data_log.setLevel(level)

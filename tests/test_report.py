@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from dpo_min.config import DPOMinConfig
 from dpo_min.intervals import mean_interval
 from dpo_min.rounds.held_out import mean_with_interval
+from dpo_min.split import held_out_split
 from dpo_min.tokenizing import tokenize_dataset
 from dpo_min.train import main
 from dpo_min.train.report import describe_held_out, describe_plan, describe_ties, plot_training, smoothed, tie_figures
@@ -126,6 +127,38 @@ def test_demo_printout_on_a_tiny_model(tmp_path, tiny_model_dir, capsys):
     assert len(shown) == 3
     for (old, new), expected_old, expected_new in zip(shown, logp_margins["reference"], logp_margins["policy"]):
         assert (float(old), float(new)) == pytest.approx((expected_old, expected_new), abs=5e-3 + 1e-4)
+
+
+@pytest.mark.parametrize("num_samples", [2, 3])
+def test_the_samples_shown_are_the_kept_held_out_pairs_each_beside_its_own_margin(tmp_path, tiny_model_dir, capsys,
+                                                                                 num_samples):
+    """--max_length drops the held-out pairs whose prompt fills it: the samples shown are the kept pairs' prompts,
+    each beside its own pair's margins. They were the split's first prompts, a dropped one beside another pair's
+    margin, and an IndexError where fewer pairs than --num_samples were kept."""
+    _, held = held_out_split(16, 0.25, 42)  # the command's split of 16 pairs: 4 held out, in this order
+    long = {held[0], held[2]}
+    rows = [{"prompt": "Tell me a long story about the sea. " * 40 if i in long else f"What is {i} plus {i}?",
+             "chosen": f"It is {2 * i}.", "rejected": f"It is {2 * i + 1}."} for i in range(16)]
+    data_file = tmp_path / "pairs.jsonl"
+    data_file.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    args = tiny_run_args(tiny_model_dir, data_file, tmp_path / "run", "--max_length", "64", "--max_eval_samples",
+                         "4", "--seed", "42", "--eval_on_start", "false")
+    args[args.index("--num_samples") + 1] = str(num_samples)
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    kept = [rows[held[1]], rows[held[3]]]  # both others' prompts fill max_length
+    assert [line.removeprefix("prompt:    ") for line in out.splitlines() if line.startswith("prompt:    ")] == [
+        row["prompt"] for row in kept]
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "run")
+    reference = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    policy = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_dir), tmp_path / "run")
+    with torch.no_grad():
+        expected = [(sequence_logp(model, p["prompt_ids"], p["chosen_ids"])
+                     - sequence_logp(model, p["prompt_ids"], p["rejected_ids"])).item()
+                    for p in tokenize_dataset(kept, tokenizer, 64) for model in (reference, policy)]
+    shown = re.findall(r"log p\(chosen\) - log p\(rejected\): reference ([+-][\d.]+), policy ([+-][\d.]+)", out)
+    assert [float(value) for pair in shown for value in pair] == pytest.approx(expected, abs=5e-3 + 1e-4)
+    assert out.count("dropped 2 of 4 pairs") == 1  # said once, when the trainer tokenized them
 
 
 @pytest.mark.parametrize("conversational", [True, False])

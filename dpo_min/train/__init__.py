@@ -25,6 +25,7 @@ import datasets
 from datasets import Dataset
 from transformers import ProgressCallback
 
+from .. import trainer_setup
 from ..devices import deepspeed_on_cpu
 from ..files import NO_SPACE, staged, write_fault, write_whole
 from ..models import cache_dir
@@ -202,8 +203,9 @@ class Samples:
 def sample_reference(trainer: DPOMinTrainer, plan: Plan, held_out: Dataset | None) -> Samples:
     """Say what the run is, then sample: the policy starts as the reference, so these are the reference's."""
     say, model = _say(plan), trainer.model
-    prompts = held_out["prompt"][:plan.data.num_samples] if held_out is not None else []
-    pairs = [trainer.eval_dataset[i] for i in range(len(prompts))]
+    rows = _sampled_rows(trainer, held_out, plan.data.num_samples)
+    prompts = [held_out[row]["prompt"] for row in rows]
+    pairs = [trainer.eval_dataset[i] for i in range(len(rows))]  # the pairs of those rows, as the trainer kept them
     train_pairs = pair_count(trainer.train_dataset)
     say(f"model {plan.model_name} | {'streamed' if train_pairs is None else train_pairs} train pairs, "
         f"{0 if held_out is None else len(trainer.eval_dataset)} held-out | "
@@ -221,6 +223,19 @@ def sample_reference(trainer: DPOMinTrainer, plan: Plan, held_out: Dataset | Non
                                    plan.args.chat_template_kwargs)
     trainer.add_callback(completions)
     return Samples(prompts, pairs, texts, margins, completions)
+
+
+def _sampled_rows(trainer: DPOMinTrainer, held_out: Dataset | None, count: int) -> list[int]:
+    """The held-out rows of the trainer's first `count` held-out pairs. Tokenizing drops the pairs that truncation
+    leaves unusable, so a row is found by asking it which it kept, over the rows that can hold the first `count`."""
+    if held_out is None:
+        return []
+    dropped = len(held_out) - len(trainer.eval_dataset)
+    if not dropped:
+        return list(range(min(count, len(held_out))))
+    reach = held_out.select(range(min(len(held_out), count + dropped)))
+    tokenizer = getattr(trainer.processing_class, "tokenizer", trainer.processing_class)
+    return trainer_setup.kept_rows(reach, tokenizer, trainer.args)[:count]
 
 
 @dataclass
