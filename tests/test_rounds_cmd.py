@@ -1,6 +1,7 @@
 """`python -m dpo_min.train --rounds N`: the command on a tiny model leaves each round's files; bad input is one
 line; the rounds' demo takes its own defaults (its data and reward: tests/test_rounds_arithmetic.py)."""
 
+import errno
 import hashlib
 import json
 import os
@@ -11,6 +12,7 @@ from dataclasses import fields
 from pathlib import Path
 
 import pytest
+import torch
 
 from dpo_min import load_preference_dataset
 from dpo_min.files import staging_path
@@ -228,6 +230,43 @@ def test_an_error_of_a_rounds_dpo_pass_is_one_line(tmp_path, tiny_model_dir, pro
     assert err.splitlines()[-1] == ("python -m dpo_min.train: error: round 1: the DPO pass refused "
                                     "round-1/pairs.jsonl: row 0: field 'chosen': the chat template refused it: roles "
                                     "must alternate"), err
+
+
+# What a round's checkpoint save meets on a full or failing disk (torch.save of its training_args.bin; torch's zip writer
+# reports a short write in its own words) -> the line: the offline command's (tests/test_run_dir.py's DISK_FULL).
+ROUND_SAVE_FAULTS = {
+    "full disk": (OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)), "no space left on device writing {checkpoint}"),
+    "torch's short write": (RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 576 vs 534"),
+                            "could not write {checkpoint} ([enforce fail at inline_container.cc:672] . unexpected pos "
+                            "576 vs 534): is the disk full?"),
+    "failing disk": (OSError(errno.EIO, os.strerror(errno.EIO)), "could not write {checkpoint}: Input/output error"),
+}
+
+
+@pytest.mark.parametrize("fault", ROUND_SAVE_FAULTS)
+def test_a_full_or_failing_disk_at_a_rounds_checkpoint_is_one_line(tmp_path, tiny_model_dir, prompts_file, capsys,
+                                                                   monkeypatch, fault):
+    error, message = ROUND_SAVE_FAULTS[fault]
+    save = torch.save
+
+    def fill(obj, file, *args, **kwargs):
+        if str(file).endswith("training_args.bin"):
+            raise error
+        return save(obj, file, *args, **kwargs)
+    monkeypatch.setattr(torch, "save", fill)
+    (tmp_path / "position_rewards.py").write_text(BY_POSITION)
+    monkeypatch.chdir(tmp_path)  # the reward module imports from the working folder
+    out = tmp_path / "out"
+    argv = ["--rounds", "1", "--model", str(tiny_model_dir), "--dataset", str(prompts_file), "--reward_funcs",
+            "position_rewards:by_position", "--max_completion_length", "2", "--eval_fraction", "0",
+            "--save_strategy", "no", "--output_dir", str(out)]
+    code, err = run_main(argv, capsys)
+    assert code == 1 and "Traceback" not in err, err
+    checkpoint = out / "round-1" / "checkpoint"
+    assert err.splitlines()[-1] == f"python -m dpo_min.train: error: {message.format(checkpoint=checkpoint)}"
+    # The round's checkpoint is absent, not cut: its samples and pairs stay, for the same command to train again.
+    assert sorted(os.listdir(out / "round-1")) == ["generated.jsonl", "pairs.jsonl", "phase_seconds.json",
+                                                   "samples.jsonl", "train", "train_metrics.json"]
 
 
 def test_an_output_folder_holding_other_files_is_refused_and_left_as_it_was(tmp_path, prompts_file, capsys):

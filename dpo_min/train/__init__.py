@@ -9,7 +9,6 @@ and `publish`.
 
 import copy
 import json
-import os
 import signal
 import sys
 import time
@@ -25,7 +24,7 @@ import datasets
 from datasets import Dataset
 from transformers import ProgressCallback
 
-from ..files import NO_SPACE, staged, write_fault, write_whole
+from ..files import staged, write_failure, write_whole
 from ..models import cache_dir
 from ..trainer import DPOMinTrainer
 from . import rounds
@@ -65,24 +64,16 @@ from .run_dir import MANIFEST, OutputDirError
 
 @contextmanager
 def _writing(target: str | Callable[[BaseException], str]) -> Iterator[None]:
-    """A write fault (WRITE_FAULTS) while writing `target` ("what to where", or `target(error)`) is one line naming
-    it (InputError), not safetensors' or torch's traceback. The caller's except clause then discards the staging
-    folder as for any failure."""
+    """A write fault while writing `target` ("what to where", or `target(error)`) is one line naming it (InputError,
+    in dpo_min.files' words), not safetensors' or torch's traceback. The caller's except clause then discards the
+    staging folder as for any failure."""
     try:
         yield
     except Exception as error:
-        text = str(error)
-        fault = write_fault(error)
-        # torch's zip writer says only "unexpected pos N vs M" (or "file write failed") when a write comes up short.
-        short_write = "PytorchStreamWriter" in text or "unexpected pos" in text
-        if fault is None and not short_write:
+        message = write_failure(error, target)
+        if message is None:
             raise
-        where = target(error) if callable(target) else target
-        if fault in NO_SPACE:
-            raise InputError(f"no space left on device writing {where}") from None
-        if fault is not None:
-            raise InputError(f"could not write {where}: {os.strerror(fault)}") from None
-        raise InputError(f"could not write {where} ({text.strip().splitlines()[0]}): is the disk full?") from None
+        raise InputError(message) from None
 
 
 def _in_training(trainer: DPOMinTrainer, staging: Path) -> Callable[[BaseException], str]:
