@@ -232,8 +232,8 @@ def test_an_error_of_a_rounds_dpo_pass_is_one_line(tmp_path, tiny_model_dir, pro
                                     "must alternate"), err
 
 
-# What a round's checkpoint save meets on a full or failing disk (torch.save of its training_args.bin; torch's zip writer
-# reports a short write in its own words) -> the line: the offline command's (tests/test_run_dir.py's DISK_FULL).
+# What a round's checkpoint save meets on a full or failing disk (torch.save of its training_args.bin; torch's zip
+# writer reports a short write in its own words) -> the line: the offline command's (tests/test_run_dir.py's DISK_FULL).
 ROUND_SAVE_FAULTS = {
     "full disk": (OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)), "no space left on device writing {checkpoint}"),
     "torch's short write": (RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 576 vs 534"),

@@ -249,8 +249,11 @@ def test_given_ids_under_another_chat_template_are_refused_naming_the_row_and_th
     assert refusal(unmarked, switched).startswith("row 0: field 'prompt_ids': the ids are not the row's prompt")
 
 
+# A stream is tokenized as it trains: its refusal came from the DataLoader (in a worker, or not), as a traceback.
+@pytest.mark.parametrize("extra", [[], ["--streaming"], ["--streaming", "--dataloader_num_workers", "1"]],
+                         ids=["map-style", "streaming", "streaming, a worker"])
 def test_the_command_refuses_given_ids_beside_a_rewritten_text_in_one_line(one_round, tiny_model_dir, tmp_path,
-                                                                           capsys):
+                                                                           capsys, extra):
     from dpo_min.train import main
 
     made, _, _, folder = one_round
@@ -259,7 +262,7 @@ def test_the_command_refuses_given_ids_beside_a_rewritten_text_in_one_line(one_r
         rows[1]["rejected"][0]["content"] = "It is 4."
     path = rewritten(made, folder, "command.jsonl", answer)
     code = main(["--model", str(tiny_model_dir), "--dataset", path, "--eval_fraction", "0", "--max_steps", "1",
-                 "--report_to", "none", "--output_dir", str(tmp_path / "run")])
+                 "--report_to", "none", "--disable_tqdm", "true", "--output_dir", str(tmp_path / "run"), *extra])
     err = capsys.readouterr().err.strip()
     assert code == 1 and "Traceback" not in err, err
     assert err.splitlines()[-1].startswith("python -m dpo_min.train: error: row 1: field 'rejected_ids': the ids "

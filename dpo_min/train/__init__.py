@@ -40,7 +40,15 @@ from .args import (  # noqa: F401  (COMMAND_DEFAULTS, DEMO_DEFAULTS, DataArgumen
 from .card import check_hub_access, model_card, push_to_hub
 from .command_line import parse_args  # noqa: F401  (re-exported for scripts, tests)
 from .model_setup import load_model
-from .pairs import StreamCountsLogger, dropped_rows, load_pairs, local_data, pair_count, trained_sources
+from .pairs import (
+    StreamCountsLogger,
+    dropped_rows,
+    load_pairs,
+    local_data,
+    pair_count,
+    stream_rows_checked,
+    trained_sources,
+)
 from .plan import Plan, decide, resolve  # noqa: F401  (decide: a library caller's options -> their plan)
 from .report import (
     CompletionLogger,
@@ -227,7 +235,7 @@ def run_training(trainer: DPOMinTrainer, plan: Plan, checkpoint: str | None, has
     leave the model without its DDP wrapper, and several processes would then train apart, never syncing gradients),
     evaluate, and save the weights into the staging folder."""
     staging = plan.folder.staging
-    with _writing(_in_training(trainer, staging)):
+    with _writing(_in_training(trainer, staging)), stream_rows_checked(plan.data.streaming):
         train_metrics = trainer.train(resume_from_checkpoint=checkpoint).metrics
     before, after = _held_out_before_after(trainer, has_held_out, plan.ties_at_start and has_held_out, _say(plan))
     with _writing(f"the final weights to {staging}"):
