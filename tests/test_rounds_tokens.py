@@ -150,6 +150,43 @@ def test_given_ids_are_checked_naming_the_row_and_the_field(tokenizer):
         tokenize_dataset([{key: value for key, value in good.items() if key != "rejected_ids"}], tokenizer)
 
 
+def ids_file(tmp_path, tokenizer, suffix, change):
+    """Five pairs with their ids, row 3 changed by `change(row)`, as a JSONL or CSV file (a CSV cell holds text)."""
+    rows = []
+    for i in range(5):
+        text = {"prompt": f"What is {i} + {i}?", "chosen": f" It is {2 * i}.", "rejected": f" It is {2 * i + 1}."}
+        rows.append({**text, **{f"{name}_ids": tokenizer(value)["input_ids"] for name, value in text.items()}})
+    change(rows[3])
+    path = tmp_path / f"pairs.{suffix}"
+    if suffix == "csv":
+        Dataset.from_list([{key: json.dumps(value) if isinstance(value, list) else value for key, value in row.items()}
+                           for row in rows]).to_csv(path, index=False)
+    else:
+        path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return str(path), rows
+
+
+@pytest.mark.parametrize(("suffix", "change", "message"), [
+    # One row's float makes the loader read every row's ids as floats: it named row 0, showing [657.0, 314.0, ...]
+    ("jsonl", lambda row: row["chosen_ids"].__setitem__(0, 1.5),
+     "row 3: field 'chosen_ids': expected a non-empty list of token ids in [0, 49152), got [1.5, 314, 216, 38, 30]"),
+    # A CSV cell is text: it was shown as the list it looks like, [1780, 314, ...]
+    ("csv", lambda row: None, "row 0: field 'prompt_ids': expected a non-empty list of token ids in [0, 49152), got "
+                              "the text '[1780, 314, 216, 32, 1232, 216, 32, 47]' (a CSV cell is text: give ids in "
+                              "JSON lines or Parquet)"),
+], ids=["a float in row 3", "csv"])
+def test_given_ids_that_are_not_token_ids_name_their_row_and_show_what_it_holds(tmp_path, tokenizer, suffix, change,
+                                                                                message):
+    path, _ = ids_file(tmp_path, tokenizer, suffix, change)
+    assert refusal(path, tokenizer) == message
+
+
+def test_whole_numbers_a_loader_read_as_floats_are_the_ids_they_were(tmp_path, tokenizer):
+    path, rows = ids_file(tmp_path, tokenizer, "jsonl", lambda row: row["chosen_ids"].__setitem__(0, 657.0))
+    tokenized = tokenize_dataset(load_preference_dataset(path), tokenizer)
+    assert tokenized["chosen_ids"] == [[int(i) for i in row["chosen_ids"]] for row in rows]
+
+
 def test_a_template_switch_in_chat_template_kwargs_reaches_the_sampled_prompt(tmp_path, tokenizer):
     switched = copy.deepcopy(tokenizer)
     switched.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
