@@ -128,15 +128,24 @@ def _given_ids(pair: Mapping[str, Any], tokenizer: Any,
     vocabulary = len(tokenizer)
     example = {}
     for name in GIVEN_IDS:
-        ids = pair[name]
-        if not isinstance(ids, (list, tuple)) or not ids or \
-                not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < vocabulary for i in ids):
-            raise ValueError(f"field '{name}': expected a non-empty list of token ids in [0, {vocabulary}), got "
-                             f"{str(ids)[:80]}")
-        example[name] = list(ids)
+        example[name] = _token_ids(pair[name], name, vocabulary)
     rendered = render_prompts(tokenizer, [pair["prompt"]], template_kwargs_of(pair, chat_template_kwargs))[0]
     given_ids.check_text(pair, example, rendered, tokenizer)
     return example
+
+
+def _token_ids(ids: Any, name: str, vocabulary: int) -> list[int]:
+    """A given ids field as token ids. A loader gives a column one type: one row's float (1.5) makes every row's ids
+    floats (657.0), so whole numbers are read back as the ids they were, and the row with the fraction is the one
+    refused. The refusal shows what the row holds: a CSV cell is text, shown as text."""
+    if isinstance(ids, (list, tuple)):
+        ids = [int(i) if isinstance(i, float) and i.is_integer() else i for i in ids]
+    if isinstance(ids, list) and ids and \
+            all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < vocabulary for i in ids):
+        return ids
+    shown = f"the text {ids[:80]!r} (a CSV cell is text: give ids in JSON lines or Parquet)" \
+        if isinstance(ids, str) else str(ids)[:80]
+    raise ValueError(f"field '{name}': expected a non-empty list of token ids in [0, {vocabulary}), got {shown}")
 
 
 def check_prompt(prompt: str | list, index: int) -> None:

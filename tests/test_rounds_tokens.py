@@ -150,6 +150,43 @@ def test_given_ids_are_checked_naming_the_row_and_the_field(tokenizer):
         tokenize_dataset([{key: value for key, value in good.items() if key != "rejected_ids"}], tokenizer)
 
 
+def ids_file(tmp_path, tokenizer, suffix, change):
+    """Five pairs with their ids, row 3 changed by `change(row)`, as a JSONL or CSV file (a CSV cell holds text)."""
+    rows = []
+    for i in range(5):
+        text = {"prompt": f"What is {i} + {i}?", "chosen": f" It is {2 * i}.", "rejected": f" It is {2 * i + 1}."}
+        rows.append({**text, **{f"{name}_ids": tokenizer(value)["input_ids"] for name, value in text.items()}})
+    change(rows[3])
+    path = tmp_path / f"pairs.{suffix}"
+    if suffix == "csv":
+        Dataset.from_list([{key: json.dumps(value) if isinstance(value, list) else value for key, value in row.items()}
+                           for row in rows]).to_csv(path, index=False)
+    else:
+        path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return str(path), rows
+
+
+@pytest.mark.parametrize(("suffix", "change", "message"), [
+    # One row's float makes the loader read every row's ids as floats: it named row 0, showing [657.0, 314.0, ...]
+    ("jsonl", lambda row: row["chosen_ids"].__setitem__(0, 1.5),
+     "row 3: field 'chosen_ids': expected a non-empty list of token ids in [0, 49152), got [1.5, 314, 216, 38, 30]"),
+    # A CSV cell is text: it was shown as the list it looks like, [1780, 314, ...]
+    ("csv", lambda row: None, "row 0: field 'prompt_ids': expected a non-empty list of token ids in [0, 49152), got "
+                              "the text '[1780, 314, 216, 32, 1232, 216, 32, 47]' (a CSV cell is text: give ids in "
+                              "JSON lines or Parquet)"),
+], ids=["a float in row 3", "csv"])
+def test_given_ids_that_are_not_token_ids_name_their_row_and_show_what_it_holds(tmp_path, tokenizer, suffix, change,
+                                                                                message):
+    path, _ = ids_file(tmp_path, tokenizer, suffix, change)
+    assert refusal(path, tokenizer) == message
+
+
+def test_whole_numbers_a_loader_read_as_floats_are_the_ids_they_were(tmp_path, tokenizer):
+    path, rows = ids_file(tmp_path, tokenizer, "jsonl", lambda row: row["chosen_ids"].__setitem__(0, 657.0))
+    tokenized = tokenize_dataset(load_preference_dataset(path), tokenizer)
+    assert tokenized["chosen_ids"] == [[int(i) for i in row["chosen_ids"]] for row in rows]
+
+
 def test_a_template_switch_in_chat_template_kwargs_reaches_the_sampled_prompt(tmp_path, tokenizer):
     switched = copy.deepcopy(tokenizer)
     switched.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
@@ -249,8 +286,11 @@ def test_given_ids_under_another_chat_template_are_refused_naming_the_row_and_th
     assert refusal(unmarked, switched).startswith("row 0: field 'prompt_ids': the ids are not the row's prompt")
 
 
+# A stream is tokenized as it trains: its refusal came from the DataLoader (in a worker, or not), as a traceback.
+@pytest.mark.parametrize("extra", [[], ["--streaming"], ["--streaming", "--dataloader_num_workers", "1"]],
+                         ids=["map-style", "streaming", "streaming, a worker"])
 def test_the_command_refuses_given_ids_beside_a_rewritten_text_in_one_line(one_round, tiny_model_dir, tmp_path,
-                                                                           capsys):
+                                                                           capsys, extra):
     from dpo_min.train import main
 
     made, _, _, folder = one_round
@@ -259,7 +299,7 @@ def test_the_command_refuses_given_ids_beside_a_rewritten_text_in_one_line(one_r
         rows[1]["rejected"][0]["content"] = "It is 4."
     path = rewritten(made, folder, "command.jsonl", answer)
     code = main(["--model", str(tiny_model_dir), "--dataset", path, "--eval_fraction", "0", "--max_steps", "1",
-                 "--report_to", "none", "--output_dir", str(tmp_path / "run")])
+                 "--report_to", "none", "--disable_tqdm", "true", "--output_dir", str(tmp_path / "run"), *extra])
     err = capsys.readouterr().err.strip()
     assert code == 1 and "Traceback" not in err, err
     assert err.splitlines()[-1].startswith("python -m dpo_min.train: error: row 1: field 'rejected_ids': the ids "

@@ -23,7 +23,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from ..files import NO_SPACE, staged, write_fault, write_whole
+from ..files import staged, write_failure, write_whole
 from ..records import ABSENT, changes
 from ..tokenizing import template_fingerprint
 from .config import RoundsError
@@ -37,14 +37,16 @@ EXTENDABLE = ("temperature",)
 
 @contextmanager
 def writing(target: Path) -> Iterator[None]:
-    """A full disk while writing `target` is one line naming it (RoundsError), not a traceback from deep in the
-    writer; the file it was writing is left absent or whole (each is staged, then renamed)."""
+    """A full or failing disk while writing `target` is one line naming it (RoundsError), not a traceback from deep in
+    the writer (safetensors', torch's short write): the offline command's words, dpo_min.files.write_failure. The
+    file it was writing is left absent or whole (each is staged, then renamed)."""
     try:
         yield
     except Exception as error:
-        if write_fault(error) not in NO_SPACE:  # the command's reading of a write fault, safetensors' words too
+        message = write_failure(error, str(target))
+        if message is None:
             raise
-        raise RoundsError(f"no space left on device writing {target}") from None
+        raise RoundsError(message) from None
 
 
 def write_jsonl(path: Path, rows: list[dict[str, Any]]) -> None:
