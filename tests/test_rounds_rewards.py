@@ -273,7 +273,8 @@ def test_pairs_the_dpo_pass_would_drop_are_counted_by_reason_and_the_rest_are_wh
     args = DPOMinConfig(output_dir=str(tmp_path), report_to="none", max_length=32)
     kept, dropped = keep_trainable([{**pair, "chosen_reward": 1.0} for pair in pairs], tokenizer, args)
     assert [pair["prompt"] for pair in kept] == ["Hi", "Bye"] and kept[0]["chosen_reward"] == 1.0
-    assert dropped == {"empty_completion": 1, "prompt_fills_max_length": 1, "same_after_truncation": 1}
+    assert dropped == {"empty_completion": 1, "prompt_fills_max_length": 1, "same_after_truncation": 1,
+                       "special_token_inside": 0}
     # The DPO pass's own tokenizing (the trainer's) keeps as many.
     assert len(tokenize_dataset(Dataset.from_list(pairs), tokenizer, max_length=32)) == len(kept)
 

@@ -7,16 +7,28 @@ best - worst < min_margin; a pair the DPO pass would drop (`keep_trainable`) is 
 under its reason, never dropped silently."""
 
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
-from dpo_min.tokenizing import GIVEN_COLUMNS, NO_ANSWER, NO_COMPLETION, SAME_COMPLETIONS, drop_reason
+from dpo_min.tokenizing import (
+    GIVEN_COLUMNS,
+    NO_ANSWER,
+    NO_COMPLETION,
+    SAME_COMPLETIONS,
+    drop_reason,
+    special_ids,
+    special_inside,
+)
 
 PAIR_RULE_REASONS = ("unscorable", "all_tied", "below_min_margin")
 # Why the DPO pass drops a pair (reading it as data, tokenizing and truncating it), as rounds.jsonl names it.
 TRAINING_REASONS = {NO_ANSWER: "empty_completion", NO_COMPLETION: "prompt_fills_max_length",
                     SAME_COMPLETIONS: "same_after_truncation"}
-DROP_REASONS = (*PAIR_RULE_REASONS, *TRAINING_REASONS.values())
+# A sample with a special token before its end (decoding hid it from the text the reward read): the DPO pass refuses
+# its ids (tokenizing.tokenize_row), so the pair is counted out here rather than stop the round.
+SPECIAL_INSIDE = "special_token_inside"
+COMPLETION_IDS = ("chosen_ids", "rejected_ids")
+DROP_REASONS = (*PAIR_RULE_REASONS, *TRAINING_REASONS.values(), SPECIAL_INSIDE)
 
 
 def best_and_worst(totals: Sequence[float | None], min_margin: float) -> tuple[int, int] | str:
@@ -133,15 +145,21 @@ def _as_completion(prompt: Any, text: str) -> Any:
     return [{"role": "assistant", "content": text}] if isinstance(prompt, list) else text
 
 
-def keep_trainable(pairs: list[dict[str, Any]], tokenizer: Any, args: Any) -> tuple[list[dict[str, Any]], Counter]:
-    """The pairs the DPO pass trains on, and the others counted by reason (TRAINING_REASONS' values), decided by
-    the core's own reading and tokenizing with `args`' (a DPOMinConfig) max_length, max_prompt_length,
-    truncation_mode and chat_template_kwargs, so that rounds.jsonl's `pairs` is what trains."""
-    kept, dropped = [], Counter(dict.fromkeys(TRAINING_REASONS.values(), 0))
+def keep_trainable(pairs: list[dict[str, Any]], tokenizer: Any, args: Any,
+                   end_ids: Collection[int] | None = None) -> tuple[list[dict[str, Any]], Counter]:
+    """The pairs the DPO pass trains on, and the others counted by reason (TRAINING_REASONS' values, SPECIAL_INSIDE),
+    decided by the core's own reading and tokenizing with `args`' (a DPOMinConfig) max_length, max_prompt_length,
+    truncation_mode and chat_template_kwargs, and `end_ids` (the ids the policy's samples stop on), so that
+    rounds.jsonl's `pairs` is what trains."""
+    kept, dropped = [], Counter(dict.fromkeys((*TRAINING_REASONS.values(), SPECIAL_INSIDE), 0))
+    specials, ends = special_ids(tokenizer), {tokenizer.eos_token_id} if end_ids is None else set(end_ids)
     for pair in pairs:
+        if any(special_inside(pair.get(side) or [], specials, ends) is not None for side in COMPLETION_IDS):
+            dropped[SPECIAL_INSIDE] += 1
+            continue
         given = ("prompt", "chosen", "rejected", *GIVEN_COLUMNS)
-        reason = drop_reason({name: pair[name] for name in given if name in pair}, tokenizer,
-                             args.max_length, args.max_prompt_length, args.truncation_mode, args.chat_template_kwargs)
+        reason = drop_reason({name: pair[name] for name in given if name in pair}, tokenizer, args.max_length,
+                             args.max_prompt_length, args.truncation_mode, args.chat_template_kwargs, ends)
         if reason is None:
             kept.append(pair)
         else:
