@@ -300,14 +300,14 @@ def test_special_tokens_around_given_ids_are_refused_naming_the_row_and_the_fiel
     start, end, text_end, file_sep = (tokenizer.convert_tokens_to_ids(token) for token in
                                       ("<|im_start|>", "<|im_end|>", "<|endoftext|>", "<file_sep>"))
     assert tokenizer.eos_token_id == end and file_sep not in tokenizer.all_special_ids  # yet decoding skips it
-    padded = hand_row(tokenizer, lambda ids: [start] * 50 + ids + [end] * 3)
+    padded = hand_row(tokenizer, lambda ids: [*[start] * 50, *ids, *[end] * 3])
     # What the check read before: the padded ids decode, special tokens skipped, to the row's text.
     assert tokenizer.decode(padded["chosen_ids"], skip_special_tokens=True) == padded["chosen"]
     good = hand_row(tokenizer)
-    refused = {"padded": (padded, 0), "ends thrice": (hand_row(tokenizer, lambda ids: ids + [end] * 3), len(good[
-        "chosen_ids"])), "ends on a token no sample stops on": (hand_row(tokenizer, lambda ids: ids + [text_end]),
-                                                                len(good["chosen_ids"])),
-               "inside": (hand_row(tokenizer, lambda ids: ids[:1] + [file_sep] + ids[1:] + [end]), 1)}
+    size = len(good["chosen_ids"])
+    refused = {"padded": (padded, 0), "ends thrice": (hand_row(tokenizer, lambda ids: [*ids, end, end, end]), size),
+               "ends on a token no sample stops on": (hand_row(tokenizer, lambda ids: [*ids, text_end]), size),
+               "inside": (hand_row(tokenizer, lambda ids: [ids[0], file_sep, *ids[1:], end]), 1)}
     for name, (row, at) in refused.items():
         message = refusal(rewritten([good, row], tmp_path, f"{name}.jsonl"), tokenizer)
         assert message.startswith(f"row 1: field 'chosen_ids': id {row['chosen_ids'][at]} "
@@ -315,7 +315,7 @@ def test_special_tokens_around_given_ids_are_refused_naming_the_row_and_the_fiel
                                   "special token"), (name, message)
         assert "<|im_end|> (2)" in message
     # One closing end token, as a sample that stopped has it, trains as given; so does none (a cut sample).
-    closed = hand_row(tokenizer, lambda ids: ids + [end])
+    closed = hand_row(tokenizer, lambda ids: [*ids, end])
     trained = tokenize_dataset(load_preference_dataset(rewritten([closed, good], tmp_path, "closed.jsonl")), tokenizer)
     assert trained["chosen_ids"] == [closed["chosen_ids"], good["chosen_ids"]]
 
@@ -324,7 +324,7 @@ def test_given_ids_may_close_on_the_models_own_end_of_turn_token(tmp_path, token
     # A model whose samples also stop on <|endoftext|> (its generation_config says so; the sampler stops there too):
     # its trainer takes that closing token, where a trainer of a model that does not stop on it refuses it.
     text_end = tokenizer.convert_tokens_to_ids("<|endoftext|>")
-    row = hand_row(tokenizer, lambda ids: ids + [text_end])
+    row = hand_row(tokenizer, lambda ids: [*ids, text_end])
     model = tiny_policy()
     assert text_end not in end_token_ids(model, tokenizer)
     at = len(row["chosen_ids"]) - 1
@@ -338,7 +338,7 @@ def test_given_ids_may_close_on_the_models_own_end_of_turn_token(tmp_path, token
 
 def test_a_rounds_pair_whose_sample_holds_a_special_token_inside_is_counted_out(tmp_path, tokenizer):
     file_sep = tokenizer.convert_tokens_to_ids("<file_sep>")
-    inside = {**hand_row(tokenizer, lambda ids: ids[:1] + [file_sep] + ids[1:]), "chosen_reward": 1.0}
+    inside = {**hand_row(tokenizer, lambda ids: [ids[0], file_sep, *ids[1:]]), "chosen_reward": 1.0}
     args = DPOMinConfig(output_dir=str(tmp_path), report_to="none")
     kept, dropped = keep_trainable([inside, {**hand_row(tokenizer), "chosen_reward": 1.0}], tokenizer, args,
                                    {tokenizer.eos_token_id})
