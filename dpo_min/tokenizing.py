@@ -23,6 +23,7 @@ from .data.given_ids import (  # noqa: F401 - the rounds record them, and end an
     special_ids,
     special_inside,
     template_fingerprint,
+    tokenizer_fingerprint,
 )
 from .data.layouts import CARRIED_COLUMNS, layout_by_name, validate_text, validate_turns
 from .data.pairs import (

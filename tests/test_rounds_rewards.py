@@ -213,17 +213,19 @@ def test_a_resume_with_another_reward_function_of_the_same_name_is_refused_namin
     run_rounds(tiny_policy(), tokenizer, PROMPTS, lengths[0], config)
     path = tmp_path / "run" / "settings.json"
     old = hashlib.sha256(LENGTH.format(sign="").encode()).hexdigest()  # rw.py holds the function alone
+    code = Rewards(lengths[0]).identity()["length"]["code (sha256)"]  # what decides it (test_rounds_identity.py)
     assert json.loads(path.read_text())["reward_identity"] == {"length": {"reference": "rw:length",
-                                                                          "source (sha256)": old}}
+                                                                          "source (sha256)": old,
+                                                                          "code (sha256)": code}}
     assert len(run_rounds(tiny_policy(), tokenizer, PROMPTS, lengths[0], config).rounds) == 1  # the same: resumes
     new = hashlib.sha256(LENGTH.format(sign="-").encode()).hexdigest()
-    changed = f"reward_identity[length][source (sha256)] {old[:12]} -> {new[:12]}"
+    changed = f"reward_identity[length][source (sha256)] {old[:12]} -> {new[:12]}; reward_identity[length][code"
     with pytest.raises(RoundsError, match=re.escape(f"{tmp_path / 'run'} holds a run with other settings ("
                                                     f"reward_identity[length][reference] rw:length -> rw2:length; "
-                                                    f"{changed}): resume it with the same ones")):
+                                                    f"{changed}")):
         run_rounds(tiny_policy(), tokenizer, PROMPTS, lengths[1], replace(config, rounds=2))
     (tmp_path / "rw.py").write_text(LENGTH.format(sign="-"))  # the same function, its source edited
-    with pytest.raises(RoundsError, match=re.escape(f"other settings ({changed}): ")):
+    with pytest.raises(RoundsError, match=re.escape(f"other settings ({changed}")):
         run_rounds(tiny_policy(), tokenizer, PROMPTS, importlib.reload(sys.modules["rw"]).length, config)
     recorded = json.loads(path.read_text())
     del recorded["reward_identity"]  # a run recorded before it: compared once recorded
