@@ -3,7 +3,8 @@
 - a function: the whole source file of its module (its constants and helpers there), and, followed by the names its
   code reads from its module's globals, the source file of every function, class or module of the user's own code it
   reaches (installed packages and the standard library: the module file of the one it names, not followed further),
-  the values of the plain constants it reads (so `SIGN = -1` set at run time counts too), its defaults and closure;
+  the values it reads by name (so `SIGN = -1` set at run time counts too; a list, dict or set by its type alone: a
+  reward's call log or cache lives there), its defaults and closure;
 - a partial: that, plus its arguments; a callable object: its class's, plus its attributes (`Scorer(-1)` is not
   `Scorer(1)`), each read as a stable value: plain data as itself, a tensor or array by its bytes, a torch module by
   its state_dict, another object by its class and its attributes;
@@ -15,6 +16,7 @@ What no such reading sees is not checked: data files or services a function read
 otherwise than by a global name (getattr, eval), code that an installed package's module imports in turn.
 """
 
+import collections
 import functools
 import hashlib
 import inspect
@@ -32,6 +34,7 @@ import torch
 from dpo_min.tokenizing import template_fingerprint, tokenizer_fingerprint
 
 _PLAIN = (type(None), bool, int, float, complex, str, bytes)
+_GATHERS = (list, dict, set, bytearray, collections.deque, collections.Counter, collections.defaultdict)
 _DEPTH = 6  # how deep an object's attributes are read: a cycle or a vast graph stops there, by its class's name
 _INSTALLED = tuple(str(Path(p).resolve()) for p in {*site.getsitepackages(), site.getusersitepackages(),
                                                     *(sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib",
@@ -60,7 +63,10 @@ def code_digest(func: Any) -> str | None:
         for name, value in _names_read(obj):
             followed = value if isinstance(value, (types.FunctionType, type, types.ModuleType)) else type(value)
             todo.append(followed)
-            digest.update(f"{name}={stable(value)}".encode())
+            # A list, dict or set read by name is where a reward keeps what it gathers as it scores (a call log, a
+            # cache): read by its type alone, so that a resume in the same process is not another reward.
+            shown = type(value).__name__ if isinstance(value, _GATHERS) else stable(value)
+            digest.update(f"{name}={shown}".encode())
     if _source(inner, sources) is None:
         return None
     for where in sorted(sources):
