@@ -3,7 +3,9 @@ comparison reports, and the protocol fixed before its seeds ran."""
 
 import importlib.util
 import json
+import math
 import sys
+from fractions import Fraction
 from pathlib import Path
 
 import pytest
@@ -83,6 +85,60 @@ def test_mcnemar_reads_only_the_discordant_prompts_and_the_sign_test_only_the_se
     assert paired.exact_mcnemar(5, 6) == 1.0  # the replication of issue 45: 5 right only in the rounds, 6 offline
     assert paired.exact_mcnemar(10, 0) == pytest.approx(2 / 1024)
     assert paired.sign_test(6, 2) == pytest.approx(2 * (1 + 8 + 28) / 256)
+
+
+def test_the_two_sided_binomial_is_the_exact_fraction_for_moderate_n_and_never_underflows_to_zero():
+    paired = load("paired")
+    for n in range(0, 61, 3):
+        for k in range(n + 1):
+            # The probability, under n fair trials, of a count as far from n/2 as k or farther on k's side, doubled:
+            # each count's probability built up as a fraction from the last, with no binomial sum shared.
+            probability, far = Fraction(1, 2 ** n), Fraction(0)
+            for count in range(n + 1):
+                far += probability if count <= min(k, n - k) else 0
+                probability = probability * (n - count) / (count + 1)
+            exact = min(Fraction(1), 2 * far) if n else Fraction(1)
+            assert paired.binomial_two_sided(k, n) == pytest.approx(float(exact), rel=1e-12)
+            assert paired.log10_binomial_two_sided(k, n) == pytest.approx(
+                math.log10(exact.numerator) - math.log10(exact.denominator), abs=1e-12)
+    # 5,000 against 0: 2 * 0.5**5000 = 2**-4999, about 1.42e-1505, below a float's range. It was 0.0.
+    assert paired.exact_mcnemar(0, 5000) > 0 and paired.exact_mcnemar(5000, 0) > 0
+    assert paired.log10_binomial_two_sided(0, 5000) == pytest.approx(math.log10(2) + 5000 * math.log10(0.5))
+    assert paired.log10_binomial_two_sided(0, 5000) == pytest.approx(-4999 * math.log10(2))
+    assert paired.shown_p(0, 5000) == "1.42e-1505" and paired.shown_p(10, 10) == "0.00195"
+
+
+def seed_file(folder, seed, rounds, offline, pi_0=None):
+    figures = {"seed": seed, "protocol": "p", "per_draw": [1, 2, 3],
+               "rounds": {"right": [0, 1, sum(rounds)], "changed": [1, 1], "pairs": [2, 3], "steps": [1, 1]},
+               "outcomes": {"pi_0": [0] * len(rounds) if pi_0 is None else pi_0, "rounds": rounds,
+                            "offline_samples": offline, "offline_matched": offline},
+               "offline": {"offline_samples": {"steps": 2}, "offline_matched": {"steps": 2}}}
+    path = folder / f"{seed}-{len(list(folder.iterdir()))}.json"
+    path.write_text(json.dumps(figures))
+    return str(path)
+
+
+def test_the_table_refuses_a_seed_given_twice_and_arms_of_unequal_length_in_one_line(tmp_path):
+    compare = load("compare_rounds")
+    once = seed_file(tmp_path, 13, [1, 1, 0, 0], [1, 0, 0, 0])
+    for twice in (once, seed_file(tmp_path, 13, [1, 1, 0, 0], [1, 0, 0, 0])):  # the same file, or a copy
+        with pytest.raises(SystemExit) as error:
+            compare.print_table([once, seed_file(tmp_path, 17, [1, 0], [0, 0]), twice])
+        assert str(error.value) == (f"--table: seed 13 is given twice ({once}, {twice}): each seed counts once in "
+                                    "the pooled counts and the paired tests")
+    short = seed_file(tmp_path, 19, [1, 1, 0, 0], [1, 0, 0])
+    with pytest.raises(SystemExit) as error:
+        compare.print_table([once, short])
+    assert str(error.value) == (f"--table: {short}: the arms of seed 19 were scored on unequal numbers of prompts "
+                                "(pi_0 4, rounds 4, offline_samples 3, offline_matched 3): they are paired prompt by "
+                                "prompt")
+
+
+def test_the_table_prints_a_p_value_below_a_floats_range_in_log10_terms(tmp_path, capsys):
+    compare = load("compare_rounds")
+    compare.print_table([seed_file(tmp_path, 13, [1] * 5000, [0] * 5000)])
+    assert "| rounds vs offline_samples | 5000 | 0 | 1.42e-1505 | 1 / 0 / 0 | 1 |" in capsys.readouterr().out
 
 
 def test_the_protocol_fixes_new_seeds_and_options_the_command_accepts(tmp_path):
