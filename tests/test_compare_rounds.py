@@ -4,13 +4,16 @@ comparison reports, and the protocol fixed before its seeds ran."""
 import importlib.util
 import json
 import math
+import random
 import sys
+from collections import Counter
 from fractions import Fraction
 from pathlib import Path
 
 import pytest
 
 from dpo_min.rounds import RoundsConfig, RoundsError, make_pairs
+from dpo_min.rounds.pairs import every_better_against_worse
 from dpo_min.train.plan import resolve
 from dpo_min.train.rounds import rounds_config
 
@@ -60,6 +63,89 @@ def test_every_rule_takes_the_widest_margins_first_and_honours_min_margin_and_ti
     assert made == [] and dropped["all_tied"] == 1
     made, dropped = make_pairs([group(("x", 1.0), ("x", 0.0))], 0.0, 8, "every")  # one text against itself
     assert made == [] and dropped["all_tied"] == 1
+
+
+def brute_force_every(samples, min_margin, cap):
+    """The every rule as docs/rounds.md states it, by enumeration: for each ordered pair of distinct texts, the lowest
+    total of the first over the highest of the second; then, one pair at a time, the widest margin, the least used
+    two texts, the lowest indices (a fresh minimum over every candidate left each time)."""
+    totals = [sample["total"] for sample in samples]
+    scored = [t for t in totals if t is not None]
+    if len(scored) < 2:
+        return "unscorable"
+    if max(scored) == min(scored):
+        return "all_tied"
+    if max(scored) - min(scored) < min_margin:
+        return "below_min_margin"
+    texts = list(dict.fromkeys(s["completion"] for s in samples if s["total"] is not None))
+    of = {text: [i for i, s in enumerate(samples) if s["completion"] == text and s["total"] is not None]
+          for text in texts}
+    best = {text: max(of[text], key=lambda i: (totals[i], -i)) for text in texts}
+    worst = {text: min(of[text], key=lambda i: (totals[i], i)) for text in texts}
+    candidates = [(totals[worst[t]] - totals[best[u]], t, u) for t in texts for u in texts
+                  if t != u and totals[worst[t]] - totals[best[u]] > 0
+                  and totals[worst[t]] - totals[best[u]] >= min_margin]
+    chosen, uses = [], Counter()
+    while candidates and len(chosen) < cap:
+        pick = min(candidates, key=lambda c: (-c[0], uses[c[1]] + uses[c[2]], best[c[1]], worst[c[2]]))
+        candidates.remove(pick)
+        chosen.append((best[pick[1]], worst[pick[2]]))
+        uses.update(pick[1:])
+    return chosen or "all_tied"
+
+
+def test_every_rule_is_the_brute_force_enumeration_on_small_groups_and_never_pairs_two_texts_both_ways():
+    draw = random.Random(48)
+    for _ in range(3000):
+        samples = [{"completion": draw.choice("abcde"), "completion_ids": [i],
+                    "total": draw.choice([None, 0.0, 0.5, 1.0, 2.0])} for i in range(draw.randrange(9))]
+        margin, cap = draw.choice([0.0, 0.5, 1.0]), draw.choice([1, 2, 3, 100])
+        made = every_better_against_worse(samples, margin, cap)
+        assert made == brute_force_every(samples, margin, cap), (samples, margin, cap)
+        if not isinstance(made, str):
+            texts = {(samples[a]["completion"], samples[b]["completion"]) for a, b in made}
+            assert len(texts) == len(made) and not {(u, t) for t, u in texts} & texts
+    # A text sampled twice, scored above and below another: paired over it in neither way (it was, in both).
+    straddles = group(("a", 1.0), ("b", 0.5), ("a", 0.0))
+    assert make_pairs([straddles], 0.0, 8, "every")[1]["all_tied"] == 1
+    # Above in each of its samples: paired, its best-scored sample against the other's worst.
+    above = group(("a", 0.75), ("b", 0.5), ("a", 1.0), ("b", 0.0))
+    assert every_better_against_worse(above["samples"], 0.0, 8) == [(2, 3)]
+
+
+def test_every_rule_on_128_samples_unbounded_keeps_every_right_text_against_every_wrong_one():
+    draw = random.Random(7)
+    samples = [{"completion": f"text {i % 100}", "completion_ids": [i], "total": float(i % 100 < 37)}
+               for i in draw.sample(range(128), 128)]
+    made = every_better_against_worse(samples, 0.0, 10**9)
+    right = {s["completion"] for s in samples if s["total"] == 1.0}
+    wrong = {s["completion"] for s in samples if s["total"] == 0.0}
+    pairs = [(samples[a]["completion"], samples[b]["completion"]) for a, b in made]
+    assert len(pairs) == len(set(pairs)) == len(right) * len(wrong) and set(pairs) == {
+        (r, w) for r in right for w in wrong}
+    # Each text's first sample stands for it, and a cap keeps the first pairs the unbounded rule orders.
+    first = {text: min(i for i, s in enumerate(samples) if s["completion"] == text) for text in right | wrong}
+    assert all(a == first[samples[a]["completion"]] and b == first[samples[b]["completion"]] for a, b in made)
+    assert every_better_against_worse(samples, 0.0, 50) == made[:50]
+
+
+class Counted(float):
+    """A total that counts the margins taken of it."""
+    subtractions = 0
+
+    def __sub__(self, other):
+        Counted.subtractions += 1
+        return float(self) - float(other)
+
+
+def test_every_rule_takes_each_margin_once_not_once_per_pair_kept():
+    # The work's shape, not a time: margins are taken once per pair of texts (n**2), where a fresh minimum over every
+    # candidate for each pair kept took them (n/2)**4 / 2 times (9 s a prompt at 128 samples; docs/rounds.md).
+    n = 96
+    samples = [{"completion": str(i), "completion_ids": [i], "total": Counted(i % 2)} for i in range(n)]
+    Counted.subtractions = 0
+    made = every_better_against_worse(samples, 0.0, 10**9)
+    assert len(made) == (n // 2) ** 2 and Counted.subtractions <= 10 * n ** 2
 
 
 def test_pair_rule_is_checked_recorded_only_when_set_and_reaches_the_rounds_from_the_command(tmp_path):
