@@ -144,7 +144,7 @@ def _where(obj: Any) -> str | None:
     """The file that defines `obj` (where no file holds it, as in a notebook cell, its reference); None: a builtin."""
     try:
         path = inspect.getsourcefile(obj)
-    except TypeError:
+    except (TypeError, OSError):  # a builtin, or a class whose module is gone
         return None
     return str(Path(path).resolve()) if path and Path(path).is_file() else _reference(obj)
 
