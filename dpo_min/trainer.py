@@ -78,8 +78,8 @@ class DPOMinTrainer(TRLSurface, Trainer):
         tokenizer = getattr(processing_class, "tokenizer", processing_class)
         collator = data_collator or trainer_setup.default_collator(model, tokenizer, args)
         super().__init__(model=model, args=args, data_collator=collator,
-                         train_dataset=trainer_setup.tokenized(train_dataset, tokenizer, args),
-                         eval_dataset=trainer_setup.tokenized(eval_dataset, tokenizer, args),
+                         train_dataset=trainer_setup.tokenized(train_dataset, tokenizer, args, model),
+                         eval_dataset=trainer_setup.tokenized(eval_dataset, tokenizer, args, model),
                          processing_class=processing_class,
                          compute_metrics=compute_metrics, callbacks=callbacks, optimizers=optimizers)
         if hasattr(self.model, "add_model_tags"):  # Trainer puts the model's tags on the card it pushes
@@ -215,7 +215,7 @@ class DPOMinTrainer(TRLSurface, Trainer):
     def _tokenized(self, dataset: Dataset) -> Dataset:
         """A dataset passed to `evaluate()` or `predict()`, tokenized as the constructor tokenizes its own."""
         tokenizer = getattr(self.processing_class, "tokenizer", self.processing_class)
-        return trainer_setup.tokenized(dataset, tokenizer, self.args)
+        return trainer_setup.tokenized(dataset, tokenizer, self.args, self.model)
 
     # ---- faults stop the run: a non-finite gradient, before the optimizer step -----------------------------------
     def _clip_grad_norm(self, model):

@@ -23,7 +23,7 @@ from .config import DPOMinConfig
 from .models import load_causal_lm, load_tokenizer, pad_with_eos
 from .scale import sharding, zero
 from .scale.attention import check_packed_model, packed_attention, use_packed_attention
-from .tokenizing import ROW_POSITION, is_tokenized, tokenize_dataset
+from .tokenizing import ROW_POSITION, end_token_ids, is_tokenized, tokenize_dataset
 
 logger = logging.getLogger(__name__)
 
@@ -182,20 +182,22 @@ def datasets_progress_bars(show: bool):
         (datasets.enable_progress_bars if were_shown else datasets.disable_progress_bars)()
 
 
-def tokenized(dataset: Any, tokenizer: Any, args: DPOMinConfig) -> Any:
-    """Raw rows -> tokenized pairs, with the config's truncation; None and tokenized data pass through."""
+def tokenized(dataset: Any, tokenizer: Any, args: DPOMinConfig, model: Any = None) -> Any:
+    """Raw rows -> tokenized pairs, with the config's truncation; None and tokenized data pass through. A pair's
+    given ids may close on a token that ends the model's samples (`end_token_ids`)."""
     if isinstance(dataset, dict):
-        return {name: tokenized(split, tokenizer, args) for name, split in dataset.items()}
+        return {name: tokenized(split, tokenizer, args, model) for name, split in dataset.items()}
     if dataset is None or is_tokenized(dataset):
         return dataset
     # The main process tokenizes first; the others then read its datasets cache instead of tokenizing again.
     with args.main_process_first(desc="tokenizing the pairs"), \
             datasets_progress_bars(not args.disable_tqdm and args.local_process_index == 0):
         return tokenize_dataset(dataset, tokenizer, args.max_length, args.max_prompt_length, args.truncation_mode,
-                                num_proc=args.dataset_num_proc, chat_template_kwargs=args.chat_template_kwargs)
+                                num_proc=args.dataset_num_proc, chat_template_kwargs=args.chat_template_kwargs,
+                                end_ids=end_token_ids(model, tokenizer))
 
 
-def kept_rows(dataset: Dataset, tokenizer: Any, args: DPOMinConfig) -> list[int]:
+def kept_rows(dataset: Dataset, tokenizer: Any, args: DPOMinConfig, model: Any = None) -> list[int]:
     """The positions in `dataset` of the pairs `tokenized` keeps, in order: it drops those truncation leaves
     unusable, so the n-th tokenized pair need not be the n-th row (the command shows each row beside its pair)."""
     numbered = dataset.add_column(ROW_POSITION, list(range(len(dataset))))
@@ -203,6 +205,6 @@ def kept_rows(dataset: Dataset, tokenizer: Any, args: DPOMinConfig) -> list[int]
     level = data_log.level
     data_log.setLevel(logging.ERROR)  # its drops were said when the trainer tokenized these rows
     try:
-        return tokenized(numbered, tokenizer, args)[ROW_POSITION]
+        return tokenized(numbered, tokenizer, args, model)[ROW_POSITION]
     finally:
         data_log.setLevel(level)

@@ -16,7 +16,14 @@ from transformers import PrinterCallback, ProgressCallback, TrainerState
 
 from dpo_min import DPOMinConfig, DPOMinTrainer
 from dpo_min.devices import several_on_cpu
-from dpo_min.tokenizing import CARRIED_COLUMNS, GIVEN_COLUMNS, made_by, render_prompts, template_kwargs_of
+from dpo_min.tokenizing import (
+    CARRIED_COLUMNS,
+    GIVEN_COLUMNS,
+    end_token_ids,
+    made_by,
+    render_prompts,
+    template_kwargs_of,
+)
 
 from . import held_out, pairs, schedule, store
 from .config import RoundsConfig, RoundsError
@@ -51,6 +58,7 @@ class _Run:
     held_rows: list[int]
     rewards: Rewards
     prompt_ids: list[list[int]]  # each row's prompt as rendered once: sampled from, and trained on
+    end_ids: set[int]  # the ids a sample stops on: a pair's ids hold a special token only as their last, one of these
     folder: store.RoundFiles
     generate_fn: GenerateFn | None
     state: PartialState = field(default_factory=PartialState)
@@ -155,7 +163,7 @@ def _pairs(run: _Run, samples: list[dict[str, Any]], args: DPOMinConfig) -> tupl
     made = [{**pair, **made_by(run.tokenizer, pair["prompt"]),
              **{name: run.rows[pair["prompt_index"]][name] for name in CARRIED_COLUMNS
                 if run.rows[pair["prompt_index"]].get(name) is not None}} for pair in made]
-    kept, untrainable = pairs.keep_trainable(made, run.tokenizer, args)
+    kept, untrainable = pairs.keep_trainable(made, run.tokenizer, args, run.end_ids)
     return kept, {**dropped, **untrainable}, pairs.saturated(groups)
 
 
@@ -303,7 +311,7 @@ def _open(model: Any, tokenizer: Any, prompts: Any, reward_funcs: Any, config: R
     state = PartialState(cpu=several_on_cpu())  # several CPU processes join over gloo, as the trainer's
     run = _Run(config, tokenizer, rows, train_rows, held_rows, rewards,
                rendered_prompts(tokenizer, rows, config.training.get("chat_template_kwargs")),
-               store.RoundFiles(config.output_dir), generate_fn, state)
+               end_token_ids(model, tokenizer), store.RoundFiles(config.output_dir), generate_fn, state)
     settings = {**config.settings(), "prompts": fingerprint(rows), "reward_funcs": rewards.names,
                 "reward_identity": rewards.identity(),
                 "processes": state.num_processes,

@@ -30,6 +30,8 @@ from .config import RoundsError
 
 # Settings an earlier version's settings.json lacks: a resume of such a run compares them only once recorded.
 RECORDED_SINCE = ("model", "reward_identity")
+# Keys of each reward_identity entry that an earlier version's lacks (rewards.Rewards.identity): compared once recorded.
+IDENTITY_SINCE = ("code (sha256)", "weights (sha256)")
 # Settings a resume may lengthen: one temperature per round, a list that rounds added to the run extend (the old list
 # its start); settings.json then records the longer one.
 EXTENDABLE = ("temperature",)
@@ -89,6 +91,17 @@ def _extends(old: Any, new: Any) -> bool:
     return longer[:len(shorter)] == shorter
 
 
+def _as_recorded(saved: dict[str, Any], settings: dict[str, Any]) -> dict[str, Any]:
+    """`settings` with each reward_identity entry without the IDENTITY_SINCE keys that the saved entry lacks."""
+    old, new = saved.get("reward_identity"), settings.get("reward_identity")
+    if not (isinstance(old, dict) and isinstance(new, dict)):
+        return settings
+    trimmed = {name: {key: value for key, value in entry.items()
+                      if key not in IDENTITY_SINCE or key in old.get(name, {key: None})}
+               for name, entry in new.items()}
+    return {**settings, "reward_identity": trimmed}
+
+
 class RoundFiles:
     """The rounds' files under output_dir (the module's docstring lists them) and their resume record,
     settings.json. Not the folder's lock or checks: the command's RunFolder owns those."""
@@ -107,6 +120,7 @@ class RoundFiles:
         settings = json.loads(json.dumps(settings))  # as JSON reads it back: tuples as lists
         if path.exists():
             saved = json.loads(path.read_text())
+            settings = _as_recorded(saved, settings)
             extended = {name: settings[name] for name in EXTENDABLE if _extends(saved.get(name), settings.get(name))}
             changed = [change for name in sorted(set(saved) | set(settings))
                        if (name in saved or name not in RECORDED_SINCE) and name not in extended

@@ -234,7 +234,7 @@ def _sampled_rows(trainer: DPOMinTrainer, held_out: Dataset | None, count: int) 
         return list(range(min(count, len(held_out))))
     reach = held_out.select(range(min(len(held_out), count + dropped)))
     tokenizer = getattr(trainer.processing_class, "tokenizer", trainer.processing_class)
-    return trainer_setup.kept_rows(reach, tokenizer, trainer.args)[:count]
+    return trainer_setup.kept_rows(reach, tokenizer, trainer.args, trainer.model)[:count]
 
 
 @dataclass
