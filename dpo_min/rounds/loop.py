@@ -379,8 +379,8 @@ def _no_pair_message(line: dict[str, Any]) -> str:
 
 def _summary(line: dict[str, Any]) -> str:
     dropped = ", ".join(f"{count} {reason}" for reason, count in line["dropped"].items() if count) or "none"
-    text = f"round {line['round']}: {line['samples']} samples, {line['pairs']} pairs (dropped: {dropped}), " \
-           f"{line['saturated']} of {line['prompts']} prompts saturated"
+    text = f"round {line['round']}: {_count(line['samples'], 'sample')}, {_count(line['pairs'], 'pair')} " \
+           f"(dropped: {dropped}), {line['saturated']} of {line['prompts']} prompts saturated"
     if line["reward_mean"] is not None:
         text += f", reward mean {line['reward_mean']:.3f} (best {line['reward_best']:.3f}, worst " \
                 f"{line['reward_worst']:.3f})"
@@ -392,4 +392,8 @@ def _summary(line: dict[str, Any]) -> str:
     shown = (("loss", "loss", ".4f"), ("reward accuracy", "rewards/accuracies", ".2f"),
              ("margin", "rewards/margins", "+.4f"))
     figures = [f"{name} {dpo[key]:{form}}" for name, key, form in shown if key in dpo]
-    return f"{text}; DPO: {dpo['steps']} steps{', mean ' + ', '.join(figures) if figures else ''}"
+    return f"{text}; DPO: {_count(dpo['steps'], 'step')}{', mean ' + ', '.join(figures) if figures else ''}"
+
+
+def _count(number: int, noun: str) -> str:
+    return f"{number} {noun}{'' if number == 1 else 's'}"
