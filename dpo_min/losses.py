@@ -235,6 +235,15 @@ class LossSettings:
                                             or all(entry.rewards is None for entry in entries))
 
     @property
+    def dpo_alone(self) -> bool:
+        """Whether the loss is DPO's `-logsigmoid(beta * logits)` alone, which `compute_loss` writes out (the
+        default): sigmoid alone at weight 1, a reference, no label smoothing, reverse KL, no WPO weights or CPO term
+        (`ld_alpha` shapes the log-probs before either). Any other settings go through this table, in `dpo_loss`."""
+        return (self.loss_types == ("sigmoid",) and self.weights == (1.0,) and self.reads_reference
+                and self.hyperparameters["label_smoothing"] == 0 and self.f_divergence_type == "reverse_kl"
+                and not self.use_weighting and self.cpo_alpha == 0)
+
+    @property
     def rewards_are_log_ratios(self) -> bool:
         """Whether the implicit rewards are beta times the log-ratios of policy to reference (0 while the policy is
         the reference): a reference is read, and the first loss type has no rewards of its own (`dpo_loss`)."""
