@@ -1,4 +1,6 @@
-"""The DPO loss family: a pure function of four per-pair log-prob tensors (plus lengths for a few variants).
+"""The DPO loss family's table: a pure function of four per-pair log-prob tensors (plus lengths for a few variants)
+for every loss but DPO's alone, the default, which `DPOMinTrainer.compute_loss` writes out (`LossSettings.dpo_alone`
+says which; `dpo_loss` gives the same on those settings).
 
 `dpo_loss` computes the log-ratios and DPO's logits from the four log-probs, then calls each loss type's entry of
 `LOSSES`: a per-pair loss of those `PairTerms` (plain tensors and plain hyperparameter values), carrying its own

@@ -15,6 +15,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import tiny_llama
 from peft import LoraConfig
 
@@ -132,6 +133,15 @@ def traced_run(tokenizer, pairs, output_dir: Path, lora: bool) -> Trace:
     return trace
 
 
+def readme_share() -> tuple[int, int, int]:
+    """README's "N lines in all ..., of which M (P%) lie in functions a step enters": (M, N, P)."""
+    paragraph = " ".join((ROOT / "README.md").read_text().split("**The default path**", 1)[1].split("\n\n")[0].split())
+    match = re.search(r"([\d,]+) lines in all .*?, of which (\d+) \((\d+)%\) lie in functions a step enters", paragraph)
+    assert match, "README's default-path paragraph gives no traced share"
+    total, entered, percent = (int(group.replace(",", "")) for group in match.groups())
+    return entered, total, percent
+
+
 def test_readme_names_each_phases_files():
     lists = readme_lists()
     assert 3 <= len(lists["default"]) <= 6  # the default path is a few files a reader can hold at once
@@ -150,6 +160,24 @@ def test_a_default_run_enters_exactly_the_files_readme_names(tokenizer, hh_pairs
     assert files["save"] - lists["default"] == lists["save"], entered["save"]
     assert files["construction"] - lists["default"] == lists["construction"], entered["construction"]
     assert set().union(*files.values()) & lists["never"] == set()
+    # README's share of the default path's lines that lie in functions a step enters, as traced; at least half.
+    entered, total = trace.share("step", lists["default"])
+    assert readme_share() == (entered, total, round(100 * entered / total)), dict(trace.spans["step"])
+    assert entered >= total / 2
+
+
+def test_the_trace_counts_generated_code_in_the_module_that_defines_it():
+    # A dataclass's __init__ is exec'd code with no file of its own: built in a step, it still names its module.
+    from dpo_min.loss_family import PairTerms
+
+    zero = torch.zeros(1)
+    with Trace() as trace:
+        PairTerms(*[zero] * 9, chosen_lengths=None, rejected_lengths=None, chosen_nll=None, beta=0.1,
+                  label_smoothing=0.0, hyperparameters={})
+    assert trace.entered["construction"]["loss_family.py"] == {"PairTerms.__init__ (generated)"}
+    source = (PACKAGE / "loss_family.py").read_text().splitlines()
+    lines = trace.spans["construction"]["loss_family.py"]
+    assert source[min(lines) - 1].startswith("class PairTerms") and "hyperparameters:" in source[max(lines) - 1]
 
 
 def test_the_trace_sees_a_file_the_default_never_runs():
