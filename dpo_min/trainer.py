@@ -47,8 +47,8 @@ class DPOMinTrainer(TRLSurface, Trainer):
     training and evaluating), `log` (the metrics of every micro-batch since the last log), `train`,
     `get_train_dataloader` and `get_eval_dataloader` (the precompute pass, when asked for), `_clip_grad_norm` and
     `_get_grad_norm` (a non-finite gradient stops the run), `_save_checkpoint` and `_save` (each checkpoint staged,
-    then renamed; a sharded model saved whole), and the attribute `args` (the loss reads its settings when the
-    trainer is given a config). A default run also calls methods it inherits as they are: `training_step`,
+    then renamed; a sharded model saved whole), and `__setattr__` (the loss reads its settings when the trainer
+    is given a config, `args`). A default run also calls methods it inherits as they are: `training_step`,
     `evaluate`, `save_model` and the rest of Trainer's loop. Its base `TRLSurface` (trl_surface.py) overrides two
     more that a default run never calls: `_set_signature_columns_if_needed` (`remove_unused_columns=True`) and
     `create_model_card` (a push)."""
@@ -100,18 +100,17 @@ class DPOMinTrainer(TRLSurface, Trainer):
         if args.sync_ref_model:
             self.add_callback(SyncReferenceCallback(self.sync_reference))
 
-    @property
-    def args(self) -> DPOMinConfig:
-        """The config. The loss reads it once, when the trainer is given it (as TRL's trainer reads its attributes
-        once, at construction): a script changes the loss by assigning another config, not by editing this one."""
-        return self._args
+    def __setattr__(self, name: str, value: Any) -> None:
+        super().__setattr__(name, value)
+        if name == "args":  # Trainer.__init__, or a script: the loss reads a config when the trainer is given it
+            self._read_loss_settings(value)
 
-    @args.setter
-    def args(self, args: DPOMinConfig) -> None:
-        self._args = args
+    def _read_loss_settings(self, args: DPOMinConfig) -> None:
+        """The loss's settings, validated, read once per config, as TRL's trainer reads its attributes once (a script
+        changes the loss by assigning another config to `args`, not by editing this one); and what a step asks of them,
+        as plain values: whether it runs the reference, and whether the loss is DPO's alone (the default), which
+        `compute_loss` writes out."""
         self.loss_settings: LossSettings = args.loss_settings.validate()
-        # What a step asks of the settings, answered here once, as plain values: whether it runs the reference, and
-        # whether the loss is DPO's alone (the default), which `compute_loss` writes out.
         self.reads_reference = self.loss_settings.reads_reference
         self.dpo_alone = self.loss_settings.dpo_alone
 
