@@ -1,4 +1,6 @@
-"""The DPO loss family: a pure function of four per-pair log-prob tensors (plus lengths for a few variants).
+"""The DPO loss family's table: a pure function of four per-pair log-prob tensors (plus lengths for a few variants)
+for every loss but DPO's alone, the default, which `DPOMinTrainer.compute_loss` writes out (`LossSettings.dpo_alone`
+says which; `dpo_loss` gives the same on those settings).
 
 `dpo_loss` computes the log-ratios and DPO's logits from the four log-probs, then calls each loss type's entry of
 `LOSSES`: a per-pair loss of those `PairTerms` (plain tensors and plain hyperparameter values), carrying its own
@@ -233,6 +235,15 @@ class LossSettings:
         entries = [LOSSES[name] for name in self.loss_types]
         return not self.reference_free and (any(entry.reads_reference for entry in entries)
                                             or all(entry.rewards is None for entry in entries))
+
+    @property
+    def dpo_alone(self) -> bool:
+        """Whether the loss is DPO's `-logsigmoid(beta * logits)` alone, which `compute_loss` writes out (the
+        default): sigmoid alone at weight 1, a reference, no label smoothing, reverse KL, no WPO weights or CPO term
+        (`ld_alpha` shapes the log-probs before either). Any other settings go through this table, in `dpo_loss`."""
+        return (self.loss_types == ("sigmoid",) and self.weights == (1.0,) and self.reads_reference
+                and self.hyperparameters["label_smoothing"] == 0 and self.f_divergence_type == "reverse_kl"
+                and not self.use_weighting and self.cpo_alpha == 0)
 
     @property
     def rewards_are_log_ratios(self) -> bool:

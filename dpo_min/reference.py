@@ -1,26 +1,28 @@
-"""The reference: which model computes pi_ref, decided once at construction, and everything the trainer asks of it.
+"""The reference: which model computes pi_ref, decided once at construction (`choose_reference`), and what the trainer
+asks of it besides a step: the weights the precompute cache key hashes, TR-DPO's sync, its placement for the run.
 
-`choose_reference` picks one of, in this order:
-- none (`NoReference`): the loss reads no reference (simpo, cpo, `reference_free`), so there is no copy and no
+A training step enters none of this file. It reads the decision, a `Reference`, through one context manager where the
+step takes the reference's forward (`DPOMinTrainer.reference_model` in trainer.py: `with torch.no_grad(),
+self.reference_model() as model:`, as torchtune's recipe writes `with torch.no_grad(), disable_adapter(model):`).
+
+`choose_reference` decides, in this order:
+- none (kind "none"): the loss reads no reference (simpo, cpo, `reference_free`), so there is no copy and no
   reference forward;
-- `ref_model` (`ModelReference`): a separate frozen model, given by the caller;
-- for a PEFT model: the adapter named `ref_adapter_name` (`AdapterReference`); the model with its adapter disabled
-  (`AdapterOff`: for a `peft_config`, or, as TRL, an adapter on `target_parameters` under peft < 0.20, which cannot
-  hold a second one); otherwise a frozen copy of the adapter the model arrives with (`AdapterReference`; TR-DPO with
-  a `peft_config` also gets such a copy, to move);
-- full fine-tuning with `precompute_ref_log_probs`: the model itself, before its first step (`PolicyReference`);
-- otherwise a frozen copy of the model (`ModelReference`).
-The trainer then asks the chosen reference, through the `Reference` interface every kind implements, for the model
-that computes a batch's reference log-probs (`computing`, in the spirit of torchtune's `with torch.no_grad(),
-disable_adapter(model)`), the weights and settings the precompute cache key hashes, TR-DPO's sync, and a one-line
-description; it never asks which kind it holds.
+- the reference `reference_mode` names, when the config names one (the rounds do): built whatever the branches below
+  would infer, or a ValueError when the models given cannot be it;
+- `ref_model` (kind "model"): a separate frozen model, given by the caller;
+- for a PEFT model: the adapter named `ref_adapter_name` (kind "adapter"); the model with its adapter disabled (kind
+  "adapter_off": for a `peft_config`, or, as TRL, an adapter on `target_parameters` under peft < 0.20, which cannot
+  hold a second one); otherwise a frozen copy of the adapter the model arrives with (kind "adapter"; TR-DPO with a
+  `peft_config` also gets such a copy, to move);
+- full fine-tuning with `precompute_ref_log_probs`: the model itself, before its first step (kind "policy");
+- otherwise a frozen copy of the model (kind "model").
 """
 
-import abc
-import contextlib
 import copy
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -37,10 +39,92 @@ except ImportError:  # peft is a dependency, but keep the full fine-tuning path 
 
 logger = logging.getLogger(__name__)
 REF_ADAPTER = "ref"
+# What each kind of reference is; `DPOMinTrainer.reference_model` runs each one's forward.
+KINDS = {"none": "no reference: the loss reads none", "model": "a separate frozen model (`model`)",
+         "policy": "the policy itself, before its first step", "adapter_off": "the policy with its adapter disabled",
+         "adapter": "another adapter of the policy (`adapter`), frozen, active for the reference's forward"}
+
+
+@dataclass
+class Reference:
+    """Which model computes pi_ref: one of `KINDS`, decided once by `choose_reference`, described in one line."""
+
+    kind: str
+    description: str  # one line, for the log and the model card
+    model: torch.nn.Module | None = None  # kind "model": that model (after `prepare`, as prepared for the run)
+    adapter: str | None = None  # kind "adapter": the name of the policy's reference adapter
+    mode: str | None = None  # the DPOMinConfig.reference_mode that named it; None: chosen from what was given
+
+    def modules(self) -> list[torch.nn.Module]:
+        """Models of the reference's own, which the trainer prepares as it prepares the policy."""
+        return [] if self.model is None else [self.model]
+
+    def prepare(self, accelerator: Any, deepspeed: bool) -> None:
+        """Place a reference model of its own for the run, once the accelerator exists."""
+        if self.model is not None:
+            self.model = zero.inference_engine(self.model, accelerator) if deepspeed \
+                else accelerator.prepare_model(self.model, evaluation_mode=True)
+
+    def weights(self, policy: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+        """The tensors the reference log-probs depend on (for the precompute cache key)."""
+        # keep_vars: ZeRO-3's placeholders carry what gathers them (a plain state_dict would hash empty tensors).
+        if self.model is not None:
+            return sharding.gathered(_unwrapped(self.model).state_dict(keep_vars=True).items())
+        policy = extract_model_from_parallel(policy)
+        trained = f".{policy.active_adapter}." if is_peft(policy) else None
+        return sharding.gathered((name, tensor) for name, tensor in policy.state_dict(keep_vars=True).items()
+                                 if trained is None or trained not in name)
+
+    def cache_settings(self, args: Any) -> dict[str, Any]:
+        """What else the reference log-probs depend on, for the precompute cache key."""
+        name = {"adapter_off": "adapter disabled", "adapter": f"adapter {self.adapter}"}.get(self.kind, "model")
+        return {"reference": name, "ld_alpha": args.ld_alpha, "max_length": args.max_length,
+                "max_prompt_length": args.max_prompt_length, "truncation_mode": args.truncation_mode}
+
+    def check_sync(self, policy: torch.nn.Module) -> None:
+        """Raise unless TR-DPO can sync this reference towards the policy."""
+        if self.kind == "model" and is_peft(policy):
+            raise ValueError("sync_ref_model with a PeftModel syncs a reference adapter: omit ref_model")
+        if self.kind == "model":
+            _same_shapes(dict(policy.named_parameters()), dict(_unwrapped(self.model).named_parameters()))
+        elif self.kind == "adapter":
+            _same_shapes(_adapter_parameters(policy, policy.active_adapter), _adapter_parameters(policy, self.adapter))
+        else:
+            raise ValueError("sync_ref_model needs a reference (model or adapter) with the policy's parameters")
+
+    def sync(self, policy: torch.nn.Module, alpha: float) -> None:
+        """TR-DPO: reference <- alpha * policy + (1 - alpha) * reference."""
+        policy = extract_model_from_parallel(policy)
+        if self.kind == "model":
+            reference = _unwrapped(self.model)
+            sharding.reshard(policy, reference)
+            _mix_into(dict(reference.named_parameters()), dict(policy.named_parameters()), alpha)
+        elif self.kind == "adapter":
+            sharding.reshard(policy)
+            _mix_into(_adapter_parameters(policy, self.adapter), _adapter_parameters(policy, policy.active_adapter),
+                      alpha)
+        else:
+            raise ValueError("no reference weights to sync: the reference log-probs were precomputed")
+
+
+class SyncReferenceCallback(TrainerCallback):
+    """TR-DPO: after every `ref_model_sync_steps` optimizer steps, move the reference towards the policy."""
+
+    def __init__(self, sync: Callable[[], None]):
+        self.sync = sync
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step % args.ref_model_sync_steps == 0:
+            self.sync()
 
 
 def is_peft(model: Any) -> bool:
     return isinstance(model, PeftModel) and model is not None
+
+
+def _unwrapped(model: torch.nn.Module) -> torch.nn.Module:
+    """The model inside what the accelerator or DeepSpeed made of it: the weights the cache key hashes, TR-DPO mixes."""
+    return extract_model_from_parallel(model, keep_torch_compile=False)
 
 
 @torch.no_grad()
@@ -70,170 +154,6 @@ def _add_adapter_copy(model: "PeftModel", name: str) -> str:
     return name
 
 
-class Reference(abc.ABC):
-    """The interface of a reference: what the trainer asks of it, whichever kind it is. Not used as is: each kind
-    below subclasses it and overrides what it has; the defaults are those of a reference with no model or adapter
-    of its own (its weights are the policy's, no sync, nothing to prepare)."""
-
-    description: str  # one line, for the log and the model card
-    model: torch.nn.Module | None = None  # a separate reference model (prepared for the run), if any
-    adapter: str | None = None  # the name of a reference adapter of the policy, if any
-    cache_name = "model"  # what the precompute cache key calls this kind
-    mode: str | None = None  # the DPOMinConfig.reference_mode that named it; None: chosen from what was given
-
-    @abc.abstractmethod
-    @contextlib.contextmanager
-    def computing(self, policy: torch.nn.Module) -> Iterator[torch.nn.Module]:
-        """The module whose forward gives the reference log-probs, for the duration of the block."""
-
-    def weights(self, policy: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
-        """The tensors the reference log-probs depend on (for the precompute cache key)."""
-        policy = extract_model_from_parallel(policy)
-        trained = f".{policy.active_adapter}." if is_peft(policy) else None
-        # keep_vars: ZeRO-3's placeholders carry what gathers them (a plain state_dict would hash empty tensors).
-        return sharding.gathered((name, tensor) for name, tensor in policy.state_dict(keep_vars=True).items()
-                                 if trained is None or trained not in name)
-
-    def cache_settings(self, args: Any) -> dict[str, Any]:
-        """What else the reference log-probs depend on, for the precompute cache key."""
-        return {"reference": self.cache_name, "ld_alpha": args.ld_alpha, "max_length": args.max_length,
-                "max_prompt_length": args.max_prompt_length, "truncation_mode": args.truncation_mode}
-
-    def check_sync(self, policy: torch.nn.Module) -> None:
-        """Raise unless TR-DPO can sync this reference towards the policy."""
-        raise ValueError("sync_ref_model needs a reference (model or adapter) with the policy's parameters")
-
-    def sync(self, policy: torch.nn.Module, alpha: float) -> None:
-        """TR-DPO: reference <- alpha * policy + (1 - alpha) * reference."""
-        raise ValueError("no reference weights to sync: the reference log-probs were precomputed")
-
-    def modules(self) -> list[torch.nn.Module]:
-        """Models of the reference's own, which the trainer prepares as it prepares the policy."""
-        return []
-
-    def prepare(self, accelerator: Any, deepspeed: bool) -> None:
-        """Place the reference for the run, once the accelerator exists."""
-        return None  # nothing of its own to place
-
-    def fixed_before_training(self) -> bool:
-        """True when the reference is the policy itself, so its log-probs exist only before the first step."""
-        return False
-
-
-class NoReference(Reference):
-    """No reference: the loss reads none (simpo, cpo, `reference_free`), or `ref_model` was set to None."""
-
-    description = "none (the loss reads no reference)"
-
-    def __init__(self, description: str | None = None):
-        if description is not None:
-            self.description = description
-
-    @contextlib.contextmanager
-    def computing(self, policy: torch.nn.Module) -> Iterator[torch.nn.Module]:
-        raise ValueError("this loss reads no reference log-probs")
-        yield policy  # a generator, like the others
-
-
-class ModelReference(Reference):
-    """A separate frozen model: `ref_model`, or a copy of the model for full fine-tuning. `model` is that model, and
-    after `prepare` the model prepared for the run (a DeepSpeed engine, or what the accelerator makes of it);
-    `_unwrapped` is the model inside, whose weights the cache key hashes and TR-DPO mixes."""
-
-    def __init__(self, model: torch.nn.Module, description: str = "ref_model, a separate frozen model"):
-        self.model: torch.nn.Module = model
-        self.description = description
-
-    def _unwrapped(self) -> torch.nn.Module:
-        return extract_model_from_parallel(self.model, keep_torch_compile=False)
-
-    @contextlib.contextmanager
-    def computing(self, policy: torch.nn.Module) -> Iterator[torch.nn.Module]:
-        yield self.model
-
-    def weights(self, policy: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
-        return sharding.gathered(self._unwrapped().state_dict(keep_vars=True).items())
-
-    def check_sync(self, policy: torch.nn.Module) -> None:
-        if is_peft(policy):
-            raise ValueError("sync_ref_model with a PeftModel syncs a reference adapter: omit ref_model")
-        _same_shapes(dict(policy.named_parameters()), dict(self._unwrapped().named_parameters()))
-
-    def sync(self, policy: torch.nn.Module, alpha: float) -> None:
-        policy, reference = extract_model_from_parallel(policy), self._unwrapped()
-        sharding.reshard(policy, reference)
-        _mix_into(dict(reference.named_parameters()), dict(policy.named_parameters()), alpha)
-
-    def modules(self) -> list[torch.nn.Module]:
-        return [self.model]
-
-    def prepare(self, accelerator: Any, deepspeed: bool) -> None:
-        self.model = zero.inference_engine(self.model, accelerator) if deepspeed \
-            else accelerator.prepare_model(self.model, evaluation_mode=True)
-
-
-class PolicyReference(Reference):
-    """Full fine-tuning with precomputed log-probs: the model itself, before its first step."""
-
-    description = "the model before its first step (log-probs precomputed)"
-
-    @contextlib.contextmanager
-    def computing(self, policy: torch.nn.Module) -> Iterator[torch.nn.Module]:
-        yield policy
-
-    def fixed_before_training(self) -> bool:
-        return True
-
-
-class AdapterOff(Reference):
-    """A PEFT model with its adapter disabled: the base model."""
-
-    description = "the base model (the adapter disabled)"
-    cache_name = "adapter disabled"
-
-    @contextlib.contextmanager
-    def computing(self, policy: torch.nn.Module) -> Iterator[torch.nn.Module]:
-        with extract_model_from_parallel(policy).disable_adapter():
-            yield policy
-
-
-class AdapterReference(Reference):
-    """Another adapter of the PEFT model, frozen, made active for the reference forward."""
-
-    def __init__(self, adapter: str, description: str):
-        self.adapter, self.description = adapter, description
-        self.cache_name = f"adapter {adapter}"
-
-    @contextlib.contextmanager
-    def computing(self, policy: torch.nn.Module) -> Iterator[torch.nn.Module]:
-        peft_model = extract_model_from_parallel(policy)
-        active = peft_model.active_adapter
-        peft_model.set_adapter(self.adapter, inference_mode=True)
-        try:
-            yield policy
-        finally:
-            peft_model.set_adapter(active)
-
-    def check_sync(self, policy: torch.nn.Module) -> None:
-        _same_shapes(_adapter_parameters(policy, policy.active_adapter), _adapter_parameters(policy, self.adapter))
-
-    def sync(self, policy: torch.nn.Module, alpha: float) -> None:
-        policy = extract_model_from_parallel(policy)
-        sharding.reshard(policy)
-        _mix_into(_adapter_parameters(policy, self.adapter), _adapter_parameters(policy, policy.active_adapter), alpha)
-
-
-class SyncReferenceCallback(TrainerCallback):
-    """TR-DPO: after every `ref_model_sync_steps` optimizer steps, move the reference towards the policy."""
-
-    def __init__(self, sync: Callable[[], None]):
-        self.sync = sync
-
-    def on_step_end(self, args, state, control, **kwargs):
-        if state.global_step % args.ref_model_sync_steps == 0:
-            self.sync()
-
-
 def _no_second_adapter(model: "PeftModel") -> bool:
     """A LoRA on `target_parameters` (MoE expert weights) under peft 0.17-0.19, which cannot hold a second such
     adapter (peft#3340, fixed in 0.20): TRL 1.16 then disables the adapter for the reference instead of copying it."""
@@ -242,22 +162,6 @@ def _no_second_adapter(model: "PeftModel") -> bool:
     config = model.peft_config[model.active_adapter]
     old_peft = Version("0.17.0") <= Version(peft.__version__) < Version("0.20.0")
     return old_peft and isinstance(config, LoraConfig) and bool(getattr(config, "target_parameters", None))
-
-
-def _peft_reference(model: "PeftModel", args: Any, from_peft_config: bool) -> Reference:
-    if from_peft_config:
-        # The adapter disabled is the reference, unless TR-DPO must move it: then it needs weights of its own, a copy
-        # of the fresh adapter (equal to the bare model while B = 0).
-        return AdapterReference(_add_adapter_copy(model, REF_ADAPTER), "a copy of the fresh adapter (TR-DPO)") \
-            if args.sync_ref_model else AdapterOff()
-    if args.ref_adapter_name is not None:
-        return AdapterReference(args.ref_adapter_name, f"adapter {args.ref_adapter_name!r}")
-    if _no_second_adapter(model):
-        logger.warning("peft<0.20 cannot add a frozen reference adapter beside one on target_parameters (peft#3340): "
-                       "the reference is the model with its adapter disabled, as in TRL; upgrade peft for a copy")
-        return AdapterOff()
-    # An adapter may arrive already trained: the reference is that adapter as it starts, kept frozen.
-    return AdapterReference(_add_adapter_copy(model, REF_ADAPTER), "a frozen copy of the adapter the model came with")
 
 
 def _set_up_adapters(model: Any, args: Any, ref_model: Any, peft_config: Any) -> tuple[Any, bool]:
@@ -292,27 +196,72 @@ def choose_reference(model: Any, ref_model: Any, args: Any, peft_config: Any,
                      reads_reference: bool) -> tuple[Any, Reference]:
     """The model (wrapped in `peft_config`, if given) and its reference, checked against TR-DPO's needs."""
     model, wrapped = _set_up_adapters(model, args, ref_model, peft_config)
+    mode = getattr(args, "reference_mode", None)
     if not reads_reference:  # a ref_model given to such a loss is not kept
         why = "reference_free" if args.reference_free else f"loss_type {', '.join(args.loss_type)}"
-        reference = NoReference(f"none ({why}: the loss reads no reference)")
-    elif getattr(args, "reference_mode", None) is not None:  # named: no branch below decides it
-        reference = _named_reference(args.reference_mode, model, ref_model, args, wrapped)
-    elif ref_model is not None:
-        reference = ModelReference(ref_model.eval().requires_grad_(False), _given_reference(ref_model, model))
-    elif is_peft(model):
-        reference = _peft_reference(model, args, wrapped)
-    elif args.precompute_ref_log_probs:
-        reference = PolicyReference()
-    elif zero.is_partitioned(model):  # a copy of ZeRO-3's placeholders would be no model at all
-        raise ValueError("full fine-tuning under DeepSpeed ZeRO-3 needs a reference: pass ref_model (an id or path, "
-                         "loaded partitioned), or precompute_ref_log_probs=True, or a peft_config")
+        reference = Reference("none", f"none ({why}: the loss reads no reference)")
+    elif mode is not None:  # named: the models given must fit it
+        _check_fits(mode, model, ref_model, wrapped)
+        reference = _built(mode, model, ref_model, args, wrapped)
+        reference.mode = mode
+    elif ref_model is None and is_peft(model) and not wrapped and args.ref_adapter_name is not None:
+        reference = Reference("adapter", f"adapter {args.ref_adapter_name!r}", adapter=args.ref_adapter_name)
     else:
-        reference = ModelReference(copy.deepcopy(model).eval().requires_grad_(False), "a frozen copy of the model")
+        reference = _built(_inferred_mode(model, ref_model, wrapped), model, ref_model, args, wrapped)
     if args.sync_ref_model:
         reference.check_sync(model)
-    if args.precompute_ref_log_probs and reads_reference and not reference.fixed_before_training():
+    if args.precompute_ref_log_probs and reads_reference and reference.kind != "policy":
         reference.description += ", log-probs precomputed"
     return model, reference
+
+
+def _inferred_mode(model: Any, ref_model: Any, wrapped: bool) -> str:
+    """The reference_mode the models given imply, when the config names none."""
+    if ref_model is not None:
+        return "ref_model"
+    if not is_peft(model):
+        return "policy_at_start"
+    if not wrapped and _no_second_adapter(model):
+        logger.warning("peft<0.20 cannot add a frozen reference adapter beside one on target_parameters (peft#3340): "
+                       "the reference is the model with its adapter disabled, as in TRL; upgrade peft for a copy")
+        return "adapter_off"
+    # An adapter may arrive already trained: the reference is that adapter as it starts, kept frozen.
+    return "adapter_off" if wrapped else "adapter_at_start"
+
+
+# What each reference_mode needs of the models given, and says when they do not fit.
+_MODE_NEEDS = {"ref_model": "a ref_model", "adapter_off": "a bare model and a peft_config",
+               "adapter_at_start": "a PeftModel and no ref_model or peft_config",
+               "policy_at_start": "a model without an adapter and no ref_model or peft_config"}
+
+
+def _check_fits(mode: str, model: Any, ref_model: Any, wrapped: bool) -> None:
+    fits = {"ref_model": ref_model is not None, "adapter_off": is_peft(model) and wrapped,
+            "adapter_at_start": is_peft(model) and not wrapped and ref_model is None,
+            "policy_at_start": not is_peft(model) and ref_model is None}
+    if not fits[mode]:
+        raise ValueError(f"reference_mode={mode!r} needs {_MODE_NEEDS[mode]}")
+
+
+def _built(mode: str, model: Any, ref_model: Any, args: Any, wrapped: bool) -> Reference:
+    """The reference of a reference_mode (config.REFERENCE_MODES), named or inferred."""
+    if mode == "ref_model":
+        return Reference("model", _given_reference(ref_model, model), model=ref_model.eval().requires_grad_(False))
+    if mode == "adapter_off" and wrapped and args.sync_ref_model:
+        # TR-DPO moves it: a copy of the fresh adapter, equal to the adapter off while B = 0.
+        return Reference("adapter", "a copy of the fresh adapter (TR-DPO)",
+                         adapter=_add_adapter_copy(model, REF_ADAPTER))
+    if mode == "adapter_off":
+        return Reference("adapter_off", "the base model (the adapter disabled)")
+    if mode == "adapter_at_start":
+        return Reference("adapter", "a frozen copy of the adapter the model came with",
+                         adapter=_add_adapter_copy(model, REF_ADAPTER))
+    if args.precompute_ref_log_probs:
+        return Reference("policy", "the model before its first step (log-probs precomputed)")
+    if zero.is_partitioned(model):  # a copy of ZeRO-3's placeholders would be no model at all
+        raise ValueError("full fine-tuning under DeepSpeed ZeRO-3 needs a reference: pass ref_model (an id or path, "
+                         "loaded partitioned), or precompute_ref_log_probs=True, or a peft_config")
+    return Reference("model", "a frozen copy of the model", model=copy.deepcopy(model).eval().requires_grad_(False))
 
 
 def _given_reference(ref_model: Any, model: Any) -> str:
@@ -322,36 +271,3 @@ def _given_reference(ref_model: Any, model: Any) -> str:
     if name and name == getattr(model, "name_or_path", None):
         return f"the base model loaded a second time as ref_model ({name}), frozen"
     return f"ref_model {name}, a separate frozen model" if name else "ref_model, a separate frozen model"
-
-
-# What each reference_mode needs of the models given, and says when they do not fit.
-_MODE_NEEDS = {"ref_model": "a ref_model", "adapter_off": "a bare model and a peft_config",
-               "adapter_at_start": "a PeftModel and no ref_model or peft_config",
-               "policy_at_start": "a model without an adapter and no ref_model or peft_config"}
-
-
-def _named_reference(mode: str, model: Any, ref_model: Any, args: Any, wrapped: bool) -> Reference:
-    """The reference `mode` names (config.REFERENCE_MODES), built directly: a caller that names its reference (the
-    rounds) gets that one whatever order the inferring branches of `choose_reference` take, or a ValueError when the
-    models given cannot be it."""
-    fits = {"ref_model": ref_model is not None, "adapter_off": is_peft(model) and wrapped,
-            "adapter_at_start": is_peft(model) and not wrapped and ref_model is None,
-            "policy_at_start": not is_peft(model) and ref_model is None}
-    if not fits[mode]:
-        raise ValueError(f"reference_mode={mode!r} needs {_MODE_NEEDS[mode]}")
-    if mode == "ref_model":
-        reference = ModelReference(ref_model.eval().requires_grad_(False), _given_reference(ref_model, model))
-    elif mode == "adapter_off":  # TR-DPO moves it: a copy of the fresh adapter, equal to it off while B = 0
-        reference = AdapterReference(_add_adapter_copy(model, REF_ADAPTER), "a copy of the fresh adapter (TR-DPO)") \
-            if args.sync_ref_model else AdapterOff()
-    elif mode == "adapter_at_start":
-        reference = AdapterReference(_add_adapter_copy(model, REF_ADAPTER),
-                                     "a frozen copy of the adapter the model came with")
-    elif args.precompute_ref_log_probs:
-        reference = PolicyReference()
-    elif zero.is_partitioned(model):
-        raise ValueError("reference_mode='policy_at_start' under DeepSpeed ZeRO-3 needs precompute_ref_log_probs")
-    else:
-        reference = ModelReference(copy.deepcopy(model).eval().requires_grad_(False), "a frozen copy of the model")
-    reference.mode = mode
-    return reference

@@ -1,19 +1,25 @@
 """DPOMinTrainer: transformers.Trainer whose loss is DPO over one concatenated chosen+rejected forward.
 
-`compute_loss` is the design card: one policy forward, the reference's log-probs, `.chunk(2)` into chosen and
-rejected, `dpo_loss`. Every `Trainer` method a default run calls is written in the class body below; what a default
-run never calls lives beside, each named where it is called: trl_surface.py (TRL's attributes and card, a base of
-the class), precompute.py (`precompute_ref_log_probs`), collator_packed.py (the packed layouts), loss_family.py (the
-loss types besides DPO's). The constructor's phases are trainer_setup.py's; which reference applies, reference.py's.
+`compute_loss` is the design card: one policy forward (`sequence_logps`, logps.py), the reference's log-probs,
+`.chunk(2)` into chosen and rejected, and DPO's loss as the paper writes it, `-F.logsigmoid(beta * logits)` of the
+log-ratios' difference; any other loss type (or label smoothing, f-DPO, WPO, CPO's term) goes through the loss table,
+`dpo_loss` (losses.py). The reference's forward runs in `reference_model`, the one context manager of the reference
+`choose_reference` (reference.py) decided at construction. Every `Trainer` method this class overrides is written in
+its body; a default run also calls Trainer's own (`training_step`, `evaluate`, `save_model`, ...). What a default
+run never calls lives beside, each named where it is called: trl_surface.py (TRL's attributes and card, a base of the
+class), precompute.py (`precompute_ref_log_probs`), collator_packed.py (the packed layouts), losses.py and
+loss_family.py (the loss table). The constructor's phases are trainer_setup.py's.
 """
 
 import contextlib
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+import torch.nn.functional as F
+from accelerate.utils import extract_model_from_parallel
 from datasets import Dataset, IterableDataset
 from torch.utils.data import DataLoader
 from transformers import EvalPrediction, PreTrainedModel, Trainer, TrainerCallback, set_seed
@@ -42,8 +48,10 @@ class DPOMinTrainer(TRLSurface, Trainer):
     `get_train_dataloader`, `get_eval_dataloader` and `get_test_dataloader` (a dataset passed to `evaluate` or
     `predict` tokenized; the precompute pass, when asked for), `_clip_grad_norm` and
     `_get_grad_norm` (a non-finite gradient stops the run), `_save_checkpoint` and `_save` (each checkpoint staged,
-    then renamed; a sharded model saved whole). Its base `TRLSurface` (trl_surface.py) overrides two more that a
-    default run never calls: `_set_signature_columns_if_needed` (`remove_unused_columns=True`) and
+    then renamed; a sharded model saved whole), and `__setattr__` (the loss reads its settings when the trainer
+    is given a config, `args`). A default run also calls methods it inherits as they are: `training_step`,
+    `evaluate`, `save_model` and the rest of Trainer's loop. Its base `TRLSurface` (trl_surface.py) overrides two
+    more that a default run never calls: `_set_signature_columns_if_needed` (`remove_unused_columns=True`) and
     `create_model_card` (a push)."""
 
     def __init__(
@@ -93,6 +101,20 @@ class DPOMinTrainer(TRLSurface, Trainer):
         if args.sync_ref_model:
             self.add_callback(SyncReferenceCallback(self.sync_reference))
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        super().__setattr__(name, value)
+        if name == "args":  # Trainer.__init__, or a script: the loss reads a config when the trainer is given it
+            self._read_loss_settings(value)
+
+    def _read_loss_settings(self, args: DPOMinConfig) -> None:
+        """The loss's settings, validated, read once per config, as TRL's trainer reads its attributes once (a script
+        changes the loss by assigning another config to `args`, not by editing this one); and what a step asks of them,
+        as plain values: whether it runs the reference, and whether the loss is DPO's alone (the default), which
+        `compute_loss` writes out."""
+        self.loss_settings: LossSettings = args.loss_settings.validate()
+        self.reads_reference = self.loss_settings.reads_reference
+        self.dpo_alone = self.loss_settings.dpo_alone
+
     @property
     def aux_loss_enabled(self) -> bool:
         """TRL's attribute: a mixture-of-experts model whose router load-balancing loss joins the loss."""
@@ -112,23 +134,31 @@ class DPOMinTrainer(TRLSurface, Trainer):
 
     # ---- loss ---------------------------------------------------------------------------------------------------
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        settings = LossSettings.from_config(self.args)  # read at each step, as TRL's attributes are (trl_surface.py)
+        settings = self.loss_settings
         with self.maybe_activation_offload_context:
             policy = sequence_logps(model, inputs, with_sum_sq_probs=settings.use_weighting,
                                     with_aux_loss=self.aux_loss_enabled)
-        # Each [2B] per-sequence value holds the B chosen completions, then the B rejected ones: chunk(2) splits it.
-        chosen_logps, rejected_logps = policy.summed_logps(settings.ld_alpha).chunk(2)
-        if not settings.reads_reference:  # reference_free, or a loss of the policy alone: no reference at all
+        # [2B] per-sequence values: the B chosen completions, then the B rejected ones (collator.py); chunk(2) splits.
+        logps = policy.summed_logps(settings.ld_alpha)
+        chosen_logps, rejected_logps = logps.chunk(2)
+        if not self.reads_reference:  # reference_free, or a loss of the policy alone: no reference at all
             ref_chosen_logps = ref_rejected_logps = None
         elif REFERENCE_COLUMNS[0] in inputs:  # precomputed once, up front (precompute.py), carried by the collator
             ref_chosen_logps, ref_rejected_logps = (inputs[name] for name in REFERENCE_COLUMNS)
-        else:  # one forward without gradient: ref_model, or the policy with its adapter off (`reference_logps`)
+        else:  # one forward without gradient, in `reference_model`
             ref_chosen_logps, ref_rejected_logps = self.reference_logps(inputs).summed_logps(settings.ld_alpha).chunk(2)
-        chosen_lengths, rejected_lengths = policy.lengths.chunk(2)
-        pair_weights = policy.wpo_weights() if settings.use_weighting else None
-        losses, chosen_rewards, rejected_rewards = dpo_loss(
-            chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, settings, chosen_lengths=chosen_lengths,
-            rejected_lengths=rejected_lengths, chosen_nll=-policy.logps.chunk(2)[0], pair_weights=pair_weights)
+        if self.dpo_alone:  # the default: DPO, arXiv 2305.18290, eq. 7; the implicit rewards are beta * log-ratios
+            beta = settings.beta
+            chosen_logratios, rejected_logratios = chosen_logps - ref_chosen_logps, rejected_logps - ref_rejected_logps
+            logits = chosen_logratios - rejected_logratios
+            losses = -F.logsigmoid(beta * logits)
+            chosen_rewards, rejected_rewards = beta * chosen_logratios.detach(), beta * rejected_logratios.detach()
+        else:  # any other loss type, label smoothing, f-DPO, WPO or CPO's term: the loss table (losses.py)
+            chosen_lengths, rejected_lengths = policy.lengths.chunk(2)
+            losses, chosen_rewards, rejected_rewards = dpo_loss(
+                chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, settings,
+                chosen_lengths=chosen_lengths, rejected_lengths=rejected_lengths, chosen_nll=-policy.logps.chunk(2)[0],
+                pair_weights=policy.wpo_weights() if settings.use_weighting else None)
         loss = losses.mean()
         if policy.aux_loss is not None:
             loss = loss + self.router_aux_loss_coef * policy.aux_loss
@@ -142,14 +172,33 @@ class DPOMinTrainer(TRLSurface, Trainer):
             return loss, {"chosen_rewards": chosen_rewards, "rejected_rewards": rejected_rewards}
         return loss
 
-    @torch.no_grad()
     def reference_logps(self, inputs: dict[str, torch.Tensor]) -> SequenceLogps:
-        """Reference log-probs of a collated batch: a forward of the model `self.reference` names, chosen once by
-        `reference.choose_reference` (ref_model, a copy, the policy with its adapter off, or a reference adapter)."""
-        # The default (LoRA, no ref_model) is the policy itself under `model.disable_adapter()`, as reference.AdapterOff
-        # enters it: no second copy of the weights.
-        with self.reference.computing(self.model) as model:
+        """Reference log-probs of a collated batch: a forward of the model `reference_model` gives."""
+        with torch.no_grad(), self.reference_model() as model:
             return sequence_logps(model, inputs)
+
+    @contextlib.contextmanager
+    def reference_model(self, policy: torch.nn.Module | None = None) -> Iterator[torch.nn.Module]:
+        """The module whose forward is pi_ref for the block, of the kind `self.reference` names (reference.KINDS),
+        decided once by `reference.choose_reference`; `policy` is the trained model (default `self.model`)."""
+        policy, reference = self.model if policy is None else policy, self.reference
+        if reference.kind == "model":  # ref_model, or a frozen copy of the model made at construction
+            yield reference.model
+        elif reference.kind == "adapter_off":  # the default with LoRA: no second copy of the weights (torchtune's)
+            with extract_model_from_parallel(policy).disable_adapter():
+                yield policy
+        elif reference.kind == "adapter":  # another adapter of the policy, frozen, active for the block
+            peft_model = extract_model_from_parallel(policy)
+            active = peft_model.active_adapter
+            peft_model.set_adapter(reference.adapter, inference_mode=True)
+            try:
+                yield policy
+            finally:
+                peft_model.set_adapter(active)
+        elif reference.kind == "policy":  # the policy before its first step: only the precompute pass asks
+            yield policy
+        else:
+            raise ValueError("this loss reads no reference log-probs")
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         """The loss; with `compute_metrics`, also what TRL 1.16 passes it: the logits of a plain forward of the

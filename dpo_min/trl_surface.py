@@ -8,21 +8,22 @@ from typing import Any
 import torch
 
 from .collator import REFERENCE_COLUMNS
-from .reference import ModelReference, NoReference
+from .reference import Reference
 
 
 class TRLSurface:
     """TRL DPOTrainer's public surface, mixed into DPOMinTrainer ahead of transformers.Trainer."""
 
-    # TRL DPOTrainer's public attributes that scripts read, with TRL's meaning: read from args each time, not copied.
-    beta = property(lambda self: self.args.beta)
-    loss_types = property(lambda self: self.args.loss_type)
-    loss_weights = property(lambda self: self.args.loss_weights or [1.0] * len(self.args.loss_type))
-    label_smoothing = property(lambda self: self.args.label_smoothing)
-    ld_alpha = property(lambda self: self.args.ld_alpha)
-    use_weighting = property(lambda self: self.args.use_weighting)
-    f_divergence_type = property(lambda self: self.args.f_divergence_type)
-    f_alpha_divergence_coef = property(lambda self: self.args.f_alpha_divergence_coef)
+    # TRL DPOTrainer's public attributes that scripts read, with TRL's meaning: the values the loss reads, taken from
+    # args when the trainer is given it (`DPOMinTrainer.args`), not copied.
+    beta = property(lambda self: self.loss_settings.beta)
+    loss_types = property(lambda self: list(self.loss_settings.loss_types))
+    loss_weights = property(lambda self: list(self.loss_settings.weights))
+    label_smoothing = property(lambda self: self.loss_settings.hyperparameters["label_smoothing"])
+    ld_alpha = property(lambda self: self.loss_settings.ld_alpha)
+    use_weighting = property(lambda self: self.loss_settings.use_weighting)
+    f_divergence_type = property(lambda self: self.loss_settings.f_divergence_type)
+    f_alpha_divergence_coef = property(lambda self: self.loss_settings.f_alpha_divergence_coef)
     precompute_ref_logps = property(lambda self: self.args.precompute_ref_log_probs)
     padding_free = property(lambda self: self.args.padding_free)
 
@@ -33,7 +34,8 @@ class TRLSurface:
 
     @ref_model.setter
     def ref_model(self, model: torch.nn.Module | None) -> None:
-        self.reference = NoReference() if model is None else ModelReference(model)
+        self.reference = Reference("none", "none (the loss reads no reference)") if model is None \
+            else Reference("model", "ref_model, a separate frozen model", model=model)
 
     @property
     def ref_adapter_name(self) -> str | None:

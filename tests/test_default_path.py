@@ -6,12 +6,16 @@ README's paragraph, so the page and the test cannot drift: a training step enter
 an evaluation, a checkpoint save and the construction of the config and the trainer enter those and exactly the files
 README names for each; and no phase enters a file README says the default never runs."""
 
+import ast
+import dataclasses
+import inspect
 import re
 import sys
 from collections import defaultdict
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import tiny_llama
 from peft import LoraConfig
 
@@ -44,11 +48,14 @@ def readme_lists() -> dict[str, set[str]]:
 
 class Trace:
     """Every function of dpo_min/ entered while `sys.setprofile` runs it: {phase: {file under dpo_min/: the functions
-    entered there}}. A function called inside one of Trainer's save hooks counts for the phase "save"."""
+    entered there}}, and their line spans in `spans`. A function called inside one of Trainer's save hooks counts for
+    the phase "save". Code a decorator generates (a dataclass's `__init__`, `__eq__`, ...) has no file of its own:
+    it counts for the module that defines the class, spanning the class's fields (what that code runs)."""
 
     def __init__(self) -> None:
         self.phase = "construction"
         self.entered: dict[str, dict[str, set[str]]] = defaultdict(lambda: defaultdict(set))
+        self.spans: dict[str, dict[str, set[int]]] = defaultdict(lambda: defaultdict(set))
 
     def __enter__(self) -> "Trace":
         self._previous = sys.getprofile()
@@ -60,9 +67,22 @@ class Trace:
 
     def _profile(self, frame, event, arg) -> None:
         # Called for every call of the process, torch's included: a string test first, nothing more for most.
-        if event == "call" and frame.f_code.co_filename.startswith(PREFIX):
-            name = frame.f_code.co_filename[len(PREFIX):]
-            self.entered[self._phase_of(frame)][name].add(frame.f_code.co_qualname)
+        if event != "call":
+            return
+        code = frame.f_code
+        if code.co_filename.startswith(PREFIX):
+            name, function, lines = code.co_filename[len(PREFIX):], code.co_qualname, _lines_of(code)
+        elif code.co_filename.startswith("<") and str(frame.f_globals.get("__file__", "")).startswith(PREFIX):
+            # exec'd with the defining module's globals (dataclasses does so): `self` is an instance of the class.
+            name = frame.f_globals["__file__"][len(PREFIX):]
+            owner = frame.f_locals.get("self")
+            function = f"{type(owner).__qualname__}.{code.co_name} (generated)"
+            lines = _field_lines(type(owner)) if owner is not None else set()
+        else:
+            return
+        phase = self._phase_of(frame)
+        self.entered[phase][name].add(function)
+        self.spans[phase][name] |= lines
 
     def _phase_of(self, frame) -> str:
         while frame is not None:
@@ -73,6 +93,27 @@ class Trace:
 
     def files(self) -> dict[str, set[str]]:
         return {phase: set(entered) for phase, entered in self.entered.items()}
+
+    def share(self, phase: str, files: set[str]) -> tuple[int, int]:
+        """(lines of `files` inside a function `phase` entered, lines of `files`): a nested function counts once."""
+        total = sum(len((PACKAGE / name).read_text().splitlines()) for name in files)
+        return sum(len(self.spans[phase].get(name, ())) for name in files), total
+
+
+def _lines_of(code) -> set[int]:
+    """The lines a function spans, from its first decorator to its last line."""
+    last = max((line for _, _, line in code.co_lines() if line is not None), default=code.co_firstlineno)
+    return set(range(code.co_firstlineno, last + 1))
+
+
+def _field_lines(cls: type) -> set[int]:
+    """A dataclass's header and field lines: what its generated methods read."""
+    if not dataclasses.is_dataclass(cls):
+        return set()
+    tree = ast.parse(Path(inspect.getsourcefile(cls)).read_text())
+    node = next(node for node in ast.walk(tree) if isinstance(node, ast.ClassDef) and node.name == cls.__name__)
+    fields = [child for child in node.body if isinstance(child, ast.AnnAssign)]
+    return set(range(node.lineno, max((child.end_lineno for child in fields), default=node.lineno) + 1))
 
 
 def traced_run(tokenizer, pairs, output_dir: Path, lora: bool) -> Trace:
@@ -90,6 +131,15 @@ def traced_run(tokenizer, pairs, output_dir: Path, lora: bool) -> Trace:
         trace.phase = "evaluate"
         trainer.evaluate()
     return trace
+
+
+def readme_share() -> tuple[int, int, int]:
+    """README's "N lines in all ..., of which M (P%) lie in functions a step enters": (M, N, P)."""
+    paragraph = " ".join((ROOT / "README.md").read_text().split("**The default path**", 1)[1].split("\n\n")[0].split())
+    match = re.search(r"([\d,]+) lines in all .*?, of which (\d+) \((\d+)%\) lie in functions a step enters", paragraph)
+    assert match, "README's default-path paragraph gives no traced share"
+    total, entered, percent = (int(group.replace(",", "")) for group in match.groups())
+    return entered, total, percent
 
 
 def test_readme_names_each_phases_files():
@@ -110,6 +160,24 @@ def test_a_default_run_enters_exactly_the_files_readme_names(tokenizer, hh_pairs
     assert files["save"] - lists["default"] == lists["save"], entered["save"]
     assert files["construction"] - lists["default"] == lists["construction"], entered["construction"]
     assert set().union(*files.values()) & lists["never"] == set()
+    # README's share of the default path's lines that lie in functions a step enters, as traced; at least half.
+    entered, total = trace.share("step", lists["default"])
+    assert readme_share() == (entered, total, round(100 * entered / total)), dict(trace.spans["step"])
+    assert entered >= total / 2
+
+
+def test_the_trace_counts_generated_code_in_the_module_that_defines_it():
+    # A dataclass's __init__ is exec'd code with no file of its own: built in a step, it still names its module.
+    from dpo_min.loss_family import PairTerms
+
+    zero = torch.zeros(1)
+    with Trace() as trace:
+        PairTerms(*[zero] * 9, chosen_lengths=None, rejected_lengths=None, chosen_nll=None, beta=0.1,
+                  label_smoothing=0.0, hyperparameters={})
+    assert trace.entered["construction"]["loss_family.py"] == {"PairTerms.__init__ (generated)"}
+    source = (PACKAGE / "loss_family.py").read_text().splitlines()
+    lines = trace.spans["construction"]["loss_family.py"]
+    assert source[min(lines) - 1].startswith("class PairTerms") and "hyperparameters:" in source[max(lines) - 1]
 
 
 def test_the_trace_sees_a_file_the_default_never_runs():

@@ -67,12 +67,12 @@ def test_every_local_link_in_the_pages_exists(page):
 
 
 def test_readme_gives_the_default_paths_line_counts():
-    # README's "What is where" names the six files a default training step enters (tests/test_default_path.py traces
+    # README's "What is where" names the four files a default training step enters (tests/test_default_path.py traces
     # it) with their line counts, and their sum.
     text = (ROOT / "README.md").read_text()
     paragraph = " ".join(text.split("**The default path**", 1)[1].split("\n\n")[0].split())
     quoted = dict(re.findall(r"`(\w+\.py)` \((\d+) lines", paragraph))
-    assert sorted(quoted) == ["collator.py", "logps.py", "losses.py", "metrics.py", "reference.py", "trainer.py"]
+    assert sorted(quoted) == ["collator.py", "logps.py", "metrics.py", "trainer.py"]
     counts = {name: len((ROOT / "dpo_min" / name).read_text().splitlines()) for name in quoted}
     assert {name: int(lines) for name, lines in quoted.items()} == counts
     assert f"{sum(counts.values()):,} lines in all" in paragraph

@@ -186,3 +186,42 @@ def test_reads_reference_says_whether_each_loss_reads_the_reference():
         reads = not torch.equal(loss(name, (t(-5.0, -7.0), t(-5.5, -6.5))), loss(name, (t(-1.0, -2.0), t(-8.0, -3.0))))
         assert entry.reads_reference == reads, name
     assert LOSSES["sigmoid"].reads["label_smoothing"] is READS_LABEL_SMOOTHING["label_smoothing"]
+
+
+# Each loss setting away from its default, one at a time: every field of LossSettings and every hyperparameter some
+# entry reads has a row here (a test below), so a new setting must say whether it leaves DPO's loss alone.
+AWAY_FROM_DEFAULT = {"loss_types": {"loss_type": "hinge"}, "loss_types_twice": {"loss_type": ["sigmoid", "sigmoid"]},
+                     "loss_weights": {"loss_weights": [2.0]}, "beta": {"beta": 0.3},
+                     "reference_free": {"reference_free": True},
+                     "f_divergence_type": {"f_divergence_type": "forward_kl"},
+                     "f_alpha_divergence_coef": {"f_alpha_divergence_coef": 0.3}, "cpo_alpha": {"cpo_alpha": 0.5},
+                     "ld_alpha": {"ld_alpha": 0.5}, "use_weighting": {"use_weighting": True},
+                     "label_smoothing": {"label_smoothing": 0.1}, "discopop_tau": {"discopop_tau": 0.2},
+                     "simpo_gamma": {"simpo_gamma": 1.0}, "alpha": {"loss_type": "simpo", "alpha": 0.5}}
+
+
+def test_every_loss_setting_has_a_row_away_from_its_default():
+    named = {f.name for f in dataclasses.fields(LossSettings)} - {"hyperparameters"}
+    named |= set(LossSettings.of().hyperparameters)
+    assert named <= set(AWAY_FROM_DEFAULT)
+
+
+@pytest.mark.parametrize("name", AWAY_FROM_DEFAULT)
+def test_dpo_alone_is_exactly_the_settings_whose_loss_is_dpos_line(name):
+    # compute_loss writes -logsigmoid(beta * logits) itself when `dpo_alone`, and asks the table otherwise: the two
+    # must agree wherever it writes it, and it must not write it where the table gives anything else.
+    settings = LossSettings.of(**AWAY_FROM_DEFAULT[name])
+    generator = torch.Generator().manual_seed(0)
+    chosen, rejected, ref_chosen, ref_rejected = (-20 * torch.rand(4, generator=generator, dtype=torch.float64)
+                                                  for _ in range(4))
+    lengths = t(3.0, 5.0, 7.0, 2.0)
+    weights = t(0.5, 1.0, 2.0, 0.25) if settings.use_weighting else None  # WPO's, as compute_loss passes them
+    losses, chosen_rewards, rejected_rewards = dpo_loss(chosen, rejected, ref_chosen, ref_rejected, settings,
+                                                        chosen_lengths=lengths, rejected_lengths=lengths,
+                                                        pair_weights=weights)
+    chosen_logratios, rejected_logratios = chosen - ref_chosen, rejected - ref_rejected
+    line = -torch.nn.functional.logsigmoid(settings.beta * (chosen_logratios - rejected_logratios))
+    same = (torch.equal(losses, line) and torch.equal(chosen_rewards, settings.beta * chosen_logratios)
+            and torch.equal(rejected_rewards, settings.beta * rejected_logratios))
+    assert settings.dpo_alone == same
+    assert LossSettings.of().dpo_alone  # the default

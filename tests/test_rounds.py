@@ -95,7 +95,7 @@ def pair_batch(trainer):
 
 def reference_logps(result, batch):
     """The log-probs of the reference the last round's trainer chose, computed on the policy as it stands."""
-    with torch.no_grad(), result.policy.current() as policy, result.trainer.reference.computing(policy) as model:
+    with torch.no_grad(), result.policy.current() as policy, result.trainer.reference_model(policy) as model:
         return sequence_logps(model.eval(), batch).logps
 
 

@@ -1,4 +1,5 @@
 import copy
+import inspect
 import math
 import re
 from pathlib import Path
@@ -325,7 +326,7 @@ def test_every_overridden_trainer_hook_is_called(tmp_path, tokenizer, hh_pairs, 
 
 def test_trls_attributes_can_be_assigned_where_docs_trl_says_and_the_others_cannot(tmp_path, tokenizer, hh_pairs):
     # docs/trl.md lists TRL's public attributes and the ones that can be assigned, as in TRL; the others raise, and
-    # those read from args follow args.
+    # those read from args follow the config the trainer is given.
     text = " ".join((Path(__file__).parent.parent / "docs" / "trl.md").read_text().split())
     listed = re.search(r"TRL's public trainer attributes that scripts read exist with TRL's meaning \((.*?)\): (.*?) "
                        r"can be assigned", text)
@@ -340,8 +341,10 @@ def test_trls_attributes_can_be_assigned_where_docs_trl_says_and_the_others_cann
         else:
             with pytest.raises(AttributeError):
                 setattr(trainer, name, value)
-    trainer.args.beta = 0.25
-    assert trainer.beta == 0.25
+    # The loss reads a config when the trainer is given it, as TRL's trainer reads its attributes once: the
+    # attributes say what the loss reads.
+    trainer.args = DPOMinConfig(**config(tmp_path), beta=0.25)
+    assert trainer.beta == trainer.loss_settings.beta == 0.25
     assert not trainer.aux_loss_enabled
     trainer.router_aux_loss_coef = 0.01
     assert trainer.aux_loss_enabled
@@ -354,3 +357,40 @@ def test_without_a_config_the_output_folder_is_trls_default(tmp_path, monkeypatc
     monkeypatch.chdir(tmp_path)
     args = validated_args("org/tiny-model", None, None, [{"prompt": "a"}], None, None, None)
     assert args.output_dir == "tiny-model-DPO"
+
+
+def test_compute_loss_writes_dpos_loss_out_and_hands_every_other_loss_to_the_table():
+    # The design card, in order: the policy's forward, chunk(2) into chosen and rejected, the log-ratios, DPO's loss
+    # of their difference (arXiv 2305.18290, eq. 7); any other loss is the loss table's (dpo_loss).
+    source = inspect.getsource(DPOMinTrainer.compute_loss)
+    steps = ["sequence_logps(", ".chunk(2)", "chosen_logps - ref_chosen_logps", "rejected_logps - ref_rejected_logps",
+             "logits = chosen_logratios - rejected_logratios", "losses = -F.logsigmoid(beta * logits)", "dpo_loss("]
+    assert [step for step in steps if step not in source] == []
+    assert [source.index(step) for step in steps] == sorted(source.index(step) for step in steps)
+
+
+@pytest.mark.parametrize("options", [{}, {"label_smoothing": 0.2}], ids=["dpo alone", "the table (cDPO)"])
+def test_compute_loss_is_dpos_loss_of_the_two_forwards_by_hand(tmp_path, tokenizer, hh_pairs, options):
+    # Policy and a separate reference computed here, outside the trainer; the loss by hand from their log-probs.
+    policy, reference = tiny_llama(), tiny_llama(seed=1)
+    # Short rows: float32 sums of a few tokens, so that the two summation orders agree closely.
+    args = DPOMinConfig(**config(tmp_path, beta=0.5, max_prompt_length=12, max_length=24, **options))
+    trainer = DPOMinTrainer(policy, reference, args=args, train_dataset=hh_pairs.select(range(2)),
+                            processing_class=tokenizer)
+    assert trainer.dpo_alone == (options == {})
+    batch = trainer.data_collator([trainer.train_dataset[i] for i in range(2)])
+    model_inputs = {name: batch[name] for name in ("input_ids", "attention_mask")}
+    with torch.no_grad():
+        loss = trainer.compute_loss(trainer.model, batch).item()
+        sums = []
+        for model in (policy, reference):
+            logprobs = model(**model_inputs).logits[:, :-1].log_softmax(-1)
+            labels = batch["labels"][:, 1:]
+            token = logprobs.gather(-1, labels.clamp(min=0)[..., None]).squeeze(-1)
+            sums.append((token * (labels != -100)).sum(-1))
+    (chosen, rejected), (ref_chosen, ref_rejected) = (values.chunk(2) for values in sums)
+    logits = 0.5 * ((chosen - ref_chosen) - (rejected - ref_rejected))
+    eps = options.get("label_smoothing", 0.0)
+    expected = [-(1 - eps) * math.log(1 / (1 + math.exp(-x))) - eps * math.log(1 / (1 + math.exp(x)))
+                for x in logits.tolist()]
+    assert loss == pytest.approx(sum(expected) / 2, abs=1e-5)  # float32 forwards, summed in other orders
