@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # this checkout's dpo_min, when it is not installed
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from paired import shown_p  # noqa: E402
+from paired import overdispersion, seed_permutation_test, shown_p  # noqa: E402
 
 # The pool's task with the demo's model, template and LoRA: eval_fraction 0.0213 holds out 64 of the 3,000 prompts.
 POOL_OPTIONS = ["--dataset", str(ROOT / "data" / "arithmetic-pool.jsonl"),
@@ -270,7 +270,9 @@ def print_table(paths: list[str]) -> None:
     for arm in ARMS:
         print(f"| {arm} | {interval(sum(pooled[arm]), len(pooled[arm]))} |")
     print("\n| comparison | right only in the first | right only in the second | exact McNemar p (prompts) | "
-          "seeds first ahead / behind / level | sign test p (seeds) |\n| --- | ---: | ---: | ---: | --- | ---: |")
+          "seeds first ahead / behind / level | sign test p (seeds) | sign-flip p (seeds) | seed variance / prompts' "
+          "|\n"
+          "| --- | ---: | ---: | ---: | --- | ---: | ---: | ---: |")
     for first, second in (("rounds", "offline_samples"), ("rounds", "offline_matched"), ("rounds", "pi_0"),
                           ("offline_samples", "pi_0"), ("offline_matched", "pi_0")):
         only_first = sum(a and not b for a, b in zip(pooled[first], pooled[second]))
@@ -278,7 +280,15 @@ def print_table(paths: list[str]) -> None:
         diffs = [sum(f["outcomes"][first]) - sum(f["outcomes"][second]) for f in seeds]
         ahead, behind = sum(d > 0 for d in diffs), sum(d < 0 for d in diffs)
         print(f"| {first} vs {second} | {only_first} | {only_second} | {shown_p(only_first, only_first + only_second)}"
-              f" | {ahead} / {behind} / {len(diffs) - ahead - behind} | {shown_p(ahead, ahead + behind)} |")
+              f" | {ahead} / {behind} / {len(diffs) - ahead - behind} | {shown_p(ahead, ahead + behind)} | "
+              f"{seed_permutation_test(diffs):.3g} | {_spread(diffs, seeds, only_first, only_second)} |")
+
+
+def _spread(diffs: list[int], seeds: list[dict], only_first: int, only_second: int) -> str:
+    """How much more the seeds vary than independent prompts would make them (paired.overdispersion)."""
+    if len(diffs) < 2 or not only_first + only_second:
+        return "-"
+    return f"{overdispersion(diffs, len(seeds[0]['outcomes']['pi_0']), only_first, only_second):.2f}"
 
 
 def main() -> None:

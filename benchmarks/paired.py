@@ -51,3 +51,27 @@ def exact_mcnemar(only_first: int, only_second: int) -> float:
 def sign_test(ahead: int, behind: int) -> float:
     """Seeds where the first arm scored more against those where it scored less (ties left out)."""
     return binomial_two_sided(ahead, ahead + behind)
+
+
+def seed_permutation_test(differences: list[int]) -> float:
+    """Two-sided exact sign-flip test over seeds: each seed's difference in prompts right (first arm minus second) is
+    one unit, since a seed's prompts share one trained model and do not vary independently. Under the null every
+    difference is as likely negated; p is the share of the 2**n sign choices whose |sum| reaches the observed one.
+    With 8 seeds its floor is 2/256 = 0.0078, however many prompts each seed holds."""
+    observed = abs(sum(differences))
+    totals = [0]
+    for difference in differences:  # every sum over the sign choices, in 2**n entries (256 for 8 seeds)
+        totals = [total + sign * difference for total in totals for sign in (1, -1)]
+    return sum(abs(total) >= observed for total in totals) / len(totals)
+
+
+def overdispersion(differences: list[int], prompts_per_seed: int, only_first: int, only_second: int) -> float:
+    """The variance of the per-seed differences over the variance independent prompts would give them: each prompt
+    adds +1 (right only in the first arm), -1 (only in the second) or 0, with the pooled shares of each. Near 1 the
+    prompts behave as independent units; at 2, a McNemar test over prompts overstates the evidence."""
+    total = prompts_per_seed * len(differences)
+    first, second = only_first / total, only_second / total
+    independent = prompts_per_seed * (first + second - (first - second) ** 2)
+    mean = sum(differences) / len(differences)
+    observed = sum((d - mean) ** 2 for d in differences) / (len(differences) - 1)
+    return observed / independent

@@ -173,6 +173,24 @@ def test_mcnemar_reads_only_the_discordant_prompts_and_the_sign_test_only_the_se
     assert paired.sign_test(6, 2) == pytest.approx(2 * (1 + 8 + 28) / 256)
 
 
+@pytest.mark.parametrize(("differences", "expected"), [
+    ([1, 1, 1], 2 / 8),  # only all-plus and all-minus reach |3|
+    ([3, -1], 4 / 4),  # sums 2, 4, -4, -2: every one reaches |2|
+    ([5, 1, 1], 2 / 8),  # sums +-7, +-5 (twice), +-3: only +-7 reach |7|
+    ([2, 0], 4 / 4),  # a level seed flips to itself: +-2 twice each
+    ([12, 17, 10, 13, 0, 10, 14, 18], 4 / 256),  # the protocol's rounds against pi_0 (docs/rounds.md)
+])
+def test_the_seed_level_sign_flip_test_is_the_hand_counted_share_of_sign_choices(differences, expected):
+    assert load("paired").seed_permutation_test(differences) == pytest.approx(expected)
+
+
+def test_overdispersion_is_the_seeds_variance_over_what_independent_prompts_give():
+    # 2 seeds of 4 prompts; 2 prompts right only in the first arm, none only in the second: per prompt +1 with
+    # share 1/4, so a seed's difference has variance 4 * (1/4 - 1/16) = 3/4; the seeds' differences 2 and 0 vary 2.
+    assert load("paired").overdispersion([2, 0], 4, 2, 0) == pytest.approx(2 / 0.75)
+    assert load("paired").overdispersion([1, 1], 4, 2, 0) == 0.0
+
+
 def test_the_two_sided_binomial_is_the_exact_fraction_for_moderate_n_and_never_underflows_to_zero():
     paired = load("paired")
     for n in range(0, 61, 3):
