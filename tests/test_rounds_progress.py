@@ -1,16 +1,19 @@
 """What a rounds run shows while it works (issue 49): one plan line before the model loads, a labelled progress bar
 for each long phase, and the held-out prompts right, counted with their Wilson interval beside the mean reward."""
 
+import functools
 import json
 from pathlib import Path
 from types import SimpleNamespace
 
+from tqdm.auto import tqdm
 from transformers import TrainingArguments
 
+from dpo_min.rounds import progress
 from dpo_min.rounds.held_out import describe, mean_with_interval, right_count
 from dpo_min.rounds.progress import RoundBar
 from dpo_min.rounds.prompts import split_held_out
-from dpo_min.train import main, resolve
+from dpo_min.train import main, report, resolve
 from dpo_min.train.report import LiveLossBar, describe_rounds_plan
 from dpo_min.train.rounds import load_prompts, rounds_config
 
@@ -81,7 +84,10 @@ def state(steps=2):
     return SimpleNamespace(is_world_process_zero=True, max_steps=steps, global_step=0)
 
 
-def test_the_training_and_evaluation_bars_are_labelled_from_their_first_line(tmp_path, capsys):
+def test_the_training_and_evaluation_bars_are_labelled_from_their_first_line(tmp_path, capsys, monkeypatch):
+    # conftest sets TQDM_DISABLE, which tqdm reads once at import (an xdist worker imports it after): shown here.
+    for module in (progress, report):
+        monkeypatch.setattr(module, "tqdm", functools.partial(tqdm, disable=False))
     args = TrainingArguments(output_dir=str(tmp_path), report_to="none", use_cpu=True, disable_tqdm=False)
     rounds_bar = RoundBar("round 2: DPO pass")
     rounds_bar.on_train_begin(args, state(), None)
