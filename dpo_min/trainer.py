@@ -18,7 +18,7 @@ from datasets import Dataset, IterableDataset
 from torch.utils.data import DataLoader
 from transformers import EvalPrediction, PreTrainedModel, Trainer, TrainerCallback, set_seed
 
-from . import checkpoints, precompute, trainer_setup
+from . import checkpoints, grouping, precompute, trainer_setup
 from .collator import NON_MODEL_KEYS, REFERENCE_COLUMNS
 from .compat import trl_hub_tags
 from .config import DPOMinConfig
@@ -186,7 +186,16 @@ class DPOMinTrainer(TRLSurface, Trainer):
     def get_train_dataloader(self) -> DataLoader:
         # The eval data too, now: for full fine-tuning the reference is the model before its first step.
         self.precompute_reference()
+        if self.args.listwise:  # plackett_luce reads whole groups: per_device_train_batch_size groups a batch
+            return grouping.whole_group_loader(self, self.train_dataset, self.args.per_device_train_batch_size, True)
         return super().get_train_dataloader()
+
+    def _get_train_sampler(self, train_dataset: Any = None) -> Any:
+        # group_by_prompt: a prompt's pairs together, the groups shuffled (grouping.py); a stream keeps its order.
+        dataset = self.train_dataset if train_dataset is None else train_dataset
+        if self.args.group_by_prompt and isinstance(dataset, Dataset):
+            return grouping.GroupedSampler(grouping.dataset_groups(dataset), self.args.seed)
+        return super()._get_train_sampler(train_dataset)
 
     def get_eval_dataloader(self, eval_dataset: Any = None) -> DataLoader:
         if isinstance(eval_dataset, str) and self.args.precompute_ref_log_probs:
@@ -197,6 +206,10 @@ class DPOMinTrainer(TRLSurface, Trainer):
             eval_dataset = self.precompute_reference(eval_dataset)
         elif not isinstance(eval_dataset, str):
             eval_dataset = self._tokenized(eval_dataset)
+        if self.args.listwise:  # whole groups, in the order of their first pairs
+            data = self.eval_dataset if eval_dataset is None else eval_dataset
+            data = self.eval_dataset[data] if isinstance(data, str) else data
+            return grouping.whole_group_loader(self, data, self.args.per_device_eval_batch_size, False)
         return super().get_eval_dataloader(eval_dataset)
 
     def _tokenized(self, dataset: Dataset) -> Dataset:

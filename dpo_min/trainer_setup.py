@@ -17,6 +17,7 @@ from datasets import IterableDataset
 from transformers import TrainingArguments
 
 from .collator import DPODataCollator
+from .collator_groups import GroupedDPODataCollator
 from .collator_packed import PackedDPODataCollator
 from .compat import TRL_ITERABLE_REFUSAL, trl_default_output_dir
 from .config import DPOMinConfig
@@ -62,8 +63,9 @@ def _check_layout(model_config: Any, args: DPOMinConfig) -> None:
         return
     check_packed_model(model_config)  # raises for a family or an attention not tested packed
     layer_types = getattr(model_config, "layer_types", None) or ["sliding_attention"]
-    if args.share_prompt and getattr(model_config, "sliding_window", None) and "sliding_attention" in layer_types:
-        raise ValueError("share_prompt's 4D attention mask has no sliding window, and this model uses one "
+    if args.shares_prompt and getattr(model_config, "sliding_window", None) and "sliding_attention" in layer_types:
+        raise ValueError("share_prompt's and group_by_prompt's 4D attention mask has no sliding window, and this "
+                         "model uses one "
                          f"(sliding_window={model_config.sliding_window})")
 
 
@@ -134,9 +136,9 @@ def check_model(model: Any, args: DPOMinConfig) -> float:
     """The checks that need the model, before any data is tokenized; the router load-balancing loss's weight."""
     _check_layout(model.config, args)
     router_aux_loss_coef = _router_aux_loss_coef(model.config, args.router_aux_loss_coef)
-    if router_aux_loss_coef and args.share_prompt:
-        raise ValueError("share_prompt's 4D attention mask cannot go into the router load-balancing loss: set "
-                         "router_aux_loss_coef=0 or drop share_prompt")
+    if router_aux_loss_coef and args.shares_prompt:
+        raise ValueError("share_prompt's and group_by_prompt's 4D attention mask cannot go into the router "
+                         "load-balancing loss: set router_aux_loss_coef=0 or drop share_prompt and group_by_prompt")
     return router_aux_loss_coef
 
 
@@ -154,9 +156,13 @@ def prepare_models(modules: list[torch.nn.Module], args: DPOMinConfig) -> None:
 
 
 def make_collator(pad_token_id: int, padding_free: bool = False, share_prompt: bool = False,
-                  dense_mask: bool = True, pad_to_multiple_of: int | None = None
-                  ) -> DPODataCollator | PackedDPODataCollator:
-    """The collator of a layout: padded (collator.py) unless `padding_free` or `share_prompt` (collator_packed.py)."""
+                  dense_mask: bool = True, pad_to_multiple_of: int | None = None, group_by_prompt: bool = False,
+                  rank_groups: bool = False) -> Callable:
+    """The collator of a layout: padded (collator.py) unless `padding_free` or `share_prompt` (collator_packed.py),
+    or `group_by_prompt` (collator_groups.py; `rank_groups` for plackett_luce)."""
+    if group_by_prompt:
+        return GroupedDPODataCollator(pad_token_id, padding_free=padding_free, pad_to_multiple_of=pad_to_multiple_of,
+                                      dense_mask=dense_mask, rank_groups=rank_groups)
     if padding_free or share_prompt:
         return PackedDPODataCollator(pad_token_id, padding_free=padding_free, share_prompt=share_prompt,
                                      dense_mask=dense_mask, pad_to_multiple_of=pad_to_multiple_of)
@@ -168,7 +174,7 @@ def default_collator(model: Any, tokenizer: Any, args: DPOMinConfig) -> Callable
     dense_mask = not args.packed or packed_attention(
         model.config._attn_implementation).dense_mask
     return make_collator(tokenizer.pad_token_id, args.padding_free, args.share_prompt, dense_mask,
-                         args.pad_to_multiple_of)
+                         args.pad_to_multiple_of, args.group_by_prompt, args.listwise)
 
 
 @contextlib.contextmanager
