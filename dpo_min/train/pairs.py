@@ -211,7 +211,7 @@ def _columns(data_args: DataArguments) -> dict[str, str] | None:
 
 def _layout_options(data_args: DataArguments) -> dict[str, Any]:
     names = ("preference_label", "no_prompt", "as_messages", "row_split", "label_column", "label_chosen",
-             "label_rejected")
+             "label_rejected", "every_ranked_pair")
     return {name: getattr(data_args, name) for name in names}
 
 
