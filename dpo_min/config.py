@@ -153,8 +153,8 @@ class DPOMinConfig(TrainingArguments):
         default=False,
         metadata={"help": "Train the pairs of one prompt as one group: the prompt once and each distinct completion "
                           "once, as share_prompt's segment with a branch per completion; the pairs of a prompt are "
-                          "batched together (groups shuffled). Combines with padding_free. Needs sdpa or eager "
-                          "attention."},
+                          "batched together (the groups shuffled, or in order with train_sampling_strategy "
+                          "sequential). Combines with padding_free. Needs sdpa or eager attention."},
     )
     shard_with_fsdp2: bool = field(
         default=False,
@@ -195,9 +195,10 @@ class DPOMinConfig(TrainingArguments):
         for name in ("precompute_ref_batch_size", "pad_to_multiple_of"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1 or None, got {getattr(self, name)}")
-        if self.group_by_prompt and self.train_sampling_strategy != "random":
+        if self.group_by_prompt and self.train_sampling_strategy not in ("random", "sequential"):
             raise ValueError(f"group_by_prompt orders the pairs itself (a prompt's pairs together, the groups "
-                             f"shuffled): drop train_sampling_strategy={self.train_sampling_strategy!r}")
+                             f"shuffled, or in order with 'sequential'): drop "
+                             f"train_sampling_strategy={self.train_sampling_strategy!r}")
         if self.router_aux_loss_coef is not None and self.router_aux_loss_coef < 0:
             raise ValueError(f"router_aux_loss_coef must be >= 0 or None, got {self.router_aux_loss_coef}")
 

@@ -187,14 +187,17 @@ class DPOMinTrainer(TRLSurface, Trainer):
         # The eval data too, now: for full fine-tuning the reference is the model before its first step.
         self.precompute_reference()
         if self.args.listwise:  # plackett_luce reads whole groups: per_device_train_batch_size groups a batch
-            return grouping.whole_group_loader(self, self.train_dataset, self.args.per_device_train_batch_size, True)
+            shuffle = self.args.train_sampling_strategy == "random"
+            return grouping.whole_group_loader(self, self.train_dataset, self.args.per_device_train_batch_size,
+                                               shuffle)
         return super().get_train_dataloader()
 
     def _get_train_sampler(self, train_dataset: Any = None) -> Any:
         # group_by_prompt: a prompt's pairs together, the groups shuffled (grouping.py); a stream keeps its order.
         dataset = self.train_dataset if train_dataset is None else train_dataset
         if self.args.group_by_prompt and isinstance(dataset, Dataset):
-            return grouping.GroupedSampler(grouping.dataset_groups(dataset), self.args.seed)
+            shuffle = self.args.train_sampling_strategy == "random"
+            return grouping.GroupedSampler(grouping.dataset_groups(dataset), self.args.seed, shuffle)
         return super()._get_train_sampler(train_dataset)
 
     def get_eval_dataloader(self, eval_dataset: Any = None) -> DataLoader:
