@@ -195,6 +195,8 @@ class DPOMinConfig(TrainingArguments):
         for name in ("precompute_ref_batch_size", "pad_to_multiple_of"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1 or None, got {getattr(self, name)}")
+        if self.listwise and not self.group_by_prompt:
+            raise ValueError("loss_type plackett_luce ranks each prompt's answers: it needs group_by_prompt")
         if self.group_by_prompt and self.train_sampling_strategy not in ("random", "sequential"):
             raise ValueError(f"group_by_prompt orders the pairs itself (a prompt's pairs together, the groups "
                              f"shuffled, or in order with 'sequential'): drop "

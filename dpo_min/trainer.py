@@ -125,9 +125,12 @@ class DPOMinTrainer(TRLSurface, Trainer):
             ref_chosen_logps, ref_rejected_logps = self.reference_logps(inputs).summed_logps(settings.ld_alpha).chunk(2)
         chosen_lengths, rejected_lengths = policy.lengths.chunk(2)
         pair_weights = policy.wpo_weights() if settings.use_weighting else None
+        # plackett_luce's groups, as the grouped layout ranks them (collator_groups.py); its losses are one per group
+        groups = (inputs["group_ranking"], inputs["group_sizes"]) if "group_ranking" in inputs else None
         losses, chosen_rewards, rejected_rewards = dpo_loss(
             chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, settings, chosen_lengths=chosen_lengths,
-            rejected_lengths=rejected_lengths, chosen_nll=-policy.logps.chunk(2)[0], pair_weights=pair_weights)
+            rejected_lengths=rejected_lengths, chosen_nll=-policy.logps.chunk(2)[0], pair_weights=pair_weights,
+            groups=groups)
         loss = losses.mean()
         if policy.aux_loss is not None:
             loss = loss + self.router_aux_loss_coef * policy.aux_loss
@@ -186,7 +189,8 @@ class DPOMinTrainer(TRLSurface, Trainer):
     def get_train_dataloader(self) -> DataLoader:
         # The eval data too, now: for full fine-tuning the reference is the model before its first step.
         self.precompute_reference()
-        if self.args.listwise:  # plackett_luce reads whole groups: per_device_train_batch_size groups a batch
+        # plackett_luce reads whole groups: per_device_train_batch_size groups a batch (it needs group_by_prompt)
+        if self.args.group_by_prompt and self.args.listwise:
             shuffle = self.args.train_sampling_strategy == "random"
             return grouping.whole_group_loader(self, self.train_dataset, self.args.per_device_train_batch_size,
                                                shuffle)
@@ -209,7 +213,7 @@ class DPOMinTrainer(TRLSurface, Trainer):
             eval_dataset = self.precompute_reference(eval_dataset)
         elif not isinstance(eval_dataset, str):
             eval_dataset = self._tokenized(eval_dataset)
-        if self.args.listwise:  # whole groups, in the order of their first pairs
+        if self.args.group_by_prompt and self.args.listwise:  # whole groups, in the order of their first pairs
             data = self.eval_dataset if eval_dataset is None else eval_dataset
             data = self.eval_dataset[data] if isinstance(data, str) else data
             return grouping.whole_group_loader(self, data, self.args.per_device_eval_batch_size, False)

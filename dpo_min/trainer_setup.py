@@ -21,6 +21,7 @@ from .collator_groups import GroupedDPODataCollator
 from .collator_packed import PackedDPODataCollator
 from .compat import TRL_ITERABLE_REFUSAL, trl_default_output_dir
 from .config import DPOMinConfig
+from .grouping import check_rankings
 from .models import load_causal_lm, load_tokenizer, pad_with_eos
 from .scale import sharding, zero
 from .scale.attention import check_packed_model, packed_attention, use_packed_attention
@@ -88,6 +89,9 @@ def validated_args(model: Any, ref_model: Any, args: DPOMinConfig | None, train_
     evals = eval_dataset.values() if isinstance(eval_dataset, dict) else [eval_dataset]
     if args.precompute_ref_log_probs and any(isinstance(d, IterableDataset) for d in (train_dataset, *evals)):
         raise ValueError(TRL_ITERABLE_REFUSAL)
+    if args.listwise and (args.world_size > 1 or any(isinstance(d, IterableDataset) for d in (train_dataset, *evals))):
+        raise ValueError("loss_type plackett_luce trains batches of whole groups, of varied sizes: in one process, "
+                         "on data with a length (no stream)")
     if compute_metrics is not None and args.packed:
         raise ValueError("compute_metrics receives [2B, T] logits (as TRL), which the padding_free and "
                          "share_prompt layouts do not compute: turn them off to use compute_metrics")
@@ -192,10 +196,13 @@ def tokenized(dataset: Any, tokenizer: Any, args: DPOMinConfig) -> Any:
     """Raw rows -> tokenized pairs, with the config's truncation; None and tokenized data pass through."""
     if isinstance(dataset, dict):
         return {name: tokenized(split, tokenizer, args) for name, split in dataset.items()}
-    if dataset is None or is_tokenized(dataset):
-        return dataset
-    # The main process tokenizes first; the others then read its datasets cache instead of tokenizing again.
-    with args.main_process_first(desc="tokenizing the pairs"), \
-            datasets_progress_bars(not args.disable_tqdm and args.local_process_index == 0):
-        return tokenize_dataset(dataset, tokenizer, args.max_length, args.max_prompt_length, args.truncation_mode,
-                                num_proc=args.dataset_num_proc, chat_template_kwargs=args.chat_template_kwargs)
+    if dataset is not None and not is_tokenized(dataset):
+        # The main process tokenizes first; the others then read its datasets cache instead of tokenizing again.
+        with args.main_process_first(desc="tokenizing the pairs"), \
+                datasets_progress_bars(not args.disable_tqdm and args.local_process_index == 0):
+            dataset = tokenize_dataset(dataset, tokenizer, args.max_length, args.max_prompt_length,
+                                       args.truncation_mode, num_proc=args.dataset_num_proc,
+                                       chat_template_kwargs=args.chat_template_kwargs)
+    if args.group_by_prompt and args.listwise:  # each group's ranking, checked once, before anything trains
+        check_rankings(dataset)
+    return dataset

@@ -70,3 +70,92 @@ def test_pairs_that_give_one_strict_order(pairs, order):
 ])
 def test_pairs_that_give_no_single_order_say_why(pairs, reason):
     assert reason in strict_order(pairs)
+
+
+# ---- in the trainer: whole groups, one loss each -------------------------------------------------------------------
+def _groups_data(answers_per_prompt=(3, 2, 4), seed=0):
+    from test_collator_groups import ranked_pairs
+
+    return ranked_pairs(answers_per_prompt, seed)
+
+
+def _trainer(tmp_path, tokenizer, pairs, **options):
+    from conftest import tiny_llama
+    from datasets import Dataset
+    from test_trainer import config
+
+    from dpo_min import DPOMinConfig, DPOMinTrainer
+
+    settings = config(tmp_path, group_by_prompt=True, **{"loss_type": "plackett_luce", **options})
+    return DPOMinTrainer(tiny_llama(vocab_size=64), args=DPOMinConfig(**settings),
+                         train_dataset=Dataset.from_list(pairs), processing_class=tokenizer,
+                         ref_model=tiny_llama(1, 64))
+
+
+def test_the_trainers_listwise_loss_is_plackett_luce_by_hand_on_the_padded_log_probs(tmp_path, tokenizer):
+    from test_logps import naive_logps
+
+    pairs = _groups_data((3,))  # answers a > b > c: pairs (a, b), (a, c), (b, c)
+    trainer = _trainer(tmp_path, tokenizer, pairs, beta=0.5)
+    loss = trainer.compute_loss(trainer.model, trainer.data_collator(pairs)).item()
+    with torch.no_grad():  # one sequence at a time, the unshared computation
+        policy, reference = naive_logps(trainer.model, pairs), naive_logps(trainer.reference.model, pairs)
+    rewards = (0.5 * (policy - reference)).tolist()  # chosen of the 3 pairs, then their rejected
+    a, b, c = rewards[0], rewards[3], rewards[5]  # a: chosen of (a, b); b: rejected of (a, b); c: rejected of (a, c)
+    e = math.exp
+    by_hand = -(a - math.log(e(a) + e(b) + e(c))) - (b - math.log(e(b) + e(c)))
+    assert loss == pytest.approx(by_hand, rel=1e-5)
+    assert abs(by_hand - math.log(6)) > 1e-3  # not the tie's log 3 + log 2: the policy is not its reference
+
+
+def test_two_answer_groups_train_as_the_sigmoid_loss_step_by_step(tmp_path, tokenizer):
+    from test_trainer import METRICS, step_logs
+
+    pairs = _groups_data((2,) * 8)  # eight prompts, one pair each: a group of two answers each
+    runs = {}
+    for loss_type in ("plackett_luce", "sigmoid"):
+        trainer = _trainer(tmp_path, tokenizer, pairs, loss_type=loss_type, max_steps=3, optim="sgd",
+                           learning_rate=1.0)
+        trainer.train()
+        runs[loss_type] = step_logs(trainer)
+    for mine, reference in zip(*runs.values(), strict=True):
+        for key in (*METRICS, "grad_norm"):
+            assert mine[key] == pytest.approx(reference[key], rel=1e-5, abs=1e-6), key
+
+
+def test_a_batch_holds_whole_groups_and_accumulation_is_exact(tmp_path, tokenizer):
+    pairs = _groups_data((3, 4, 2, 3))
+    trainer = _trainer(tmp_path, tokenizer, pairs, per_device_train_batch_size=2)
+    sizes = [len(batch["group_sizes"]) for batch in trainer.get_train_dataloader()]
+    assert sizes == [2, 2]  # 2 groups a batch: 3 + 6 + 1 + 3 pairs in 2 batches, never cut
+    weights = []
+    for batch_size, accumulation in ((2, 1), (1, 2)):
+        trainer = _trainer(tmp_path, tokenizer, pairs, per_device_train_batch_size=batch_size,
+                           gradient_accumulation_steps=accumulation, max_steps=1, optim="sgd", learning_rate=1.0)
+        trainer.train()
+        weights.append([p.detach().clone() for p in trainer.model.parameters()])
+    for one, other in zip(*weights):
+        torch.testing.assert_close(one, other, rtol=1e-5, atol=1e-7)
+
+
+def test_a_group_without_one_order_is_refused_naming_its_row(tmp_path, tokenizer):
+    pairs = _groups_data((3, 2))
+    right_wrong = [{"prompt_ids": [5, 6], "chosen_ids": [7], "rejected_ids": [9]},
+                   {"prompt_ids": [5, 6], "chosen_ids": [8], "rejected_ids": [9]}]  # 7 and 8 never compared
+    with pytest.raises(ValueError, match=r"^row 4: the group of its prompt \(2 pairs\) gives no single ranking for "
+                                         r"loss_type plackett_luce: its pairs do not order 2"):
+        _trainer(tmp_path, tokenizer, pairs + right_wrong)
+
+
+@pytest.mark.parametrize(("options", "message"), [
+    ({"group_by_prompt": False}, "needs group_by_prompt"),
+    ({"loss_type": ["plackett_luce", "sft"]}, "takes no other loss type"),
+    ({"use_weighting": True}, "takes no other loss type, ld_alpha, use_weighting"),
+])
+def test_the_listwise_loss_is_refused_where_it_cannot_run(tmp_path, options, message):
+    from test_trainer import config
+
+    from dpo_min import DPOMinConfig
+
+    with pytest.raises(ValueError, match=message):
+        DPOMinConfig(**config(tmp_path, **{"group_by_prompt": True, "loss_type": "plackett_luce", **options}))
