@@ -15,12 +15,12 @@ from typing import Any
 from torch.utils.data import DataLoader, Sampler
 
 
-def prompt_groups(prompt_ids: Sequence[Sequence[int]]) -> list[list[int]]:
-    """The positions of pairs of equal prompt ids, one list per group: groups in order of first appearance, each
-    group's positions in order."""
-    groups: dict[tuple[int, ...], list[int]] = {}
-    for position, ids in enumerate(prompt_ids):
-        groups.setdefault(tuple(ids), []).append(position)
+def prompt_groups(prompts: Sequence[Sequence[int] | str]) -> list[list[int]]:
+    """The positions of pairs of equal prompt ids (or prompt texts), one list per group: groups in order of first
+    appearance, each group's positions in order."""
+    groups: dict[Hashable, list[int]] = {}
+    for position, prompt in enumerate(prompts):
+        groups.setdefault(prompt if isinstance(prompt, str) else tuple(prompt), []).append(position)
     return list(groups.values())
 
 

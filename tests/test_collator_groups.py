@@ -162,3 +162,38 @@ def test_a_grouped_run_with_accumulation_is_the_padded_run_on_its_order(tmp_path
     for mine, reference in zip(step_logs(grouped), step_logs(padded), strict=True):
         for key in (*METRICS, "grad_norm"):
             assert mine[key] == pytest.approx(reference[key], rel=1e-5, abs=1e-6), key
+
+
+def test_the_commands_held_out_split_keeps_a_prompts_pairs_on_one_side(tmp_path):
+    import json
+
+    from dpo_min.train import load_pairs, resolve
+
+    rows = [{"prompt": f"Question {n}?", "completions": ["Yes.", "No.", "Maybe.", "Later."], "scores": [3, 0, 2, 1]}
+            for n in range(10)]
+    path = tmp_path / "ranked.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    common = ["--dataset", str(path), "--eval_fraction", "0.2", "--output_dir", str(tmp_path / "out")]
+    for grouped in (False, True):
+        train, held_out = load_pairs(resolve(common + ["--group_by_prompt"] * grouped))
+        shared = set(train["prompt"]) & set(held_out["prompt"])
+        assert len(train) + len(held_out) == 60
+        if grouped:
+            assert shared == set() and len(held_out) == 12  # 2 of the 10 prompts, with their 6 pairs each
+        else:
+            assert shared  # 12 of 60 pairs drawn alone: some prompts on both sides
+
+
+def test_what_cannot_take_groups_is_refused_in_one_line(tmp_path, tokenizer):
+    from test_layouts import tiny_model
+
+    with pytest.raises(ValueError, match="group_by_prompt orders the pairs itself"):
+        DPOMinConfig(**config(tmp_path, group_by_prompt=True, train_sampling_strategy="group_by_length"))
+    pairs = Dataset.from_list(ranked_pairs())
+    with pytest.raises(ValueError, match=r"only for the model families .*this model is 'mpt'"):  # ALiBi: no positions
+        DPOMinTrainer(tiny_model("mpt", attn_implementation="eager"), processing_class=tokenizer,
+                      args=DPOMinConfig(**config(tmp_path, group_by_prompt=True)), train_dataset=pairs,
+                      ref_model=tiny_model("mpt"))
+    with pytest.raises(ValueError, match=r"plackett_luce trains batches of whole groups.*no stream"):
+        DPOMinTrainer(tiny_llama(vocab_size=64), processing_class=tokenizer, train_dataset=pairs.to_iterable_dataset(),
+                      args=DPOMinConfig(**config(tmp_path, group_by_prompt=True, loss_type="plackett_luce")))
