@@ -39,7 +39,8 @@ class DPOMinTrainer(TRLSurface, Trainer):
 
     The `Trainer` methods it overrides, all in this body: `compute_loss` and `prediction_step` (the loss of a batch,
     training and evaluating), `log` (the metrics of every micro-batch since the last log), `train`,
-    `get_train_dataloader` and `get_eval_dataloader` (the precompute pass, when asked for), `_clip_grad_norm` and
+    `get_train_dataloader` and `get_eval_dataloader` (the precompute pass, when asked for; plackett_luce's batches of
+    whole groups), `_get_train_sampler` (group_by_prompt's order, grouping.py), `_clip_grad_norm` and
     `_get_grad_norm` (a non-finite gradient stops the run), `_save_checkpoint` and `_save` (each checkpoint staged,
     then renamed; a sharded model saved whole). Its base `TRLSurface` (trl_surface.py) overrides two more that a
     default run never calls: `_set_signature_columns_if_needed` (`remove_unused_columns=True`) and

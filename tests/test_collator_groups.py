@@ -197,3 +197,44 @@ def test_what_cannot_take_groups_is_refused_in_one_line(tmp_path, tokenizer):
     with pytest.raises(ValueError, match=r"plackett_luce trains batches of whole groups.*no stream"):
         DPOMinTrainer(tiny_llama(vocab_size=64), processing_class=tokenizer, train_dataset=pairs.to_iterable_dataset(),
                       args=DPOMinConfig(**config(tmp_path, group_by_prompt=True, loss_type="plackett_luce")))
+
+
+def _family_cases():
+    from test_layouts import FAMILY_CASES
+
+    return FAMILY_CASES
+
+
+@pytest.mark.parametrize(("family", "attention"), _family_cases())
+def test_every_packed_family_gives_each_pairs_log_probs_in_groups(family, attention):
+    # PACKED_FAMILIES is an allow-list of families shown to keep packed segments apart (test_layouts.py); here their
+    # segments of k branches, against one sequence at a time.
+    from test_layouts import tiny_model
+
+    model = tiny_model(family, attn_implementation="eager" if attention == "eager" else "sdpa").eval()
+    if attention != "sdpa":
+        use_packed_attention(model)
+    pairs = ranked_pairs()
+    with torch.no_grad():
+        ours = sequence_logps(model, GroupedDPODataCollator(0, padding_free=True)(pairs)).logps
+        torch.testing.assert_close(ours.double(), naive_logps(model, pairs), rtol=1e-5, atol=1e-5)
+
+
+def test_flex_attention_builds_the_grouped_mask_from_segments_and_branches():
+    from test_flex_attention import dense_flex_mask
+
+    from dpo_min.scale.attention import FLEX
+
+    batch = GroupedDPODataCollator(0)(ranked_pairs())
+    assert torch.equal(dense_flex_mask(batch), batch["attention_mask"])
+    model = tiny_llama(vocab_size=64, attn_implementation="sdpa").eval()
+    pairs = ranked_pairs()
+    with torch.no_grad():
+        one_at_a_time = naive_logps(model, pairs)
+        model.set_attn_implementation("flex_attention")
+        use_packed_attention(model)
+        assert model.config._attn_implementation == FLEX
+        lean = GroupedDPODataCollator(0, padding_free=True, dense_mask=False)(pairs)
+        assert "attention_mask" not in lean
+        flex = sequence_logps(model, lean).logps
+    torch.testing.assert_close(flex.double(), one_at_a_time, rtol=1e-5, atol=1e-5)
