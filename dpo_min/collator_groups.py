@@ -43,25 +43,16 @@ class GroupedDPODataCollator:
 
     def __call__(self, examples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
         num_pairs = len(examples)
-        rows, completion_index, count = [], [0] * (2 * num_pairs), 0
-        ranking, sizes = [], []
+        rows, completion_index, ranking, sizes = [], [0] * (2 * num_pairs), [], []
         for segment, positions in enumerate(prompt_groups([ex["prompt_ids"] for ex in examples])):
-            prompt = examples[positions[0]]["prompt_ids"]
-            row, shared = Row(), len(prompt) - 1 if prompt else 0
-            row.add(prompt[:shared], 0, segment=segment, branch=0)
-            completions: dict[tuple[int, ...], int] = {}  # ids -> its index among the batch's completions
+            row, completions = _segment(examples, positions, segment, first=sum(sizes))
             for position in positions:
                 for side, ids in enumerate(group_ids(examples[position])):
-                    if ids not in completions:
-                        completions[ids], count = count, count + 1
-                        row.add(prompt[shared:], shared, segment=segment, branch=len(completions))
-                        row.add(list(ids), len(prompt), segment=segment, branch=len(completions),
-                                sequence=completions[ids])
                     completion_index[side * num_pairs + position] = completions[ids]
             rows.append(row)
+            sizes.append(len(completions))
             if self.rank_groups:
                 ranking += self._ranking(examples, positions, num_pairs)
-                sizes.append(len(completions))
         batch = rows_to_batch(rows, self.pad_token_id, self.padding_free, self.pad_to_multiple_of,
                               branch_mask=self.dense_mask)
         batch["completion_index"] = torch.tensor(completion_index)
@@ -80,3 +71,19 @@ class GroupedDPODataCollator:
             for side, ids in enumerate(group_ids(examples[position])):
                 sequence_of.setdefault(ids, side * num_pairs + position)
         return [sequence_of[ids] for ids in order]
+
+
+def _segment(examples: list[dict[str, Any]], positions: list[int], segment: int,
+             first: int) -> tuple[Row, dict[tuple[int, ...], int]]:
+    """One group's segment: prompt[:-1], then prompt[-1] and each distinct completion as a branch of its own; and
+    each completion's index among the batch's (from `first`), by its ids."""
+    prompt = examples[positions[0]]["prompt_ids"]
+    row, shared = Row(), len(prompt) - 1 if prompt else 0
+    row.add(prompt[:shared], 0, segment=segment, branch=0)
+    completions: dict[tuple[int, ...], int] = {}
+    for ids in (ids for position in positions for ids in group_ids(examples[position])):
+        if ids not in completions:
+            completions[ids] = first + len(completions)
+            row.add(prompt[shared:], shared, segment=segment, branch=len(completions))
+            row.add(list(ids), len(prompt), segment=segment, branch=len(completions), sequence=completions[ids])
+    return row, completions
