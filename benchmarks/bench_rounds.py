@@ -94,12 +94,13 @@ def up_to_eos(ids: list[int], eos: set[int]) -> list[int]:
 
 
 def bench_sampling(model, tokenizer, prompts, args) -> dict:
-    from dpo_min.rounds.sampling import GenerationSettings, eos_token_ids
+    from dpo_min.rounds.sampling import GenerationSettings
+    from dpo_min.tokenizing import end_token_ids
 
     settings = GenerationSettings(args.num_generations, args.max_new_tokens, True, args.temperature, args.top_p,
                                   seed=args.seed)
     texts = [row["prompt"] for row in prompts]
-    eos = eos_token_ids(model, tokenizer)
+    eos = end_token_ids(model, tokenizer)
     for warm_up in (plain_generate, rounds_sample):  # each once, untimed: the first calls ran ~10% slower
         warm_up(model, tokenizer, texts[:args.batch_size], settings, args.batch_size)
     # The time inside model.generate, apart: what a sampler adds around it (tokenizing, padding, cutting at EOS,

@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # this checkout's dpo_min, when it is not installed
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from paired import exact_mcnemar, sign_test  # noqa: E402
+from paired import shown_p  # noqa: E402
 
 # The pool's task with the demo's model, template and LoRA: eval_fraction 0.0213 holds out 64 of the 3,000 prompts.
 POOL_OPTIONS = ["--dataset", str(ROOT / "data" / "arithmetic-pool.jsonl"),
@@ -228,10 +228,31 @@ def interval(right: int, n: int) -> str:
     return f"{right}/{n} = {right / n:.3f} [{low:.3f}, {high:.3f}]"
 
 
+def read_seeds(paths: list[str]) -> list[dict]:
+    """The seeds' figures, each seed once and each arm scored on every held-out prompt of it: the pooled counts and the
+    paired tests read the arms prompt by prompt (a seed given twice counted its prompts twice as if independent, and
+    arms of unequal length were paired off by position). Refused in one line otherwise."""
+    seeds, where = [], {}
+    for path in paths:
+        figures = json.loads(Path(path).read_text())
+        if figures["seed"] in where:
+            sys.exit(f"--table: seed {figures['seed']} is given twice ({where[figures['seed']]}, {path}): each seed "
+                     "counts once in the pooled counts and the paired tests")
+        where[figures["seed"]] = path
+        lengths = {arm: len(figures["outcomes"][arm]) for arm in ARMS}
+        if "held_rows" in figures:
+            lengths = {"held-out prompts": len(figures["held_rows"]), **lengths}
+        if len(set(lengths.values())) != 1:
+            sys.exit(f"--table: {path}: the arms of seed {figures['seed']} were scored on unequal numbers of prompts "
+                     f"({', '.join(f'{arm} {n}' for arm, n in lengths.items())}): they are paired prompt by prompt")
+        seeds.append(figures)
+    return seeds
+
+
 def print_table(paths: list[str]) -> None:
     """Per seed: each arm's held-out right, the rounds' per-round figures; then every seed pooled (Wilson 95%
     interval) and the paired tests of the rounds against each offline arm and of each arm against pi_0."""
-    seeds = sorted((json.loads(Path(path).read_text()) for path in paths), key=lambda figures: figures["seed"])
+    seeds = sorted(read_seeds(paths), key=lambda figures: figures["seed"])
     if len({figures["protocol"] for figures in seeds}) != 1:
         sys.exit("--table: the files are of different protocols")
     print(f"protocol {seeds[0]['protocol']}, {len(seeds)} seed(s)\n")
@@ -256,8 +277,8 @@ def print_table(paths: list[str]) -> None:
         only_second = sum(b and not a for a, b in zip(pooled[first], pooled[second]))
         diffs = [sum(f["outcomes"][first]) - sum(f["outcomes"][second]) for f in seeds]
         ahead, behind = sum(d > 0 for d in diffs), sum(d < 0 for d in diffs)
-        print(f"| {first} vs {second} | {only_first} | {only_second} | {exact_mcnemar(only_first, only_second):.3g} | "
-              f"{ahead} / {behind} / {len(diffs) - ahead - behind} | {sign_test(ahead, behind):.3g} |")
+        print(f"| {first} vs {second} | {only_first} | {only_second} | {shown_p(only_first, only_first + only_second)}"
+              f" | {ahead} / {behind} / {len(diffs) - ahead - behind} | {shown_p(ahead, ahead + behind)} |")
 
 
 def main() -> None:

@@ -1,16 +1,46 @@
 """Paired tests for two arms scored on the same units: exact McNemar over prompts (only the discordant prompts
 count: right in one arm and wrong in the other) and the sign test over seeds. Both are the two-sided exact binomial
-test of the discordant counts against 1/2, doubled from the smaller tail and capped at 1."""
+test of the discordant counts against 1/2, doubled from the smaller tail and capped at 1.
 
+The tail is summed in exact integers and its logarithm taken of those (`log10_binomial_two_sided`), so a p-value far
+below a float's range is still its true value in log10 terms (5,000 against 0: 2 * 0.5**5000, about 1.42e-1505);
+as a float it is then the smallest positive one, a true upper bound, never 0 (`shown_p` prints the true value)."""
+
+import math
 from math import comb
+
+SMALLEST = math.ulp(0.0)  # 5e-324: the smallest positive float
+
+
+def log10_binomial_two_sided(k: int, n: int) -> float:
+    """log10 of the two-sided p-value of k successes in n fair trials (0 when n is 0): Python's integers hold the
+    tail exactly and math.log10 reads an integer of any size, so nothing underflows on the way."""
+    if n == 0:
+        return 0.0
+    tail = sum(comb(n, i) for i in range(min(k, n - k) + 1))
+    return min(0.0, math.log10(2 * tail) - n * math.log10(2))
 
 
 def binomial_two_sided(k: int, n: int) -> float:
-    """P-value of k successes in n fair trials, two-sided: twice the smaller tail, at most 1; 1 when n is 0."""
+    """P-value of k successes in n fair trials, two-sided: twice the smaller tail, at most 1; 1 when n is 0. Below
+    the smallest positive float it is that float (an upper bound), not 0."""
     if n == 0:
         return 1.0
-    tail = sum(comb(n, i) for i in range(min(k, n - k) + 1)) / 2 ** n
-    return min(1.0, 2 * tail)
+    tail = sum(comb(n, i) for i in range(min(k, n - k) + 1))
+    return max(SMALLEST, min(1.0, 2 * tail / 2 ** n))  # int / int: correctly rounded, whatever their size
+
+
+def shown_p(k: int, n: int) -> str:
+    """The p-value to 3 significant digits, past a float's range too (`1.42e-1505`)."""
+    p = binomial_two_sided(k, n)
+    if p > 1e-300:
+        return f"{p:.3g}"
+    log10 = log10_binomial_two_sided(k, n)
+    exponent = math.floor(log10)
+    mantissa = float(f"{10 ** (log10 - exponent):.3g}")
+    if mantissa >= 10:  # 9.9996 rounds up to the next power of ten
+        mantissa, exponent = mantissa / 10, exponent + 1
+    return f"{mantissa:.3g}e{exponent}"
 
 
 def exact_mcnemar(only_first: int, only_second: int) -> float:

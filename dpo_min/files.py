@@ -17,7 +17,7 @@ import errno
 import os
 import re
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -37,6 +37,24 @@ def write_fault(error: BaseException) -> int | None:
     if number in WRITE_FAULTS:
         return number
     return next((number for number in NO_SPACE if os.strerror(number) in text), None)
+
+
+def write_failure(error: BaseException, where: str | Callable[[BaseException], str]) -> str | None:
+    """The one line that names a write the machine refused (`where`: "what to where", or `where(error)` says it),
+    or None when `error` is no such failure. The command's offline phases and the rounds both ask here, so a full disk
+    reads alike in either."""
+    text = str(error)
+    fault = write_fault(error)
+    # torch's zip writer says only "unexpected pos N vs M" (or "file write failed") when a write comes up short.
+    short_write = "PytorchStreamWriter" in text or "unexpected pos" in text
+    if fault is None and not short_write:
+        return None
+    where = where(error) if callable(where) else where
+    if fault in NO_SPACE:
+        return f"no space left on device writing {where}"
+    if fault is not None:
+        return f"could not write {where}: {os.strerror(fault)}"
+    return f"could not write {where} ({text.strip().splitlines()[0]}): is the disk full?"
 
 
 def staging_path(path: str | os.PathLike) -> Path:

@@ -23,11 +23,12 @@ from .grouping import GroupBatchSampler, GroupedSampler, dataset_groups
 from .scale import zero
 
 
-def precompute_reference(trainer: Any, eval_dataset: Dataset | None = None) -> Dataset | None:
-    """`eval_dataset` (tokenized) with the reference's log-probs, when given; otherwise the trainer's train and eval
-    datasets gain them, in place (once each; cached on disk)."""
+def precompute_reference(trainer: Any, eval_dataset: Dataset | None = None,
+                         method: str = "evaluate") -> Dataset | None:
+    """`eval_dataset` (tokenized, passed to `method`: "evaluate" or "predict") with the reference's log-probs, when
+    given; otherwise the trainer's train and eval datasets gain them, in place (once each; cached on disk)."""
     if eval_dataset is not None:
-        return with_reference_logps(trainer, eval_dataset, "eval")
+        return with_reference_logps(trainer, eval_dataset, "eval" if method == "evaluate" else "test", method)
     trainer.train_dataset = with_reference_logps(trainer, trainer.train_dataset, "train")
     if isinstance(trainer.eval_dataset, dict):
         trainer.eval_dataset = {name: with_reference_logps(trainer, data, name)
@@ -37,15 +38,17 @@ def precompute_reference(trainer: Any, eval_dataset: Dataset | None = None) -> D
     return None
 
 
-def with_reference_logps(trainer: Any, dataset: Dataset, description: str) -> Dataset:
-    """`dataset` with `ref_chosen_logps` / `ref_rejected_logps` columns: one reference pass over it, or the cache."""
+def with_reference_logps(trainer: Any, dataset: Dataset, description: str, method: str = "evaluate") -> Dataset:
+    """`dataset` with `ref_chosen_logps` / `ref_rejected_logps` columns: one reference pass over it, or the cache.
+    Refused (in TRL's words, naming `method`) once training has started where the reference is the untrained policy:
+    its log-probs exist only before the first step, and the trained policy scored against itself gives ln 2."""
     if isinstance(dataset, IterableDataset):
         raise ValueError(TRL_ITERABLE_REFUSAL)
     if dataset is None or REFERENCE_COLUMNS[0] in dataset.column_names:
         return dataset
     reference = trainer.reference
     if reference.fixed_before_training() and trainer.state.global_step > 0:
-        raise ValueError(f"Cannot compute reference log-probs for a dataset passed to `evaluate()` after training "
+        raise ValueError(f"Cannot compute reference log-probs for a dataset passed to `{method}()` after training "
                          f"has started (the {description} data): full fine-tuning without ref_model uses the "
                          "untrained model as reference; pass eval_dataset at construction or a ref_model")
     key = ref_cache.cache_key(reference.weights(trainer.model), dataset, reference.cache_settings(trainer.args))

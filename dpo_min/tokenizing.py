@@ -7,7 +7,7 @@ datasets fingerprint, so a second identical run reads the cache. The trainer tok
 import json
 import logging
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from typing import Any
 
 import numpy as np
@@ -15,7 +15,16 @@ from datasets import Dataset, IterableDataset
 
 from .collator import REFERENCE_COLUMNS, TOKEN_COLUMNS
 from .data import given_ids
-from .data.given_ids import GIVEN_IDS, MADE_BY, made_by, template_fingerprint  # noqa: F401 - the rounds record them
+from .data.given_ids import (  # noqa: F401 - the rounds record them, and end and check samples by them
+    GIVEN_IDS,
+    MADE_BY,
+    end_token_ids,
+    made_by,
+    special_ids,
+    special_inside,
+    template_fingerprint,
+    tokenizer_fingerprint,
+)
 from .data.layouts import CARRIED_COLUMNS, layout_by_name, validate_text, validate_turns
 from .data.pairs import (
     DEFAULT_OPTIONS,
@@ -37,14 +46,19 @@ logger = logging.getLogger("dpo_min.data")  # the data folder's logger: the comm
 # What a pair with given ids carries beside its text for their check: the rounds write these to pairs.jsonl.
 GIVEN_COLUMNS = (*GIVEN_IDS, *MADE_BY, *CARRIED_COLUMNS)
 DROPPED = "dropped_because"  # a pair's reason in DROP_REASONS ('' for a kept pair), between tokenizing and dropping
+# A column that tokenizing carries through, as it carries precomputed reference log-probs: a caller that numbers its
+# rows in it finds the row each kept pair came from (`trainer_setup.kept_rows`).
+ROW_POSITION = "_dpo_min_row_position"
+CARRIED_THROUGH = (*REFERENCE_COLUMNS, ROW_POSITION)
 # The datasets cache keys a map by its function's own code and arguments, not by the helpers it calls: a change
 # to what tokenizing writes (the drop reasons became names, not 0/1/2) must change this, or a cached map of
 # the old form is read back.
-TOKENIZED_VERSION = 4  # 3: a pair's given ids (GIVEN_IDS) are trained as given; 4: once checked (given_ids.py)
+# 3: a pair's given ids (GIVEN_IDS) are trained as given; 4: once checked (given_ids.py); 5: special ids only closing
+TOKENIZED_VERSION = 5
 
 
-def tokenize_row(row: Mapping[str, Any], tokenizer: Any,
-                 chat_template_kwargs: Mapping[str, Any] | None = None) -> dict[str, list[int]]:
+def tokenize_row(row: Mapping[str, Any], tokenizer: Any, chat_template_kwargs: Mapping[str, Any] | None = None,
+                 end_ids: Collection[int] | None = None) -> dict[str, list[int]]:
     """Token ids of one validated pair, the same as TRL's `DPOTrainer` gives.
 
     The prompt is tokenized once; a completion's ids are those of prompt+completion after the prompt, with the EOS
@@ -52,10 +66,11 @@ def tokenize_row(row: Mapping[str, Any], tokenizer: Any,
     prompt+completion tokenize differently at the seam, the completion starts where they diverge. A row's `tools`
     (a list, or JSON text) and `chat_template_kwargs` go to the chat template, after the run's own kwargs. A row
     that carries its ids (`prompt_ids`, `chosen_ids`, `rejected_ids`: a round's samples) is trained on those ids,
-    once they are checked to be its text's and this run's (`data/given_ids.py`).
+    once they are checked to be its text's and this run's (`data/given_ids.py`): a completion's ids hold a special
+    token only as their last, one of `end_ids` (the ids a sample stops on; None: the tokenizer's EOS).
     """
     if all(row.get(name) is not None for name in GIVEN_IDS):
-        return _given_ids(row, tokenizer, chat_template_kwargs)
+        return _given_ids(row, tokenizer, chat_template_kwargs, end_ids)
     return _tokenize_pairs([row], tokenizer, chat_template_kwargs)[0]
 
 
@@ -116,23 +131,32 @@ def _tokenize_pairs(pairs: list[Mapping[str, Any]], tokenizer: Any,
     return examples
 
 
-def _given_ids(pair: Mapping[str, Any], tokenizer: Any,
-               chat_template_kwargs: Mapping[str, Any] | None) -> dict[str, list[int]]:
+def _given_ids(pair: Mapping[str, Any], tokenizer: Any, chat_template_kwargs: Mapping[str, Any] | None,
+               end_ids: Collection[int] | None) -> dict[str, list[int]]:
     """A pair's own ids, checked: what the policy was given and sampled, so no EOS is added where it emitted none;
     made by this run's tokenizer and template where the pair records them, and its text's (`given_ids.py`)."""
     given_ids.check_made_by(pair, tokenizer)  # first: ids of another tokenizer fail the checks below for that
     vocabulary = len(tokenizer)
     example = {}
     for name in GIVEN_IDS:
-        ids = pair[name]
-        if not isinstance(ids, (list, tuple)) or not ids or \
-                not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < vocabulary for i in ids):
-            raise ValueError(f"field '{name}': expected a non-empty list of token ids in [0, {vocabulary}), got "
-                             f"{str(ids)[:80]}")
-        example[name] = list(ids)
+        example[name] = _token_ids(pair[name], name, vocabulary)
     rendered = render_prompts(tokenizer, [pair["prompt"]], template_kwargs_of(pair, chat_template_kwargs))[0]
-    given_ids.check_text(pair, example, rendered, tokenizer)
+    given_ids.check_text(pair, example, rendered, tokenizer, end_ids)
     return example
+
+
+def _token_ids(ids: Any, name: str, vocabulary: int) -> list[int]:
+    """A given ids field as token ids. A loader gives a column one type: one row's float (1.5) makes every row's ids
+    floats (657.0), so whole numbers are read back as the ids they were, and the row with the fraction is the one
+    refused. The refusal shows what the row holds: a CSV cell is text, shown as text."""
+    if isinstance(ids, (list, tuple)):
+        ids = [int(i) if isinstance(i, float) and i.is_integer() else i for i in ids]
+    if isinstance(ids, list) and ids and \
+            all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < vocabulary for i in ids):
+        return ids
+    shown = f"the text {ids[:80]!r} (a CSV cell is text: give ids in JSON lines or Parquet)" \
+        if isinstance(ids, str) else str(ids)[:80]
+    raise ValueError(f"field '{name}': expected a non-empty list of token ids in [0, {vocabulary}), got {shown}")
 
 
 def check_prompt(prompt: str | list, index: int) -> None:
@@ -167,7 +191,8 @@ def truncate_pair(example: dict[str, list[int]], max_length: int | None, max_pro
 
 
 def _tokenize_batch(batch: dict[str, list], indices: list[int], tokenizer: Any, truncation: dict[str, Any],
-                    chat_template_kwargs: dict[str, Any] | None, output_version: int) -> dict[str, list]:
+                    chat_template_kwargs: dict[str, Any] | None, output_version: int,
+                    end_ids: list[int] | None = None) -> dict[str, list]:
     """Validated pairs -> truncated token ids, and why a pair is unusable (`DROP_REASONS`; '': it is usable).
 
     `output_version` is not read: it is TOKENIZED_VERSION, passed so that the datasets cache key changes with it."""
@@ -181,9 +206,9 @@ def _tokenize_batch(batch: dict[str, list], indices: list[int], tokenizer: Any, 
     for group in [together] * bool(together) + [[i] for i in sorted(alone)]:
         try:
             examples = _tokenize_pairs([pairs[i] for i in group], tokenizer, chat_template_kwargs) \
-                if len(group) > 1 else [tokenize_row(pairs[group[0]], tokenizer, chat_template_kwargs)]
+                if len(group) > 1 else [tokenize_row(pairs[group[0]], tokenizer, chat_template_kwargs, end_ids)]
         except ValueError:  # tokenize row by row to name the row that fails
-            examples = [_tokenize_one(pairs[i], labels[i], tokenizer, chat_template_kwargs) for i in group]
+            examples = [_tokenize_one(pairs[i], labels[i], tokenizer, chat_template_kwargs, end_ids) for i in group]
         for i, example in zip(group, examples):
             tokenized[i] = example
     out: dict[str, list] = {name: [] for name in (*TOKEN_COLUMNS, SOURCE_ROW, DROPPED)}
@@ -198,14 +223,15 @@ def _tokenize_batch(batch: dict[str, list], indices: list[int], tokenizer: Any, 
 
 def drop_reason(row: Mapping[str, Any], tokenizer: Any, max_length: int | None = None,
                 max_prompt_length: int | None = None, truncation_mode: str = "keep_end",
-                chat_template_kwargs: Mapping[str, Any] | None = None) -> str | None:
+                chat_template_kwargs: Mapping[str, Any] | None = None,
+                end_ids: Collection[int] | None = None) -> str | None:
     """Why `tokenize_dataset` with these settings drops this prompt/chosen/rejected row (an UNPAIRED reason, such
     as NO_ANSWER, or one of DROP_REASONS), or None: the same reading and truncation, for a caller that counts its
     drops before training (DPO in rounds). A malformed row raises, as it does there."""
     pair = pair_or_reason(layout_by_name("explicit_prompt"), row, 0, DEFAULT_OPTIONS, strict_pairs=False)
     if isinstance(pair, tuple):
         return pair[0]
-    return _drop_reason(truncate_pair(tokenize_row(pair, tokenizer, chat_template_kwargs), max_length,
+    return _drop_reason(truncate_pair(tokenize_row(pair, tokenizer, chat_template_kwargs, end_ids), max_length,
                                       max_prompt_length, truncation_mode))
 
 
@@ -218,9 +244,10 @@ def _drop_reason(example: Mapping[str, list[int]]) -> str | None:
 
 
 def _tokenize_one(pair: Mapping[str, Any], label: int | str, tokenizer: Any,
-                  chat_template_kwargs: Mapping[str, Any] | None) -> dict[str, list[int]]:
+                  chat_template_kwargs: Mapping[str, Any] | None,
+                  end_ids: Collection[int] | None) -> dict[str, list[int]]:
     try:
-        return tokenize_row(pair, tokenizer, chat_template_kwargs)
+        return tokenize_row(pair, tokenizer, chat_template_kwargs, end_ids)
     except ValueError as error:
         raise ValueError(f"row {label}: {error}") from error
 
@@ -229,7 +256,7 @@ def tokenize_dataset(dataset: AnyDataset | Iterable[Mapping[str, Any]], tokenize
                      max_length: int | None = None, max_prompt_length: int | None = None,
                      truncation_mode: str = "keep_end", num_proc: int | None = None,
                      chat_template_kwargs: Mapping[str, Any] | None = None,
-                     counts: StreamCounts | None = None) -> AnyDataset:
+                     counts: StreamCounts | None = None, end_ids: Collection[int] | None = None) -> AnyDataset:
     """Tokenize and truncate every pair (a batched, cached `datasets.map`, `num_proc` processes); pairs left without
     a completion token, or with chosen identical to rejected, are dropped with a warning naming their source rows.
 
@@ -237,20 +264,23 @@ def tokenize_dataset(dataset: AnyDataset | Iterable[Mapping[str, Any]], tokenize
     validated pairs by it; its own pairs are not validated again. Extra columns that hold precomputed reference
     log-probs are carried along. An `IterableDataset` is tokenized on the fly, and counts its unusable pairs as
     it is read in `counts` (by default its own, `stream_counts(dataset)`), which the stream it returns carries.
+    `end_ids`: the ids a sample stops on, where pairs carry their ids (`tokenize_row`); the trainer passes its
+    model's (`end_token_ids`).
     """
     if not isinstance(dataset, (Dataset, IterableDataset)):
         dataset = Dataset.from_list(to_pairs(dataset))
     names = column_names(dataset)
     if not {*PAIR_COLUMNS, SOURCE_ROW} <= set(names):  # not yet read by to_preference_dataset, which marks its rows
-        dataset = to_preference_dataset(dataset, num_proc=num_proc, keep=REFERENCE_COLUMNS, counts=counts)
+        dataset = to_preference_dataset(dataset, num_proc=num_proc, keep=CARRIED_THROUGH, counts=counts)
         names = column_names(dataset)
     streaming = isinstance(dataset, IterableDataset)
     truncation = {"max_length": max_length, "max_prompt_length": max_prompt_length, "truncation_mode": truncation_mode}
     map_kwargs: dict[str, Any] = {
         "batched": True, "with_indices": True,
-        "remove_columns": [name for name in names if name not in REFERENCE_COLUMNS],
+        "remove_columns": [name for name in names if name not in CARRIED_THROUGH],
         "fn_kwargs": {"tokenizer": tokenizer, "truncation": truncation, "chat_template_kwargs": (
-            dict(chat_template_kwargs) if chat_template_kwargs else None), "output_version": TOKENIZED_VERSION}}
+            dict(chat_template_kwargs) if chat_template_kwargs else None), "output_version": TOKENIZED_VERSION,
+        "end_ids": None if end_ids is None else sorted(end_ids)}}
     if not streaming:
         map_kwargs.update(num_proc=num_proc, desc="Tokenizing pairs")
     tokenized = dataset.map(_tokenize_batch, **map_kwargs)

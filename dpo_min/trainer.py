@@ -39,8 +39,9 @@ class DPOMinTrainer(TRLSurface, Trainer):
 
     The `Trainer` methods it overrides, all in this body: `compute_loss` and `prediction_step` (the loss of a batch,
     training and evaluating), `log` (the metrics of every micro-batch since the last log), `train`,
-    `get_train_dataloader` and `get_eval_dataloader` (the precompute pass, when asked for; plackett_luce's batches of
-    whole groups), `_get_train_sampler` (group_by_prompt's order, grouping.py), `_clip_grad_norm` and
+    `get_train_dataloader`, `get_eval_dataloader` and `get_test_dataloader` (a dataset passed to `evaluate` or
+    `predict` tokenized; the precompute pass, when asked for; plackett_luce's batches of whole groups),
+    `_get_train_sampler` (group_by_prompt's order, grouping.py), `_clip_grad_norm` and
     `_get_grad_norm` (a non-finite gradient stops the run), `_save_checkpoint` and `_save` (each checkpoint staged,
     then renamed; a sharded model saved whole). Its base `TRLSurface` (trl_surface.py) overrides two more that a
     default run never calls: `_set_signature_columns_if_needed` (`remove_unused_columns=True`) and
@@ -78,8 +79,8 @@ class DPOMinTrainer(TRLSurface, Trainer):
         tokenizer = getattr(processing_class, "tokenizer", processing_class)
         collator = data_collator or trainer_setup.default_collator(model, tokenizer, args)
         super().__init__(model=model, args=args, data_collator=collator,
-                         train_dataset=trainer_setup.tokenized(train_dataset, tokenizer, args),
-                         eval_dataset=trainer_setup.tokenized(eval_dataset, tokenizer, args),
+                         train_dataset=trainer_setup.tokenized(train_dataset, tokenizer, args, model),
+                         eval_dataset=trainer_setup.tokenized(eval_dataset, tokenizer, args, model),
                          processing_class=processing_class,
                          compute_metrics=compute_metrics, callbacks=callbacks, optimizers=optimizers)
         if hasattr(self.model, "add_model_tags"):  # Trainer puts the model's tags on the card it pushes
@@ -174,12 +175,14 @@ class DPOMinTrainer(TRLSurface, Trainer):
         super().log(logs, start_time)
 
     # ---- the precompute pass (precompute.py): before the first step, only with precompute_ref_log_probs ----------
-    def precompute_reference(self, eval_dataset: Any = None) -> Any:
+    def precompute_reference(self, eval_dataset: Any = None, method: str = "evaluate") -> Any:
         """The precompute pass's one entry point: the train and eval datasets, and `eval_dataset` when given (returned),
-        gain the reference's log-probs (once each; cached on disk). A no-op without `precompute_ref_log_probs`."""
+        gain the reference's log-probs (once each; cached on disk). A no-op without `precompute_ref_log_probs`.
+        `method` names the call that passed `eval_dataset` ("evaluate" or "predict") in a refusal."""
         if not self.args.precompute_ref_log_probs:
             return eval_dataset
-        return precompute.precompute_reference(self, None if eval_dataset is None else self._tokenized(eval_dataset))
+        return precompute.precompute_reference(self, None if eval_dataset is None else self._tokenized(eval_dataset),
+                                               method)
 
     def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs: Any):
         if resume_from_checkpoint:
@@ -210,20 +213,30 @@ class DPOMinTrainer(TRLSurface, Trainer):
             eval_dataset = self.eval_dataset[eval_dataset]
         if eval_dataset is None:
             self.precompute_reference()
-        elif self.args.precompute_ref_log_probs:
-            eval_dataset = self.precompute_reference(eval_dataset)
         elif not isinstance(eval_dataset, str):
-            eval_dataset = self._tokenized(eval_dataset)
+            eval_dataset = self._passed(eval_dataset, "evaluate")
         if self.args.group_by_prompt and self.args.listwise:  # whole groups, in the order of their first pairs
             data = self.eval_dataset if eval_dataset is None else eval_dataset
             data = self.eval_dataset[data] if isinstance(data, str) else data
             return grouping.whole_group_loader(self, data, self.args.per_device_eval_batch_size, False)
         return super().get_eval_dataloader(eval_dataset)
 
+    def get_test_dataloader(self, test_dataset: Any) -> DataLoader:
+        # predict() reads its pairs as evaluate() does; Trainer's would give raw rows to the collator, and precomputed
+        # ones no reference log-probs (the policy then scored against itself: ln 2 after any training).
+        return super().get_test_dataloader(self._passed(test_dataset, "predict"))
+
+    def _passed(self, dataset: Any, method: str) -> Any:
+        """A dataset passed to `evaluate()` or `predict()`: tokenized as the constructor tokenizes its own, and under
+        `precompute_ref_log_probs` with the reference's log-probs (refused where they can no longer be computed)."""
+        if self.args.precompute_ref_log_probs:
+            return self.precompute_reference(dataset, method)
+        return self._tokenized(dataset)
+
     def _tokenized(self, dataset: Dataset) -> Dataset:
-        """A dataset passed to `evaluate()`, tokenized as the constructor tokenizes its own."""
+        """A dataset passed to `evaluate()` or `predict()`, tokenized as the constructor tokenizes its own."""
         tokenizer = getattr(self.processing_class, "tokenizer", self.processing_class)
-        return trainer_setup.tokenized(dataset, tokenizer, self.args)
+        return trainer_setup.tokenized(dataset, tokenizer, self.args, self.model)
 
     # ---- faults stop the run: a non-finite gradient, before the optimizer step -----------------------------------
     def _clip_grad_norm(self, model):
@@ -246,8 +259,9 @@ class DPOMinTrainer(TRLSurface, Trainer):
 
     # ---- checkpoints are all-or-nothing (checkpoints.py) ---------------------------------------------------------
     def _save_checkpoint(self, model, trial):
-        save = super()._save_checkpoint
-        checkpoints.save_staged(self, trial, lambda: save(model, trial))
+        if trial is not None:  # hyperparameter search keeps Trainer's own layout
+            return super()._save_checkpoint(model, trial)
+        checkpoints.save_whole(self)
 
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
         super()._save(output_dir, state_dict=checkpoints.whole_state_dict(self.model, state_dict))

@@ -17,6 +17,7 @@ from dpo_min.models import cache_dir, convert_gguf, default_gguf_path
 
 ROOT = Path(__file__).resolve().parent.parent
 HH_PATH = ROOT / "data" / "hh-rlhf-harmless-base-test.jsonl.gz"
+ROOT_BEFORE = pytest.StashKey[set]()
 os.environ.setdefault("TQDM_DISABLE", "1")
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # Two test processes share the two cores: one thread each (and in every process a test starts), else each
@@ -25,6 +26,33 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
 # Read before any test points DPO_MIN_CACHE elsewhere: converted models live here, and are converted once.
 USER_CACHE = cache_dir()
+# What Python and pytest themselves leave at the repository's root; anything else a session adds there is a test
+# writing into the working folder (output_dir="unused" made an empty unused/ there), not into its tmp_path.
+TOOL_CACHES = {".pytest_cache", ".hypothesis", ".ruff_cache", "__pycache__"}
+
+
+def root_entries() -> set[str]:
+    return {entry.name for entry in ROOT.iterdir()} - TOOL_CACHES
+
+
+def pytest_sessionstart(session):
+    session.config.stash[ROOT_BEFORE] = root_entries()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Fails the session (with xdist, the controller's: its workers share the folder) if a test left an entry at the
+    repository's root."""
+    before = session.config.stash.get(ROOT_BEFORE, None)
+    if before is None or os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    left = sorted(root_entries() - before)
+    if left:
+        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+        message = f"the tests left {', '.join(left)} at the repository's root: write into tmp_path instead"
+        if reporter is not None:
+            reporter.write("\n")  # after the progress line, which -q leaves open
+            reporter.write_line(f"ERROR: {message}", red=True)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 @pytest.fixture(scope="session")

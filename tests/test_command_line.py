@@ -246,7 +246,11 @@ def test_max_eval_samples_below_one_is_one_line(tmp_path, capsys, monkeypatch, c
      "--split ' train': a split's name has no spaces around it ('train')"),
     (["--config", "second.yaml"], "dataset_name: x.jsonl\n", "one recipe per run: "),
     (["--dataset", "x.jsonl", "--learning_rate", "inf"], None, "--learning_rate must be a finite number, got inf"),
-], ids=["yaml-no", "split-spaces", "second-config", "learning-rate-inf"])
+    # TrainingArguments' message is several lines: it was cut at "but found", its strategies shown as enums
+    (["--dataset", "x.jsonl", "--load_best_model_at_end", "true"], None, '--load_best_model_at_end requires the save '
+     'and eval strategy to match, except when --save_strategy="best", but found Evaluation strategy: no, Save '
+     'strategy: steps'),
+], ids=["yaml-no", "split-spaces", "second-config", "learning-rate-inf", "load-best-model"])
 def test_messages_name_what_was_written(tmp_path, capsys, monkeypatch, argv, recipe, message):
     argv = [*(_recipe(tmp_path, recipe) if recipe else []), *argv]
     line = _one_line_error(argv, tmp_path, capsys, monkeypatch)

@@ -3,12 +3,17 @@ comparison reports, and the protocol fixed before its seeds ran."""
 
 import importlib.util
 import json
+import math
+import random
 import sys
+from collections import Counter
+from fractions import Fraction
 from pathlib import Path
 
 import pytest
 
 from dpo_min.rounds import RoundsConfig, RoundsError, make_pairs
+from dpo_min.rounds.pairs import every_better_against_worse
 from dpo_min.train.plan import resolve
 from dpo_min.train.rounds import rounds_config
 
@@ -60,6 +65,89 @@ def test_every_rule_takes_the_widest_margins_first_and_honours_min_margin_and_ti
     assert made == [] and dropped["all_tied"] == 1
 
 
+def brute_force_every(samples, min_margin, cap):
+    """The every rule as docs/rounds.md states it, by enumeration: for each ordered pair of distinct texts, the lowest
+    total of the first over the highest of the second; then, one pair at a time, the widest margin, the least used
+    two texts, the lowest indices (a fresh minimum over every candidate left each time)."""
+    totals = [sample["total"] for sample in samples]
+    scored = [t for t in totals if t is not None]
+    if len(scored) < 2:
+        return "unscorable"
+    if max(scored) == min(scored):
+        return "all_tied"
+    if max(scored) - min(scored) < min_margin:
+        return "below_min_margin"
+    texts = list(dict.fromkeys(s["completion"] for s in samples if s["total"] is not None))
+    of = {text: [i for i, s in enumerate(samples) if s["completion"] == text and s["total"] is not None]
+          for text in texts}
+    best = {text: max(of[text], key=lambda i: (totals[i], -i)) for text in texts}
+    worst = {text: min(of[text], key=lambda i: (totals[i], i)) for text in texts}
+    candidates = [(totals[worst[t]] - totals[best[u]], t, u) for t in texts for u in texts
+                  if t != u and totals[worst[t]] - totals[best[u]] > 0
+                  and totals[worst[t]] - totals[best[u]] >= min_margin]
+    chosen, uses = [], Counter()
+    while candidates and len(chosen) < cap:
+        pick = min(candidates, key=lambda c: (-c[0], uses[c[1]] + uses[c[2]], best[c[1]], worst[c[2]]))
+        candidates.remove(pick)
+        chosen.append((best[pick[1]], worst[pick[2]]))
+        uses.update(pick[1:])
+    return chosen or "all_tied"
+
+
+def test_every_rule_is_the_brute_force_enumeration_on_small_groups_and_never_pairs_two_texts_both_ways():
+    draw = random.Random(48)
+    for _ in range(3000):
+        samples = [{"completion": draw.choice("abcde"), "completion_ids": [i],
+                    "total": draw.choice([None, 0.0, 0.5, 1.0, 2.0])} for i in range(draw.randrange(9))]
+        margin, cap = draw.choice([0.0, 0.5, 1.0]), draw.choice([1, 2, 3, 100])
+        made = every_better_against_worse(samples, margin, cap)
+        assert made == brute_force_every(samples, margin, cap), (samples, margin, cap)
+        if not isinstance(made, str):
+            texts = {(samples[a]["completion"], samples[b]["completion"]) for a, b in made}
+            assert len(texts) == len(made) and not {(u, t) for t, u in texts} & texts
+    # A text sampled twice, scored above and below another: paired over it in neither way (it was, in both).
+    straddles = group(("a", 1.0), ("b", 0.5), ("a", 0.0))
+    assert make_pairs([straddles], 0.0, 8, "every")[1]["all_tied"] == 1
+    # Above in each of its samples: paired, its best-scored sample against the other's worst.
+    above = group(("a", 0.75), ("b", 0.5), ("a", 1.0), ("b", 0.0))
+    assert every_better_against_worse(above["samples"], 0.0, 8) == [(2, 3)]
+
+
+def test_every_rule_on_128_samples_unbounded_keeps_every_right_text_against_every_wrong_one():
+    draw = random.Random(7)
+    samples = [{"completion": f"text {i % 100}", "completion_ids": [i], "total": float(i % 100 < 37)}
+               for i in draw.sample(range(128), 128)]
+    made = every_better_against_worse(samples, 0.0, 10**9)
+    right = {s["completion"] for s in samples if s["total"] == 1.0}
+    wrong = {s["completion"] for s in samples if s["total"] == 0.0}
+    pairs = [(samples[a]["completion"], samples[b]["completion"]) for a, b in made]
+    assert len(pairs) == len(set(pairs)) == len(right) * len(wrong) and set(pairs) == {
+        (r, w) for r in right for w in wrong}
+    # Each text's first sample stands for it, and a cap keeps the first pairs the unbounded rule orders.
+    first = {text: min(i for i, s in enumerate(samples) if s["completion"] == text) for text in right | wrong}
+    assert all(a == first[samples[a]["completion"]] and b == first[samples[b]["completion"]] for a, b in made)
+    assert every_better_against_worse(samples, 0.0, 50) == made[:50]
+
+
+class Counted(float):
+    """A total that counts the margins taken of it."""
+    subtractions = 0
+
+    def __sub__(self, other):
+        Counted.subtractions += 1
+        return float(self) - float(other)
+
+
+def test_every_rule_takes_each_margin_once_not_once_per_pair_kept():
+    # The work's shape, not a time: margins are taken once per pair of texts (n**2), where a fresh minimum over every
+    # candidate for each pair kept took them (n/2)**4 / 2 times (9 s a prompt at 128 samples; docs/rounds.md).
+    n = 96
+    samples = [{"completion": str(i), "completion_ids": [i], "total": Counted(i % 2)} for i in range(n)]
+    Counted.subtractions = 0
+    made = every_better_against_worse(samples, 0.0, 10**9)
+    assert len(made) == (n // 2) ** 2 and Counted.subtractions <= 10 * n ** 2
+
+
 def test_pair_rule_is_checked_recorded_only_when_set_and_reaches_the_rounds_from_the_command(tmp_path):
     with pytest.raises(RoundsError, match=r"^pair_rule must be one of \('best', 'every'\), got 'all'$"):
         RoundsConfig("out", pair_rule="all")
@@ -83,6 +171,60 @@ def test_mcnemar_reads_only_the_discordant_prompts_and_the_sign_test_only_the_se
     assert paired.exact_mcnemar(5, 6) == 1.0  # the replication of issue 45: 5 right only in the rounds, 6 offline
     assert paired.exact_mcnemar(10, 0) == pytest.approx(2 / 1024)
     assert paired.sign_test(6, 2) == pytest.approx(2 * (1 + 8 + 28) / 256)
+
+
+def test_the_two_sided_binomial_is_the_exact_fraction_for_moderate_n_and_never_underflows_to_zero():
+    paired = load("paired")
+    for n in range(0, 61, 3):
+        for k in range(n + 1):
+            # The probability, under n fair trials, of a count as far from n/2 as k or farther on k's side, doubled:
+            # each count's probability built up as a fraction from the last, with no binomial sum shared.
+            probability, far = Fraction(1, 2 ** n), Fraction(0)
+            for count in range(n + 1):
+                far += probability if count <= min(k, n - k) else 0
+                probability = probability * (n - count) / (count + 1)
+            exact = min(Fraction(1), 2 * far) if n else Fraction(1)
+            assert paired.binomial_two_sided(k, n) == pytest.approx(float(exact), rel=1e-12)
+            assert paired.log10_binomial_two_sided(k, n) == pytest.approx(
+                math.log10(exact.numerator) - math.log10(exact.denominator), abs=1e-12)
+    # 5,000 against 0: 2 * 0.5**5000 = 2**-4999, about 1.42e-1505, below a float's range. It was 0.0.
+    assert paired.exact_mcnemar(0, 5000) > 0 and paired.exact_mcnemar(5000, 0) > 0
+    assert paired.log10_binomial_two_sided(0, 5000) == pytest.approx(math.log10(2) + 5000 * math.log10(0.5))
+    assert paired.log10_binomial_two_sided(0, 5000) == pytest.approx(-4999 * math.log10(2))
+    assert paired.shown_p(0, 5000) == "1.42e-1505" and paired.shown_p(10, 10) == "0.00195"
+
+
+def seed_file(folder, seed, rounds, offline, pi_0=None):
+    figures = {"seed": seed, "protocol": "p", "per_draw": [1, 2, 3],
+               "rounds": {"right": [0, 1, sum(rounds)], "changed": [1, 1], "pairs": [2, 3], "steps": [1, 1]},
+               "outcomes": {"pi_0": [0] * len(rounds) if pi_0 is None else pi_0, "rounds": rounds,
+                            "offline_samples": offline, "offline_matched": offline},
+               "offline": {"offline_samples": {"steps": 2}, "offline_matched": {"steps": 2}}}
+    path = folder / f"{seed}-{len(list(folder.iterdir()))}.json"
+    path.write_text(json.dumps(figures))
+    return str(path)
+
+
+def test_the_table_refuses_a_seed_given_twice_and_arms_of_unequal_length_in_one_line(tmp_path):
+    compare = load("compare_rounds")
+    once = seed_file(tmp_path, 13, [1, 1, 0, 0], [1, 0, 0, 0])
+    for twice in (once, seed_file(tmp_path, 13, [1, 1, 0, 0], [1, 0, 0, 0])):  # the same file, or a copy
+        with pytest.raises(SystemExit) as error:
+            compare.print_table([once, seed_file(tmp_path, 17, [1, 0], [0, 0]), twice])
+        assert str(error.value) == (f"--table: seed 13 is given twice ({once}, {twice}): each seed counts once in "
+                                    "the pooled counts and the paired tests")
+    short = seed_file(tmp_path, 19, [1, 1, 0, 0], [1, 0, 0])
+    with pytest.raises(SystemExit) as error:
+        compare.print_table([once, short])
+    assert str(error.value) == (f"--table: {short}: the arms of seed 19 were scored on unequal numbers of prompts "
+                                "(pi_0 4, rounds 4, offline_samples 3, offline_matched 3): they are paired prompt by "
+                                "prompt")
+
+
+def test_the_table_prints_a_p_value_below_a_floats_range_in_log10_terms(tmp_path, capsys):
+    compare = load("compare_rounds")
+    compare.print_table([seed_file(tmp_path, 13, [1] * 5000, [0] * 5000)])
+    assert "| rounds vs offline_samples | 5000 | 0 | 1.42e-1505 | 1 / 0 / 0 | 1 |" in capsys.readouterr().out
 
 
 def test_the_protocol_fixes_new_seeds_and_options_the_command_accepts(tmp_path):

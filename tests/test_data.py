@@ -161,7 +161,7 @@ def test_bad_file_says_which_file(tmp_path):
 
 
 @pytest.mark.parametrize("conversational", [False, True], ids=["standard", "conversational"])
-def test_token_ids_equal_trl(tokenizer, hh_pairs, conversational):
+def test_token_ids_equal_trl(tokenizer, hh_pairs, conversational, tmp_path):
     import trl  # the reference: missing is a failure, not a skip
     rows = [dict(r) for r in hh_pairs]
     if not conversational:  # the same pairs as plain strings
@@ -170,7 +170,7 @@ def test_token_ids_equal_trl(tokenizer, hh_pairs, conversational):
     rows.append({"prompt": "Hello", "chosen": "world", "rejected": " there"})  # tokens merge across the seam
     if conversational:
         rows.pop()
-    args = trl.DPOConfig(output_dir="unused", report_to="none", max_length=None, bf16=False, use_cpu=True)
+    args = trl.DPOConfig(output_dir=str(tmp_path), report_to="none", max_length=None, bf16=False, use_cpu=True)
     theirs = trl.DPOTrainer(model=tiny_llama(), ref_model=tiny_llama(), args=args,
                             train_dataset=Dataset.from_list(rows), processing_class=tokenizer).train_dataset
     ours = tokenize_dataset(Dataset.from_list(copy.deepcopy(rows)), tokenizer)

@@ -83,3 +83,20 @@ def test_readmes_table_of_the_core_names_every_file_at_dpo_mins_top():
     table = (ROOT / "README.md").read_text().split("Read the files in this order:", 1)[1].split("\n\n", 2)[1]
     top = {path.name for path in (ROOT / "dpo_min").glob("*.py")} - {"__init__.py"}
     assert top - set(re.findall(r"`(\w+\.py)`", table)) == set()
+
+
+def test_the_demos_printout_opens_with_the_lines_the_demo_prints(capsys):
+    # docs/demo.md's printout as the demo prints it now: the data phase's one line (the layout read), then, after the
+    # model line, the plan line (its counts' nouns singular where they count one).
+    from dpo_min.train import resolve
+    from dpo_min.train.pairs import load_pairs
+    from dpo_min.train.report import describe_plan
+
+    page = (ROOT / "docs" / "demo.md").read_text().split("## The demo's output as printed", 1)[1]
+    printout = page.split("```text\n", 1)[1].splitlines()
+    plan = resolve([])
+    capsys.readouterr()
+    train_pairs, _ = load_pairs(plan)
+    assert capsys.readouterr().out.splitlines() == printout[:1]
+    assert printout[1].startswith(f"model {plan.model_name} | {len(train_pairs)} train pairs")
+    assert printout[2] == describe_plan(plan.args, len(train_pairs))

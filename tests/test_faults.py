@@ -109,7 +109,7 @@ def test_kill_during_save_leaves_only_complete_checkpoints(tmp_path):
     finally:
         process.wait(timeout=60)
     assert process.returncode == -9
-    assert os.path.isdir(output_dir / ".staging-checkpoint-2" / "checkpoint-2")  # the half-written one
+    assert os.path.isdir(output_dir / ".staging-checkpoint-2")  # the half-written one
     assert get_last_checkpoint(str(output_dir)).endswith("checkpoint-1")
     assert os.path.exists(output_dir / "checkpoint-1" / "trainer_state.json")
 

@@ -144,7 +144,7 @@ def test_tool_use_rows_give_the_tools_to_the_chat_template_as_trl(tmp_path, toke
              "tools": json.dumps(TOOLS), "chat_template_kwargs": {"think": "no"}}]
     tokenizer.chat_template = TOOL_TEMPLATE
     ours = tokenize_dataset(Dataset.from_list(rows), tokenizer)
-    args = trl.DPOConfig(output_dir="unused", report_to="none", max_length=None, bf16=False, use_cpu=True)
+    args = trl.DPOConfig(output_dir=str(tmp_path), report_to="none", max_length=None, bf16=False, use_cpu=True)
     theirs = trl.DPOTrainer(model=tiny_llama(), ref_model=tiny_llama(), args=args,
                             train_dataset=Dataset.from_list(rows), processing_class=tokenizer).train_dataset
     for name in ("prompt_ids", "chosen_ids", "rejected_ids"):

@@ -9,6 +9,7 @@ import importlib.util
 import json
 import os
 import re
+import sys
 
 import nbformat
 import pytest
@@ -213,3 +214,21 @@ def test_quickstart_notebook_runs_and_prints_the_right_figures(tiny_model_dir, m
     assert float(low) < float(margin) < float(high)
     assert float(loss) == pytest.approx(recomputed["loss"], abs=5e-5 + 1e-5)
     assert text.count("log p(chosen) - log p(rejected): reference ") == 3
+
+
+def test_the_notebook_extra_installs_what_building_and_opening_the_notebook_need():
+    # README's install alone lacks nbformat (`python notebooks/build_quickstart.py` failed with "No module named
+    # 'nbformat'"): the Notebook section names the extra, and the extra holds every package the builder imports, the
+    # kernel nbclient runs the cells in and JupyterLab, which opens the notebook.
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11's
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    packages = {re.split(r"[<>=!~\[; ]", spec, maxsplit=1)[0] for spec in extras["notebook"]}
+    tree = ast.parse((ROOT / "notebooks" / "build_quickstart.py").read_text())
+    imported = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import)
+                for alias in node.names}
+    imported |= {node.module.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and
+                 node.module and not node.level}
+    assert imported - set(sys.stdlib_module_names) - {"dpo_min"} == {"nbformat", "nbclient"}
+    assert packages >= {"nbformat", "nbclient", "ipykernel", "jupyterlab"}
+    section = (ROOT / "README.md").read_text().split("\n## Notebook\n", 1)[1].split("\n## ", 1)[0]
+    assert 'pip install -e ".[notebook]"' in section and "jupyter lab notebooks/quickstart.ipynb" in section

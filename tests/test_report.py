@@ -16,9 +16,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from dpo_min.config import DPOMinConfig
 from dpo_min.intervals import mean_interval
 from dpo_min.rounds.held_out import mean_with_interval
+from dpo_min.split import held_out_split
 from dpo_min.tokenizing import tokenize_dataset
 from dpo_min.train import main
-from dpo_min.train.report import describe_held_out, describe_ties, plot_training, smoothed, tie_figures
+from dpo_min.train.report import describe_held_out, describe_plan, describe_ties, plot_training, smoothed, tie_figures
 
 
 def test_each_evaluation_logs_scalars_and_completions_to_tensorboard(tmp_path, tiny_model_dir):
@@ -128,6 +129,38 @@ def test_demo_printout_on_a_tiny_model(tmp_path, tiny_model_dir, capsys):
         assert (float(old), float(new)) == pytest.approx((expected_old, expected_new), abs=5e-3 + 1e-4)
 
 
+@pytest.mark.parametrize("num_samples", [2, 3])
+def test_the_samples_shown_are_the_kept_held_out_pairs_each_beside_its_own_margin(tmp_path, tiny_model_dir, capsys,
+                                                                                 num_samples):
+    """--max_length drops the held-out pairs whose prompt fills it: the samples shown are the kept pairs' prompts,
+    each beside its own pair's margins. They were the split's first prompts, a dropped one beside another pair's
+    margin, and an IndexError where fewer pairs than --num_samples were kept."""
+    _, held = held_out_split(16, 0.25, 42)  # the command's split of 16 pairs: 4 held out, in this order
+    long = {held[0], held[2]}
+    rows = [{"prompt": "Tell me a long story about the sea. " * 40 if i in long else f"What is {i} plus {i}?",
+             "chosen": f"It is {2 * i}.", "rejected": f"It is {2 * i + 1}."} for i in range(16)]
+    data_file = tmp_path / "pairs.jsonl"
+    data_file.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    args = tiny_run_args(tiny_model_dir, data_file, tmp_path / "run", "--max_length", "64", "--max_eval_samples",
+                         "4", "--seed", "42", "--eval_on_start", "false")
+    args[args.index("--num_samples") + 1] = str(num_samples)
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    kept = [rows[held[1]], rows[held[3]]]  # both others' prompts fill max_length
+    assert [line.removeprefix("prompt:    ") for line in out.splitlines() if line.startswith("prompt:    ")] == [
+        row["prompt"] for row in kept]
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "run")
+    reference = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    policy = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_dir), tmp_path / "run")
+    with torch.no_grad():
+        expected = [(sequence_logp(model, p["prompt_ids"], p["chosen_ids"])
+                     - sequence_logp(model, p["prompt_ids"], p["rejected_ids"])).item()
+                    for p in tokenize_dataset(kept, tokenizer, 64) for model in (reference, policy)]
+    shown = re.findall(r"log p\(chosen\) - log p\(rejected\): reference ([+-][\d.]+), policy ([+-][\d.]+)", out)
+    assert [float(value) for pair in shown for value in pair] == pytest.approx(expected, abs=5e-3 + 1e-4)
+    assert out.count("dropped 2 of 4 pairs") == 1  # said once, when the trainer tokenized them
+
+
 @pytest.mark.parametrize("conversational", [True, False])
 def test_greedy_completions_in_one_batch_equal_those_of_one_prompt_at_a_time(tokenizer, conversational):
     """The prompts are generated together, left-padded; each must get the text it gets alone."""
@@ -165,3 +198,14 @@ def test_training_curves_draw_each_step_and_its_running_mean(tmp_path, monkeypat
     assert lines["train, per step"] == [1, 0, 1, 0, 1]
     assert lines["train, running mean"] == pytest.approx(smoothed([1, 0, 1, 0, 1]))
     assert lines["held-out"] == [0.5]
+
+
+@pytest.mark.parametrize(("steps", "pairs", "expected"), [
+    (1, 4, "training: 1 step (1 epoch of 4 pairs), global batch 4 (4 per device x 1 accumulation x 1 process)"),
+    (2, 4, "training: 2 steps (2 epochs of 4 pairs), global batch 4 (4 per device x 1 accumulation x 1 process)"),
+    (1, 8, "training: 1 step (0.5 epochs of 8 pairs), global batch 4 (4 per device x 1 accumulation x 1 process)"),
+])
+def test_the_plan_line_puts_each_noun_in_the_number_it_counts(tmp_path, steps, pairs, expected):
+    args = DPOMinConfig(output_dir=str(tmp_path), max_steps=steps, per_device_train_batch_size=4, report_to="none",
+                        use_cpu=True)
+    assert describe_plan(args, pairs).startswith(f"{expected}, learning rate 1e-06 (linear, warmup 0)")

@@ -1,6 +1,7 @@
 """`python -m dpo_min.train --rounds N`: the command on a tiny model leaves each round's files; bad input is one
 line; the rounds' demo takes its own defaults (its data and reward: tests/test_rounds_arithmetic.py)."""
 
+import errno
 import hashlib
 import json
 import os
@@ -11,6 +12,7 @@ from dataclasses import fields
 from pathlib import Path
 
 import pytest
+import torch
 
 from dpo_min import load_preference_dataset
 from dpo_min.files import staging_path
@@ -75,6 +77,11 @@ def test_the_command_runs_two_rounds_on_a_tiny_model_and_leaves_each_rounds_file
     assert "held-out after round 2" in result.stdout and not (tmp_path / "run.lock").exists()
 
 
+LOAD_BEST = ("--load_best_model_at_end is not supported with --rounds (a round's DPO pass has no held-out pairs to "
+             "rate its checkpoints by; the held-out prompts, --eval_fraction, are scored after each round: "
+             "held_out.jsonl)")
+
+
 def run_main(argv, capsys):
     code = main(argv)
     return code, capsys.readouterr().err.strip()
@@ -113,6 +120,9 @@ def run_main(argv, capsys):
     (["--rounds", "2", "--reward_funcs", "accuracy_reward", "--temperature", "0.7", "1e30"], 2,
      "--temperature must be a finite number <= 10, got [0.7, 1e+30]: at 10 a sample is already close to a uniform "
      "draw over the vocabulary"),
+    # Trainer's advice (match --eval_strategy to --save_strategy) cannot be taken with --rounds; it was cut at "found"
+    (["--rounds", "1", "--load_best_model_at_end", "true"], 2, LOAD_BEST),
+    (["--rounds", "1", "--load_best_model_at_end", "true", "--save_strategy", "no"], 2, LOAD_BEST),
 ])
 def test_a_bad_command_line_is_one_line(tmp_path, prompts_file, capsys, extra, code, message):
     argv = ["--dataset", str(prompts_file), "--output_dir", str(tmp_path / "out"), *extra]
@@ -228,6 +238,76 @@ def test_an_error_of_a_rounds_dpo_pass_is_one_line(tmp_path, tiny_model_dir, pro
     assert err.splitlines()[-1] == ("python -m dpo_min.train: error: round 1: the DPO pass refused "
                                     "round-1/pairs.jsonl: row 0: field 'chosen': the chat template refused it: roles "
                                     "must alternate"), err
+
+
+# What a round's checkpoint save meets on a full or failing disk (torch.save of its training_args.bin; torch's zip
+# writer reports a short write in its own words) -> the line: the offline command's (tests/test_run_dir.py's DISK_FULL).
+ROUND_SAVE_FAULTS = {
+    "full disk": (OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)), "no space left on device writing {checkpoint}"),
+    "torch's short write": (RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 576 vs 534"),
+                            "could not write {checkpoint} ([enforce fail at inline_container.cc:672] . unexpected pos "
+                            "576 vs 534): is the disk full?"),
+    "failing disk": (OSError(errno.EIO, os.strerror(errno.EIO)), "could not write {checkpoint}: Input/output error"),
+}
+
+
+@pytest.mark.parametrize("fault", ROUND_SAVE_FAULTS)
+def test_a_full_or_failing_disk_at_a_rounds_checkpoint_is_one_line(tmp_path, tiny_model_dir, prompts_file, capsys,
+                                                                   monkeypatch, fault):
+    error, message = ROUND_SAVE_FAULTS[fault]
+    save = torch.save
+
+    def fill(obj, file, *args, **kwargs):
+        if str(file).endswith("training_args.bin"):
+            raise error
+        return save(obj, file, *args, **kwargs)
+    monkeypatch.setattr(torch, "save", fill)
+    (tmp_path / "position_rewards.py").write_text(BY_POSITION)
+    monkeypatch.chdir(tmp_path)  # the reward module imports from the working folder
+    out = tmp_path / "out"
+    argv = ["--rounds", "1", "--model", str(tiny_model_dir), "--dataset", str(prompts_file), "--reward_funcs",
+            "position_rewards:by_position", "--max_completion_length", "2", "--eval_fraction", "0",
+            "--save_strategy", "no", "--output_dir", str(out)]
+    code, err = run_main(argv, capsys)
+    assert code == 1 and "Traceback" not in err, err
+    checkpoint = out / "round-1" / "checkpoint"
+    assert err.splitlines()[-1] == f"python -m dpo_min.train: error: {message.format(checkpoint=checkpoint)}"
+    # The round's checkpoint is absent, not cut: its samples and pairs stay, for the same command to train again.
+    assert sorted(os.listdir(out / "round-1")) == ["generated.jsonl", "pairs.jsonl", "phase_seconds.json",
+                                                   "samples.jsonl", "train", "train_metrics.json"]
+
+
+TIES_AFTER_ROUND_ONE = '''
+def ties_after_round_one(completions, trainer_state, **_):
+    """Pairs in round 1 (no step trained yet), a tie for every prompt after."""
+    return [float(i) if trainer_state.global_step == 0 else 0.0 for i in range(len(completions))]
+'''
+
+
+@pytest.mark.parametrize(("rounds", "said"), [
+    ("1", "wrote 1 round(s) to {out} in {s} s: rounds.jsonl and round-K/{{samples,pairs}}.jsonl; round 1 gave no pair "
+          "(round-K/samples.jsonl holds the rewards): not trained, no checkpoint, the policy unchanged; the policy "
+          "now: the model as given, untrained"),
+    ("2", "wrote 2 round(s) to {out} in {s} s: rounds.jsonl, round-K/{{samples,pairs}}.jsonl and round-K/checkpoint; "
+          "round 2 gave no pair (round-K/samples.jsonl holds the rewards): not trained, no checkpoint, the policy "
+          "unchanged; the policy now: round-1/checkpoint"),
+], ids=["every round ties", "round 2 ties"])
+def test_rounds_that_give_no_pair_say_no_checkpoint_was_written_and_where_the_policy_is(
+        tmp_path, tiny_model_dir, prompts_file, capsys, monkeypatch, rounds, said):
+    module = f"tie_rewards_{rounds}"  # a module name per case: an imported one stays in sys.modules
+    (tmp_path / f"{module}.py").write_text(TIES_AFTER_ROUND_ONE if rounds == "2" else BY_POSITION.replace(
+        "float(i)", "0.0"))
+    monkeypatch.chdir(tmp_path)  # the reward module imports from the working folder
+    out = tmp_path / "out"
+    reward = f"{module}:ties_after_round_one" if rounds == "2" else f"{module}:by_position"
+    argv = ["--rounds", rounds, "--model", str(tiny_model_dir), "--dataset", str(prompts_file), "--reward_funcs",
+            reward, "--max_completion_length", "2", "--eval_fraction", "0", "--save_strategy", "no",
+            "--on_no_pairs", "skip", "--disable_tqdm", "true", "--output_dir", str(out)]
+    assert main(argv) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    seconds = last.split(" in ")[1].split(" s:")[0]
+    assert last == said.format(out=out, s=seconds)  # it said round-K/checkpoint, which no round had written
+    assert sorted(path.name for path in out.glob("round-*/checkpoint")) == ["checkpoint"] * (rounds == "2")
 
 
 def test_an_output_folder_holding_other_files_is_refused_and_left_as_it_was(tmp_path, prompts_file, capsys):

@@ -213,17 +213,19 @@ def test_a_resume_with_another_reward_function_of_the_same_name_is_refused_namin
     run_rounds(tiny_policy(), tokenizer, PROMPTS, lengths[0], config)
     path = tmp_path / "run" / "settings.json"
     old = hashlib.sha256(LENGTH.format(sign="").encode()).hexdigest()  # rw.py holds the function alone
+    code = Rewards(lengths[0]).identity()["length"]["code (sha256)"]  # what decides it (test_rounds_identity.py)
     assert json.loads(path.read_text())["reward_identity"] == {"length": {"reference": "rw:length",
-                                                                          "source (sha256)": old}}
+                                                                          "source (sha256)": old,
+                                                                          "code (sha256)": code}}
     assert len(run_rounds(tiny_policy(), tokenizer, PROMPTS, lengths[0], config).rounds) == 1  # the same: resumes
     new = hashlib.sha256(LENGTH.format(sign="-").encode()).hexdigest()
-    changed = f"reward_identity[length][source (sha256)] {old[:12]} -> {new[:12]}"
+    changed = f"reward_identity[length][source (sha256)] {old[:12]} -> {new[:12]}; reward_identity[length][code"
     with pytest.raises(RoundsError, match=re.escape(f"{tmp_path / 'run'} holds a run with other settings ("
                                                     f"reward_identity[length][reference] rw:length -> rw2:length; "
-                                                    f"{changed}): resume it with the same ones")):
+                                                    f"{changed}")):
         run_rounds(tiny_policy(), tokenizer, PROMPTS, lengths[1], replace(config, rounds=2))
     (tmp_path / "rw.py").write_text(LENGTH.format(sign="-"))  # the same function, its source edited
-    with pytest.raises(RoundsError, match=re.escape(f"other settings ({changed}): ")):
+    with pytest.raises(RoundsError, match=re.escape(f"other settings ({changed}")):
         run_rounds(tiny_policy(), tokenizer, PROMPTS, importlib.reload(sys.modules["rw"]).length, config)
     recorded = json.loads(path.read_text())
     del recorded["reward_identity"]  # a run recorded before it: compared once recorded
@@ -273,7 +275,8 @@ def test_pairs_the_dpo_pass_would_drop_are_counted_by_reason_and_the_rest_are_wh
     args = DPOMinConfig(output_dir=str(tmp_path), report_to="none", max_length=32)
     kept, dropped = keep_trainable([{**pair, "chosen_reward": 1.0} for pair in pairs], tokenizer, args)
     assert [pair["prompt"] for pair in kept] == ["Hi", "Bye"] and kept[0]["chosen_reward"] == 1.0
-    assert dropped == {"empty_completion": 1, "prompt_fills_max_length": 1, "same_after_truncation": 1}
+    assert dropped == {"empty_completion": 1, "prompt_fills_max_length": 1, "same_after_truncation": 1,
+                       "special_token_inside": 0}
     # The DPO pass's own tokenizing (the trainer's) keeps as many.
     assert len(tokenize_dataset(Dataset.from_list(pairs), tokenizer, max_length=32)) == len(kept)
 

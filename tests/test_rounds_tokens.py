@@ -22,7 +22,8 @@ from dpo_min import DPOMinConfig, DPOMinTrainer, load_preference_dataset, sequen
 from dpo_min.data.mixtures import handbook_mixture, legacy_mixer, trl_mixture
 from dpo_min.rounds import RoundsConfig, run_rounds
 from dpo_min.rounds.loop import pair_dataset
-from dpo_min.tokenizing import render_prompts
+from dpo_min.rounds.pairs import keep_trainable
+from dpo_min.tokenizing import end_token_ids, render_prompts
 
 PROMPTS = [{"prompt": [{"role": "user", "content": f"What is {i} + {i}?"}]} for i in range(4)]
 
@@ -150,6 +151,43 @@ def test_given_ids_are_checked_naming_the_row_and_the_field(tokenizer):
         tokenize_dataset([{key: value for key, value in good.items() if key != "rejected_ids"}], tokenizer)
 
 
+def ids_file(tmp_path, tokenizer, suffix, change):
+    """Five pairs with their ids, row 3 changed by `change(row)`, as a JSONL or CSV file (a CSV cell holds text)."""
+    rows = []
+    for i in range(5):
+        text = {"prompt": f"What is {i} + {i}?", "chosen": f" It is {2 * i}.", "rejected": f" It is {2 * i + 1}."}
+        rows.append({**text, **{f"{name}_ids": tokenizer(value)["input_ids"] for name, value in text.items()}})
+    change(rows[3])
+    path = tmp_path / f"pairs.{suffix}"
+    if suffix == "csv":
+        Dataset.from_list([{key: json.dumps(value) if isinstance(value, list) else value for key, value in row.items()}
+                           for row in rows]).to_csv(path, index=False)
+    else:
+        path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return str(path), rows
+
+
+@pytest.mark.parametrize(("suffix", "change", "message"), [
+    # One row's float makes the loader read every row's ids as floats: it named row 0, showing [657.0, 314.0, ...]
+    ("jsonl", lambda row: row["chosen_ids"].__setitem__(0, 1.5),
+     "row 3: field 'chosen_ids': expected a non-empty list of token ids in [0, 49152), got [1.5, 314, 216, 38, 30]"),
+    # A CSV cell is text: it was shown as the list it looks like, [1780, 314, ...]
+    ("csv", lambda row: None, "row 0: field 'prompt_ids': expected a non-empty list of token ids in [0, 49152), got "
+                              "the text '[1780, 314, 216, 32, 1232, 216, 32, 47]' (a CSV cell is text: give ids in "
+                              "JSON lines or Parquet)"),
+], ids=["a float in row 3", "csv"])
+def test_given_ids_that_are_not_token_ids_name_their_row_and_show_what_it_holds(tmp_path, tokenizer, suffix, change,
+                                                                                message):
+    path, _ = ids_file(tmp_path, tokenizer, suffix, change)
+    assert refusal(path, tokenizer) == message
+
+
+def test_whole_numbers_a_loader_read_as_floats_are_the_ids_they_were(tmp_path, tokenizer):
+    path, rows = ids_file(tmp_path, tokenizer, "jsonl", lambda row: row["chosen_ids"].__setitem__(0, 657.0))
+    tokenized = tokenize_dataset(load_preference_dataset(path), tokenizer)
+    assert tokenized["chosen_ids"] == [[int(i) for i in row["chosen_ids"]] for row in rows]
+
+
 def test_a_template_switch_in_chat_template_kwargs_reaches_the_sampled_prompt(tmp_path, tokenizer):
     switched = copy.deepcopy(tokenizer)
     switched.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
@@ -249,8 +287,11 @@ def test_given_ids_under_another_chat_template_are_refused_naming_the_row_and_th
     assert refusal(unmarked, switched).startswith("row 0: field 'prompt_ids': the ids are not the row's prompt")
 
 
+# A stream is tokenized as it trains: its refusal came from the DataLoader (in a worker, or not), as a traceback.
+@pytest.mark.parametrize("extra", [[], ["--streaming"], ["--streaming", "--dataloader_num_workers", "1"]],
+                         ids=["map-style", "streaming", "streaming, a worker"])
 def test_the_command_refuses_given_ids_beside_a_rewritten_text_in_one_line(one_round, tiny_model_dir, tmp_path,
-                                                                           capsys):
+                                                                           capsys, extra):
     from dpo_min.train import main
 
     made, _, _, folder = one_round
@@ -259,7 +300,7 @@ def test_the_command_refuses_given_ids_beside_a_rewritten_text_in_one_line(one_r
         rows[1]["rejected"][0]["content"] = "It is 4."
     path = rewritten(made, folder, "command.jsonl", answer)
     code = main(["--model", str(tiny_model_dir), "--dataset", path, "--eval_fraction", "0", "--max_steps", "1",
-                 "--report_to", "none", "--output_dir", str(tmp_path / "run")])
+                 "--report_to", "none", "--disable_tqdm", "true", "--output_dir", str(tmp_path / "run"), *extra])
     err = capsys.readouterr().err.strip()
     assert code == 1 and "Traceback" not in err, err
     assert err.splitlines()[-1].startswith("python -m dpo_min.train: error: row 1: field 'rejected_ids': the ids "
@@ -285,3 +326,61 @@ def test_a_mixture_of_pairs_with_their_ids_trains_the_ids_in_every_form(tmp_path
     assert sorted(tuple(map(tuple, (row[name] for name in ids))) for row in trained) == \
         sorted(tuple(map(tuple, (row[name] for name in ids))) for row in rows)
     assert all(tokenizer.eos_token_id not in row["chosen_ids"] for row in trained)
+
+
+# ---- special tokens around given ids (issue 48, item 3) -----------------------------------------------------------
+def hand_row(tokenizer, chosen_ids=None) -> dict:
+    """A text pair with its ids as the tokenizer encodes them (no BOS: SmolLM2's adds none), chosen_ids replaced."""
+    text = {"prompt": "What is 2 + 2?", "chosen": " It is 4.", "rejected": " It is 5."}
+    row = {**text, **{f"{name}_ids": tokenizer(value)["input_ids"] for name, value in text.items()}}
+    return {**row, "chosen_ids": row["chosen_ids"] if chosen_ids is None else chosen_ids(row["chosen_ids"])}
+
+
+def test_special_tokens_around_given_ids_are_refused_naming_the_row_and_the_field(tmp_path, tokenizer):
+    start, end, text_end, file_sep = (tokenizer.convert_tokens_to_ids(token) for token in
+                                      ("<|im_start|>", "<|im_end|>", "<|endoftext|>", "<file_sep>"))
+    assert tokenizer.eos_token_id == end and file_sep not in tokenizer.all_special_ids  # yet decoding skips it
+    padded = hand_row(tokenizer, lambda ids: [*[start] * 50, *ids, *[end] * 3])
+    # What the check read before: the padded ids decode, special tokens skipped, to the row's text.
+    assert tokenizer.decode(padded["chosen_ids"], skip_special_tokens=True) == padded["chosen"]
+    good = hand_row(tokenizer)
+    size = len(good["chosen_ids"])
+    refused = {"padded": (padded, 0), "ends thrice": (hand_row(tokenizer, lambda ids: [*ids, end, end, end]), size),
+               "ends on a token no sample stops on": (hand_row(tokenizer, lambda ids: [*ids, text_end]), size),
+               "inside": (hand_row(tokenizer, lambda ids: [ids[0], file_sep, *ids[1:], end]), 1)}
+    for name, (row, at) in refused.items():
+        message = refusal(rewritten([good, row], tmp_path, f"{name}.jsonl"), tokenizer)
+        assert message.startswith(f"row 1: field 'chosen_ids': id {row['chosen_ids'][at]} "
+                                  f"({tokenizer.convert_ids_to_tokens(row['chosen_ids'][at])}) at position {at} is a "
+                                  "special token"), (name, message)
+        assert "<|im_end|> (2)" in message
+    # One closing end token, as a sample that stopped has it, trains as given; so does none (a cut sample).
+    closed = hand_row(tokenizer, lambda ids: [*ids, end])
+    trained = tokenize_dataset(load_preference_dataset(rewritten([closed, good], tmp_path, "closed.jsonl")), tokenizer)
+    assert trained["chosen_ids"] == [closed["chosen_ids"], good["chosen_ids"]]
+
+
+def test_given_ids_may_close_on_the_models_own_end_of_turn_token(tmp_path, tokenizer):
+    # A model whose samples also stop on <|endoftext|> (its generation_config says so; the sampler stops there too):
+    # its trainer takes that closing token, where a trainer of a model that does not stop on it refuses it.
+    text_end = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    row = hand_row(tokenizer, lambda ids: [*ids, text_end])
+    model = tiny_policy()
+    assert text_end not in end_token_ids(model, tokenizer)
+    at = len(row["chosen_ids"]) - 1
+    with pytest.raises(ValueError, match=rf"row 0: field 'chosen_ids': id 0 \(<\|endoftext\|>\) at position {at} "):
+        trainer_for(model, tokenizer, Dataset.from_list([row]), tmp_path)
+    model.generation_config.eos_token_id = [tokenizer.eos_token_id, text_end]
+    assert end_token_ids(model, tokenizer) == {tokenizer.eos_token_id, text_end}
+    trained = trainer_for(model, tokenizer, Dataset.from_list([row]), tmp_path).train_dataset
+    assert trained["chosen_ids"] == [row["chosen_ids"]]
+
+
+def test_a_rounds_pair_whose_sample_holds_a_special_token_inside_is_counted_out(tmp_path, tokenizer):
+    file_sep = tokenizer.convert_tokens_to_ids("<file_sep>")
+    inside = {**hand_row(tokenizer, lambda ids: [ids[0], file_sep, *ids[1:]]), "chosen_reward": 1.0}
+    args = DPOMinConfig(output_dir=str(tmp_path), report_to="none")
+    kept, dropped = keep_trainable([inside, {**hand_row(tokenizer), "chosen_reward": 1.0}], tokenizer, args,
+                                   {tokenizer.eos_token_id})
+    assert len(kept) == 1 and kept[0]["chosen_ids"] == hand_row(tokenizer)["chosen_ids"]
+    assert dropped["special_token_inside"] == 1

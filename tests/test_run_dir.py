@@ -315,7 +315,11 @@ def test_latest_takes_the_newest_whole_checkpoint_and_names_the_skipped_ones(tmp
      "adapter_model.safetensors is truncated"),
     (lambda c: (c / "adapter_model.safetensors").unlink(), "no model weights"),
     (lambda c: None, "no such folder"),
-], ids=["optimizer", "scheduler", "rng", "state", "weights-truncated", "weights", "missing"])
+    # Trainer's save_only_model layout: it was "incomplete: no optimizer.pt, ...", without naming the option
+    (lambda c: [(c / name).unlink() for name in ("optimizer.pt", "scheduler.pt", "rng_state.pth")],
+     "was saved with --save_only_model: it holds the weights alone, no optimizer state, so it cannot resume a run: "
+     "train from its weights in a new run, or save checkpoints without --save_only_model to resume"),
+], ids=["optimizer", "scheduler", "rng", "state", "weights-truncated", "weights", "missing", "save_only_model"])
 def test_an_explicit_incomplete_checkpoint_is_one_line_before_the_model_loads(tmp_path, capsys, damage, problem):
     checkpoint = tmp_path / "old.partial" / "checkpoint-2"
     if problem != "no such folder":
@@ -553,3 +557,27 @@ def test_a_full_disk_is_one_line_and_the_earlier_run_and_whole_checkpoints_stay(
     else:
         assert not staging.exists() and len(lines) == 1
     assert sorted(os.listdir(tmp_path)) == ["a", *(["a.partial"] if "steps" in extra else []), "pairs.jsonl"]
+
+
+def test_latest_names_save_only_model_when_its_checkpoints_are_all_there_is(tmp_path, capsys, monkeypatch,
+                                                                             tiny_model_dir):
+    import safetensors.torch
+    from safetensors import SafetensorError
+
+    # A run with --save_only_model cut after checkpoint-1 (its second save meets a full disk): Trainer's own layout.
+    monkeypatch.setattr(safetensors.torch, "serialize_file", fail_on_call(
+        2, SafetensorError(NO_SPACE), safetensors.torch.serialize_file))
+    data = write_hh_rows(tmp_path / "pairs.jsonl", 12)
+    argv = ["--model", str(tiny_model_dir), "--dataset", str(data), "--output_dir", str(tmp_path / "a"),
+            "--use_peft", *RUNNABLE, "--save_strategy", "steps", "--save_steps", "1", "--save_only_model", "true"]
+    assert main(argv) == 1
+    capsys.readouterr()
+    staging = tmp_path / "a.partial"
+    assert checkpoint_problems(staging / "checkpoint-1") == ["saved with --save_only_model: no optimizer state"]
+    monkeypatch.undo()
+    assert main([*argv, "--resume_from_checkpoint", "latest"]) == 2
+    assert one_error_line(capsys) == (
+        f"python -m dpo_min.train: error: --resume_from_checkpoint latest: no whole checkpoint in {staging} "
+        "(incomplete: checkpoint-1 (saved with --save_only_model: no optimizer state)); a checkpoint saved with "
+        "--save_only_model holds the weights alone, no optimizer state, so it cannot resume a run: train from its "
+        "weights in a new run, or save checkpoints without --save_only_model to resume")

@@ -224,3 +224,18 @@ def test_a_stream_whose_every_pair_is_held_out_says_so_in_one_line(tmp_path, cap
             f"python -m dpo_min.train: error: {path}: --max_eval_samples {cap} held out every pair of the stream "
             "(4): none is left to train on; hold out fewer"]
         assert sorted(os.listdir(tmp_path)) == ["a.jsonl"]
+
+
+def test_a_row_a_stream_refuses_while_training_is_one_line_and_other_errors_stay_themselves(tmp_path, tokenizer):
+    from dpo_min.train.args import InputError
+    from dpo_min.train.pairs import stream_rows_checked
+
+    rows = [{"prompt": "Hi", "chosen": f"a{i}", "rejected": f"b{i}"} for i in range(3)]
+    rows[2]["chosen"] = 5
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    with pytest.raises(InputError) as error, stream_rows_checked(streaming=True):  # read as training reads it
+        list(tokenize_dataset(load_preference_dataset(str(path), streaming=True), tokenizer))
+    assert str(error.value) == "row 2: field 'chosen' must be a string, got int"
+    with pytest.raises(ValueError, match=r"^shapes differ$"), stream_rows_checked(streaming=True):
+        raise ValueError("shapes differ")  # a fault of training, not of a row: its traceback is wanted

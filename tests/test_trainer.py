@@ -9,6 +9,7 @@ from conftest import tiny_llama
 from peft import LoraConfig, get_peft_model
 
 from dpo_min import DPODataCollator, DPOMinConfig, DPOMinTrainer
+from dpo_min.tokenizing import tokenize_dataset
 
 METRICS = ("loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
            "logps/rejected", "logits/chosen", "logits/rejected")
@@ -142,6 +143,32 @@ def test_full_finetune_precompute_without_ref_model_keeps_no_reference_copy(tmp_
     # Precomputed before the first step, so eval still compares against the untrained model.
     assert "ref_chosen_logps" in trainer.eval_dataset.column_names
     assert step_logs(trainer)[0]["rewards/margins"] == 0.0
+
+
+@pytest.mark.parametrize("use_lora", [False, True], ids=["full", "lora"])
+def test_predict_reads_pairs_as_evaluate_does_and_refuses_what_it_refuses(tmp_path, tokenizer, hh_pairs, use_lora):
+    """predict() tokenizes raw pairs and precomputes their reference log-probs, as evaluate() does (it was
+    KeyError: 'prompt_ids'); after full fine-tuning the untrained reference is gone, and predict() is refused in
+    evaluate()'s words, naming predict(), where the policy scored itself (a loss of exactly ln 2)."""
+    args = DPOMinConfig(**config(tmp_path, max_steps=2, precompute_ref_log_probs=True))
+    trainer = DPOMinTrainer(tiny_llama(), args=args, train_dataset=hh_pairs.select(range(4)),
+                            processing_class=tokenizer, peft_config=lora() if use_lora else None)
+    raw = hh_pairs.select(range(4, 6))
+    tokenized = tokenize_dataset(raw, tokenizer, args.max_length, args.max_prompt_length)
+    # Before the first step the policy is its reference: the loss is ln 2 by definition.
+    assert trainer.predict(raw).metrics["test_loss"] == pytest.approx(math.log(2), abs=1e-6)
+    trainer.train()
+    if use_lora:  # the reference (the adapter off) is still there: predict() scores what evaluate() scores
+        expected = trainer.evaluate(raw)["eval_loss"]
+        assert abs(expected - math.log(2)) > 1e-4  # the run moved the policy
+        for pairs in (raw, tokenized):
+            assert trainer.predict(pairs).metrics["test_loss"] == pytest.approx(expected, abs=1e-6)
+        return
+    with pytest.raises(ValueError, match=r"passed to `evaluate\(\)` after training has started"):
+        trainer.evaluate(raw)
+    for pairs in (raw, tokenized):
+        with pytest.raises(ValueError, match=r"passed to `predict\(\)` after training has started \(the test data\)"):
+            trainer.predict(pairs)
 
 
 def test_ref_model_stays_frozen(tmp_path, tokenizer, hh_pairs):

@@ -3,14 +3,16 @@ what made them: the tokenizer, by a sha256 of its vocabulary (`ids_tokenizer`), 
 message prompt, by a sha256 of its text (`ids_template`). The DPO pass trains on such ids as given, so before it does
 they are checked to be the row's and this run's: the fingerprints a row records equal this run's, the prompt ids are
 the prompt as this run renders it, and each completion's ids decode to its text as a sample's ids were decoded
-(`tokenizer.decode(ids, skip_special_tokens=True)`, `rounds/sampling.py`). A row without fingerprints (written before
-they were, or by hand) is checked by its text alone. Each refusal is a ValueError naming the field (its caller names
-the row)."""
+(`tokenizer.decode(ids, skip_special_tokens=True)`, `rounds/sampling.py`). That decoding hides special tokens, so a
+completion's ids hold one only where a sample ends: as their last id, one of the ids a sample stops on (`end_ids`: the
+tokenizer's EOS and the model's generation_config EOS, `end_token_ids`; the tokenizer's EOS alone without a model).
+A row without fingerprints (written before they were, or by hand) is checked by its text alone. Each refusal is a
+ValueError naming the field (its caller names the row)."""
 
 import hashlib
 import json
 import weakref
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 GIVEN_IDS = ("prompt_ids", "chosen_ids", "rejected_ids")
@@ -68,18 +70,50 @@ def check_made_by(pair: Mapping[str, Any], tokenizer: Any) -> None:
                          f"the template that rendered them, or {_AGAIN}")
 
 
+def end_token_ids(model: Any, tokenizer: Any) -> set[int]:
+    """Every id that ends a sample: the tokenizer's EOS and the model's generation_config EOS (a chat model's
+    end-of-turn token is often only the latter). None for `model`: the tokenizer's EOS alone."""
+    ids = {tokenizer.eos_token_id}
+    configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids |= set(configured) if isinstance(configured, (list, tuple)) else {configured}
+    return {token for token in ids if token is not None}
+
+
+def special_ids(tokenizer: Any) -> set[int]:
+    """The ids that decoding with skip_special_tokens=True leaves out: the special tokens, and every added token
+    marked special (SmolLM2's <repo_name> is in no special-token attribute, yet decoding skips it)."""
+    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    return set(tokenizer.all_special_ids) | {i for i, token in added.items() if getattr(token, "special", False)}
+
+
+def special_inside(ids: list[int], specials: Collection[int], end_ids: Collection[int]) -> int | None:
+    """The position of a completion's first special id that is not its one closing end id (what a sample ends
+    with), or None: decoding hides it, so the text cannot show it was there."""
+    inside = ids[:-1] if ids and ids[-1] in end_ids else ids
+    return next((i for i, token in enumerate(inside) if token in specials), None)
+
+
 def check_text(pair: Mapping[str, Any], ids: Mapping[str, list[int]], rendered_prompt: list[int],
-               tokenizer: Any) -> None:
+               tokenizer: Any, end_ids: Collection[int] | None = None) -> None:
     """The ids against the pair's text: the prompt's as this run renders it (`rendered_prompt`), each completion's
-    decoded as a sample's were."""
+    without a special id but a closing one of `end_ids` (None: the tokenizer's EOS), decoded as a sample's were."""
     if ids["prompt_ids"] != rendered_prompt:
         differs = next((i for i, (a, b) in enumerate(zip(ids["prompt_ids"], rendered_prompt)) if a != b),
                        min(len(ids["prompt_ids"]), len(rendered_prompt)))
         raise ValueError(f"field 'prompt_ids': the ids are not the row's prompt as this run renders it (its "
                          f"tokenizer, chat template and chat_template_kwargs): they differ from token {differs} on; "
                          f"render the prompt as the run that made them did, or {_AGAIN}")
+    end_ids = end_token_ids(None, tokenizer) if end_ids is None else set(end_ids)
+    specials = special_ids(tokenizer)
     for name in ("chosen", "rejected"):
         text = _completion_text(pair[name], name)
+        at = special_inside(ids[f"{name}_ids"], specials, end_ids)
+        if at is not None:
+            token = ids[f"{name}_ids"][at]
+            ends = ", ".join(f"{tokenizer.convert_ids_to_tokens(i)} ({i})" for i in sorted(end_ids)) or "none"
+            raise ValueError(f"field '{name}_ids': id {token} ({tokenizer.convert_ids_to_tokens(token)}) at position "
+                             f"{at} is a special token, which decoding hides from the text: a completion's ids hold "
+                             f"one only as their last id, one that ends a sample ({ends}); {_AGAIN}")
         decoded = tokenizer.decode(ids[f"{name}_ids"], skip_special_tokens=True)
         if decoded != text:
             raise ValueError(f"field '{name}_ids': the ids decode to {_shown(decoded)}, not to the row's {name} text "

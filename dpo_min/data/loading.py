@@ -39,7 +39,7 @@ def load_preference_dataset(path_or_name: str, split: str = "train", *, config: 
     options = LayoutOptions(preference_label=preference_label, no_prompt=no_prompt, as_messages=as_messages,
                             row_split=row_split, label_column=label_column, label_chosen=label_chosen,
                             label_rejected=label_rejected, every_ranked_pair=every_ranked_pair)
-    raw = load_raw(path_or_name, split, config, streaming, load_kwargs)
+    raw = load_raw(path_or_name, split, config, streaming, load_kwargs, (columns or {}).values())
     try:
         return to_preference_dataset(raw, columns=columns, options=options, num_proc=num_proc,
                                      source=os.path.basename(path_or_name), counts=counts, strict_pairs=strict_pairs)

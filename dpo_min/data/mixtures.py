@@ -233,7 +233,8 @@ def held_out_size(value: Any) -> int | float | None:
 
 def _load_source(source: Source, streaming: bool) -> AnyDataset:
     try:
-        raw = load_raw(source.path, source.split, source.config, streaming, dict(source.load_kwargs))
+        raw = load_raw(source.path, source.split, source.config, streaming, dict(source.load_kwargs),
+                       source.rename or ())
     except ValueError as error:
         message = str(error).splitlines()[0]
         raise ValueError(message if source.path in message else f"{source.path}: {message}") from None

@@ -7,7 +7,7 @@ import json
 import logging
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -28,13 +28,17 @@ from .layouts import value_kind
 logger = logging.getLogger("dpo_min.data")  # one logger for the data folder: the command shows its lines
 
 _FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
+# The columns a pair's text is read from, as written: in a CSV file these cells are text, never the numbers pandas
+# would make of them (an answer "42" read as int and refused, "007" as 7). Label and score columns keep their numbers.
+TEXT_COLUMNS = ("prompt", "chosen", "rejected", "completion", "system")
 FILE_SPLIT = "train"  # a data file has one split; datasets names it "train"
 AnyDataset = Dataset | IterableDataset
 
 
 def load_raw(path_or_name: str, split: str, config: str | None, streaming: bool,
-              load_kwargs: dict[str, Any]) -> AnyDataset:
-    """One split of a file, a local folder (one `load_dataset` reads, or a `save_to_disk` one) or a hub name."""
+             load_kwargs: dict[str, Any], text_columns: Iterable[str] = ()) -> AnyDataset:
+    """One split of a file, a local folder (one `load_dataset` reads, or a `save_to_disk` one) or a hub name. A CSV
+    file's TEXT_COLUMNS, and `text_columns` (those a mapping reads as them), are read as the text written."""
     if os.path.isdir(path_or_name) and _is_saved_to_disk(path_or_name, split):
         return _load_saved(path_or_name, split, config, streaming)
     if os.path.isdir(path_or_name) or not os.path.exists(path_or_name):
@@ -44,6 +48,8 @@ def load_raw(path_or_name: str, split: str, config: str | None, streaming: bool,
         raise ValueError(f"{path_or_name}: unknown file type; use .json, .jsonl, .parquet or .csv (optionally .gz), "
                          "or a dataset folder")
     _check_file_split(path_or_name, split, config)
+    if builder == "csv":
+        load_kwargs = {"converters": dict.fromkeys((*TEXT_COLUMNS, *text_columns), _cell_text), **load_kwargs}
     try:
         with _quiet(f"datasets.packaged_modules.{builder}.{builder}"):  # its log line; ours names the line too
             dataset = load_dataset(builder, data_files={FILE_SPLIT: path_or_name}, streaming=streaming,
@@ -57,6 +63,11 @@ def load_raw(path_or_name: str, split: str, config: str | None, streaming: bool,
     if len(dataset) == 0:
         raise ValueError(f"{path_or_name}: the file holds no rows")
     return _columns_object(dataset, path_or_name) if builder == "json" else dataset
+
+
+def _cell_text(cell: str) -> str | None:
+    """A CSV cell as written; an empty one is no value, as pandas reads it."""
+    return cell or None
 
 
 @contextmanager

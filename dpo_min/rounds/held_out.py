@@ -1,12 +1,13 @@
 """Held-out prompts, never sampled for training: the mean reward of one greedy completion each, with its 95%
-interval (the normal approximation, dpo_min.intervals), before round 1 and after each round."""
+interval (the normal approximation, dpo_min.intervals), before round 1 and after each round; with a right-or-wrong
+reward (every total 0 or 1, as the demo's), also the count of prompts right, with its Wilson interval."""
 
 import math
 import sys
 from pathlib import Path
 from typing import Any
 
-from dpo_min.intervals import mean_interval
+from dpo_min.intervals import mean_interval, wilson_interval
 
 
 def also_training(prompt_ids: list[list[int]], train_rows: list[int], held_rows: list[int]) -> str | None:
@@ -43,12 +44,28 @@ def _clamped(value: float) -> float:
     return max(-sys.float_info.max, min(sys.float_info.max, value))
 
 
+def right_count(line: dict[str, Any]) -> tuple[int, int] | None:
+    """(right, scorable): how many scorable held-out prompts scored 1, when every scorable total is 0 or 1 (a
+    right-or-wrong reward); None for any other reward, or a line written before the per-prompt totals were kept.
+    The docs quote the rounds in this unit (9 -> 20 of 64), as benchmarks/compare_rounds.py counts them."""
+    totals = [total for _, total in line.get("per_prompt", []) if total is not None]
+    if not totals or any(total not in (0.0, 1.0) for total in totals):
+        return None
+    return sum(total == 1.0 for total in totals), len(totals)
+
+
 def describe(line: dict[str, Any]) -> str:
     when = "before round 1" if line["round"] == 0 else f"after round {line['round']}"
     if line["mean"] is None:
         return f"held-out {when}: no scorable completion"
     interval = f" [{line['low']:.3f}, {line['high']:.3f}]" if line["low"] is not None else ""
-    return f"held-out {when}: mean reward {line['mean']:.3f}{interval} over {line['n']} prompts (greedy)"
+    mean = f"mean reward {line['mean']:.3f}{interval} over {line['n']} prompts (greedy)"
+    counted = right_count(line)
+    if counted is None:
+        return f"held-out {when}: {mean}"
+    right, scored = counted
+    low, high = wilson_interval(right, scored)
+    return f"held-out {when}: right {right}/{scored} = {right / scored:.3f} [{low:.3f}, {high:.3f}] (Wilson), {mean}"
 
 
 def plot(lines: list[dict[str, Any]], path: Path) -> None:

@@ -16,11 +16,19 @@ from transformers import PrinterCallback, ProgressCallback, TrainerState
 
 from dpo_min import DPOMinConfig, DPOMinTrainer
 from dpo_min.devices import several_on_cpu
-from dpo_min.tokenizing import CARRIED_COLUMNS, GIVEN_COLUMNS, made_by, render_prompts, template_kwargs_of
+from dpo_min.tokenizing import (
+    CARRIED_COLUMNS,
+    GIVEN_COLUMNS,
+    end_token_ids,
+    made_by,
+    render_prompts,
+    template_kwargs_of,
+)
 
 from . import held_out, pairs, schedule, store
 from .config import RoundsConfig, RoundsError
 from .policy import Policy
+from .progress import RoundBar, phase_bar
 from .prompts import fingerprint, prompt_rows, split_held_out
 from .rewards import RewardFunc, Rewards
 from .sampling import Completion, GenerateFn, GenerationSettings, sample
@@ -50,6 +58,7 @@ class _Run:
     held_rows: list[int]
     rewards: Rewards
     prompt_ids: list[list[int]]  # each row's prompt as rendered once: sampled from, and trained on
+    end_ids: set[int]  # the ids a sample stops on: a pair's ids hold a special token only as their last, one of these
     folder: store.RoundFiles
     generate_fn: GenerateFn | None
     state: PartialState = field(default_factory=PartialState)
@@ -80,16 +89,27 @@ def _columns(run: _Run, row_indices: Sequence[int], per_row: int) -> dict[str, l
     return {name: [run.rows[i].get(name) for i in row_indices for _ in range(per_row)] for name in names}
 
 
-def _sample_shared(run: _Run, model: Any, indices: list[int], settings: GenerationSettings) -> list[list[Completion]]:
+def _bar(run: _Run, label: str, total: int, unit: str) -> Any:
+    hidden = not run.state.is_main_process or bool(run.config.training.get("disable_tqdm"))
+    return phase_bar(label, total, unit, hidden)
+
+
+def _sample_shared(run: _Run, model: Any, indices: list[int], settings: GenerationSettings,
+                   label: str = "sampling") -> list[list[Completion]]:
     """The samples of each prompt in `indices`, in order: batches of prompts_per_batch prompts (generation_batch_size
     completions), batch b seeded settings.seed + b and dealt to the processes in turn, so a prompt's samples do not
-    depend on the process count."""
+    depend on the process count. `label` names the progress bar."""
     size = run.config.prompts_per_batch
     batches = [(b, indices[start:start + size]) for b, start in enumerate(range(0, len(indices), size))]
 
     def work(mine: list[tuple[int, list[int]]]) -> list[list[list[Completion]]]:
-        return [sample(model, run.tokenizer, [run.prompt_ids[i] for i in batch],
-                       replace(settings, seed=settings.seed + b), size, run.generate_fn) for b, batch in mine]
+        groups = []
+        with _bar(run, label, sum(len(batch) for _, batch in mine), "prompt") as bar:
+            for b, batch in mine:
+                groups.append(sample(model, run.tokenizer, [run.prompt_ids[i] for i in batch],
+                                     replace(settings, seed=settings.seed + b), size, run.generate_fn))
+                bar.update(len(batch))
+        return groups
     return [group for groups in _shared(batches, work, run.state) for group in groups]
 
 
@@ -101,7 +121,7 @@ def _generate(run: _Run, model: Any, round_index: int) -> list[dict[str, Any]]:
                                   schedule.round_temperature(config.temperature, round_index), config.top_p,
                                   seed=config.seed + 1000 * round_index)
     indices = schedule.round_prompts(run.train_rows, config.prompts_per_round, config.seed, round_index)
-    groups = _sample_shared(run, model, indices, settings)
+    groups = _sample_shared(run, model, indices, settings, f"round {round_index}: sampling")
     return [{"prompt_index": i, "sample": s, "completion": c.text, "completion_ids": c.ids, "truncated": c.truncated}
             for i, group in zip(indices, groups) for s, c in enumerate(group)]
 
@@ -120,8 +140,10 @@ def _score(run: _Run, generated: list[dict[str, Any]], round_index: int, steps: 
             return [[] for _ in groups]
         completions = [Completion(row["completion"], row["completion_ids"], row["truncated"]) for row in rows]
         indices = [row["prompt_index"] for row in rows]
-        scores = run.rewards.score([run.rows[i]["prompt"] for i in indices], completions,
-                                   _columns(run, indices, 1), round_index, TrainerState(global_step=steps))
+        with _bar(run, f"round {round_index}: scoring", len(rows), "sample") as bar:  # one call per function
+            scores = run.rewards.score([run.rows[i]["prompt"] for i in indices], completions,
+                                       _columns(run, indices, 1), round_index, TrainerState(global_step=steps))
+            bar.update(len(rows))
         results = list(zip(scores.per_function, scores.total))
         return [results[sum(map(len, groups[:g])):][:len(group)] for g, group in enumerate(groups)]
     by_prompt = [[row for row in generated if row["prompt_index"] == i] for i in _sampled(generated)]
@@ -141,7 +163,7 @@ def _pairs(run: _Run, samples: list[dict[str, Any]], args: DPOMinConfig) -> tupl
     made = [{**pair, **made_by(run.tokenizer, pair["prompt"]),
              **{name: run.rows[pair["prompt_index"]][name] for name in CARRIED_COLUMNS
                 if run.rows[pair["prompt_index"]].get(name) is not None}} for pair in made]
-    kept, untrainable = pairs.keep_trainable(made, run.tokenizer, args)
+    kept, untrainable = pairs.keep_trainable(made, run.tokenizer, args, run.end_ids)
     return kept, {**dropped, **untrainable}, pairs.saturated(groups)
 
 
@@ -149,7 +171,9 @@ def _evaluate(run: _Run, model: Any, round_index: int) -> None:
     """held_out.jsonl: a greedy completion of each held-out prompt, scored; printed and plotted."""
     if not run.held_rows or any(line["round"] == round_index for line in run.folder.held_out()):
         return
-    greedy = _sample_shared(run, model, run.held_rows, GenerationSettings(1, run.config.max_completion_length, False))
+    when = "before round 1" if round_index == 0 else f"after round {round_index}"
+    greedy = _sample_shared(run, model, run.held_rows, GenerationSettings(1, run.config.max_completion_length, False),
+                            f"held-out {when}: greedy")
 
     def work(items: list[tuple[int, Completion]]) -> list[float | None]:
         if not items:
@@ -215,7 +239,7 @@ def _train(run: _Run, policy: Policy, made: list[dict[str, Any]], args: DPOMinCo
     # The round's one line says the pass's figures (_summary); Trainer would print every step's dict, every round.
     trainer.remove_callback(PrinterCallback)
     if trainer.pop_callback(ProgressCallback) is not None:
-        trainer.add_callback(_BarWithoutLogs())
+        trainer.add_callback(RoundBar(f"{folder.name.replace('-', ' ')}: DPO pass"))
     policy.warm_start(trainer)
     resume = any((folder / "train").glob("checkpoint-*"))
     with store.writing(folder / "train"):  # its checkpoint-N
@@ -225,13 +249,6 @@ def _train(run: _Run, policy: Policy, made: list[dict[str, Any]], args: DPOMinCo
     metrics = {key: sum(e[key] for e in steps if key in e) / sum(key in e for e in steps) for key in keys}
     # Not Trainer's training_loss: after a resume it averages only the steps that call ran.
     return {**metrics, "steps": output.global_step}, trainer
-
-
-class _BarWithoutLogs(ProgressCallback):
-    """Trainer's progress bar, without its lines of logged dicts (rounds.jsonl keeps the metrics)."""
-
-    def on_log(self, args, state, control, logs=None, **kwargs):
-        pass
 
 
 def _round(run: _Run, policy: Policy, round_index: int, steps: int) -> tuple[dict[str, Any], Any]:
@@ -294,7 +311,7 @@ def _open(model: Any, tokenizer: Any, prompts: Any, reward_funcs: Any, config: R
     state = PartialState(cpu=several_on_cpu())  # several CPU processes join over gloo, as the trainer's
     run = _Run(config, tokenizer, rows, train_rows, held_rows, rewards,
                rendered_prompts(tokenizer, rows, config.training.get("chat_template_kwargs")),
-               store.RoundFiles(config.output_dir), generate_fn, state)
+               end_token_ids(model, tokenizer), store.RoundFiles(config.output_dir), generate_fn, state)
     settings = {**config.settings(), "prompts": fingerprint(rows), "reward_funcs": rewards.names,
                 "reward_identity": rewards.identity(),
                 "processes": state.num_processes,
@@ -362,8 +379,8 @@ def _no_pair_message(line: dict[str, Any]) -> str:
 
 def _summary(line: dict[str, Any]) -> str:
     dropped = ", ".join(f"{count} {reason}" for reason, count in line["dropped"].items() if count) or "none"
-    text = f"round {line['round']}: {line['samples']} samples, {line['pairs']} pairs (dropped: {dropped}), " \
-           f"{line['saturated']} of {line['prompts']} prompts saturated"
+    text = f"round {line['round']}: {_count(line['samples'], 'sample')}, {_count(line['pairs'], 'pair')} " \
+           f"(dropped: {dropped}), {line['saturated']} of {line['prompts']} prompts saturated"
     if line["reward_mean"] is not None:
         text += f", reward mean {line['reward_mean']:.3f} (best {line['reward_best']:.3f}, worst " \
                 f"{line['reward_worst']:.3f})"
@@ -375,4 +392,8 @@ def _summary(line: dict[str, Any]) -> str:
     shown = (("loss", "loss", ".4f"), ("reward accuracy", "rewards/accuracies", ".2f"),
              ("margin", "rewards/margins", "+.4f"))
     figures = [f"{name} {dpo[key]:{form}}" for name, key, form in shown if key in dpo]
-    return f"{text}; DPO: {dpo['steps']} steps{', mean ' + ', '.join(figures) if figures else ''}"
+    return f"{text}; DPO: {_count(dpo['steps'], 'step')}{', mean ' + ', '.join(figures) if figures else ''}"
+
+
+def _count(number: int, noun: str) -> str:
+    return f"{number} {noun}{'' if number == 1 else 's'}"

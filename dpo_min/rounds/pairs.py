@@ -7,16 +7,29 @@ best - worst < min_margin; a pair the DPO pass would drop (`keep_trainable`) is 
 under its reason, never dropped silently."""
 
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
+from itertools import groupby
 from typing import Any
 
-from dpo_min.tokenizing import GIVEN_COLUMNS, NO_ANSWER, NO_COMPLETION, SAME_COMPLETIONS, drop_reason
+from dpo_min.tokenizing import (
+    GIVEN_COLUMNS,
+    NO_ANSWER,
+    NO_COMPLETION,
+    SAME_COMPLETIONS,
+    drop_reason,
+    special_ids,
+    special_inside,
+)
 
 PAIR_RULE_REASONS = ("unscorable", "all_tied", "below_min_margin")
 # Why the DPO pass drops a pair (reading it as data, tokenizing and truncating it), as rounds.jsonl names it.
 TRAINING_REASONS = {NO_ANSWER: "empty_completion", NO_COMPLETION: "prompt_fills_max_length",
                     SAME_COMPLETIONS: "same_after_truncation"}
-DROP_REASONS = (*PAIR_RULE_REASONS, *TRAINING_REASONS.values())
+# A sample with a special token before its end (decoding hid it from the text the reward read): the DPO pass refuses
+# its ids (tokenizing.tokenize_row), so the pair is counted out here rather than stop the round.
+SPECIAL_INSIDE = "special_token_inside"
+COMPLETION_IDS = ("chosen_ids", "rejected_ids")
+DROP_REASONS = (*PAIR_RULE_REASONS, *TRAINING_REASONS.values(), SPECIAL_INSIDE)
 
 
 def best_and_worst(totals: Sequence[float | None], min_margin: float) -> tuple[int, int] | str:
@@ -57,31 +70,67 @@ def best_and_k_worst(samples: Sequence[dict[str, Any]], min_margin: float, k: in
 
 def every_better_against_worse(samples: Sequence[dict[str, Any]], min_margin: float,
                                 cap: int) -> list[tuple[int, int]] | str:
-    """Up to `cap` (chosen, rejected) index pairs of one prompt's samples: every scored sample against every one
-    scored lower by min_margin or more (and by more than 0), each pair of texts once and never a text against
-    itself. The widest margins come first; among equal margins, the pair whose two samples were used least so far
-    (so a cap spreads over the group rather than pairing one right answer with every wrong one), then the lowest
-    indices. Or the reason there is no pair, as best_and_worst gives it."""
-    totals = [sample["total"] for sample in samples]
-    reason = best_and_worst(totals, min_margin)
+    """Up to `cap` (chosen, rejected) index pairs of one prompt's samples: every text against every text it scored
+    above in each sample of both (its lowest total over the other's highest) by min_margin or more (and by more than
+    0), each pair of texts once and never a text against itself, so that no two texts are paired both ways (a text
+    sampled twice, scored 1 and 0, is paired over no text scored between). A pair is the chosen text's best-scored
+    sample against the rejected text's worst (the first of equals). The widest margins come first; among equal
+    margins, the pair whose two texts were used least so far (so a cap spreads over the group rather than pairing
+    one right answer with every wrong one), then the lowest indices. Or the reason there is no pair, as
+    best_and_worst gives it."""
+    reason = best_and_worst([sample["total"] for sample in samples], min_margin)
     if isinstance(reason, str):
         return reason
-    texts = [sample["completion"] for sample in samples]
-    candidates, seen = [], set()
-    for a, b in ((a, b) for a in range(len(samples)) for b in range(len(samples))):
-        if totals[a] is None or totals[b] is None or (texts[a], texts[b]) in seen or texts[a] == texts[b]:
+    texts = _scored_texts(samples)
+    candidates = [(a["low"] - b["high"], a["best"], b["worst"], i, j) for i, a in enumerate(texts)
+                  for j, b in enumerate(texts) if i != j and a["low"] - b["high"] > 0
+                  and a["low"] - b["high"] >= min_margin]
+    return _spread(candidates, cap) or "all_tied"
+
+
+def _scored_texts(samples: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each text's scored samples, in the order the texts first appear: the index of its best and of its worst sample
+    (the first of equals), and its lowest and highest total."""
+    by_text: dict[str, dict[str, Any]] = {}
+    for i, sample in enumerate(samples):
+        total = sample["total"]
+        if total is None:
             continue
-        margin = totals[a] - totals[b]
-        if margin > 0 and margin >= min_margin:
-            seen.add((texts[a], texts[b]))
-            candidates.append((a, b))
-    chosen, uses = [], Counter()
-    while candidates and len(chosen) < cap:
-        pick = min(candidates, key=lambda ab: (totals[ab[1]] - totals[ab[0]], uses[ab[0]] + uses[ab[1]], ab))
-        candidates.remove(pick)
-        chosen.append(pick)
-        uses.update(pick)
-    return chosen or "all_tied"
+        text = by_text.setdefault(sample["completion"], {"best": i, "worst": i, "low": total, "high": total})
+        if total > text["high"]:
+            text["best"], text["high"] = i, total
+        if total < text["low"]:
+            text["worst"], text["low"] = i, total
+    return list(by_text.values())
+
+
+def _spread(candidates: list[tuple[float, int, int, int, int]], cap: int) -> list[tuple[int, int]]:
+    """Up to `cap` of the (margin, chosen sample, rejected sample, chosen text, rejected text) candidates, as a greedy
+    choice: the widest margin first; among equal margins the pair whose two texts were used least so far, then the
+    lowest sample indices. Uses only grow, so a margin's pairs are scanned level by level of their uses: at level L,
+    in index order, a pair whose uses are still L is the greedy's next choice, and one whose uses grew waits at its
+    new level. The work grows with the pairs times the levels they wait at, not with a fresh minimum over every
+    candidate for each pair taken (9 s a prompt at 128 samples)."""
+    chosen: list[tuple[int, int]] = []
+    uses = [0] * (1 + max((max(i, j) for *_, i, j in candidates), default=0))  # per text
+    candidates.sort(key=lambda candidate: -candidate[0])
+    for _, same_margin in groupby(candidates, key=lambda candidate: candidate[0]):
+        levels: dict[int, list[tuple[int, int, int, int]]] = {}
+        for _, a, b, i, j in same_margin:
+            levels.setdefault(uses[i] + uses[j], []).append((a, b, i, j))
+        while levels and len(chosen) < cap:
+            level = min(levels)
+            for a, b, i, j in sorted(levels.pop(level)):
+                now = uses[i] + uses[j]
+                if now != level:
+                    levels.setdefault(now, []).append((a, b, i, j))
+                    continue
+                chosen.append((a, b))
+                uses[i] += 1
+                uses[j] += 1
+                if len(chosen) == cap:
+                    return chosen
+    return chosen
 
 
 def _pair_indices(samples: Sequence[dict[str, Any]], min_margin: float, cap: int,
@@ -133,15 +182,21 @@ def _as_completion(prompt: Any, text: str) -> Any:
     return [{"role": "assistant", "content": text}] if isinstance(prompt, list) else text
 
 
-def keep_trainable(pairs: list[dict[str, Any]], tokenizer: Any, args: Any) -> tuple[list[dict[str, Any]], Counter]:
-    """The pairs the DPO pass trains on, and the others counted by reason (TRAINING_REASONS' values), decided by
-    the core's own reading and tokenizing with `args`' (a DPOMinConfig) max_length, max_prompt_length,
-    truncation_mode and chat_template_kwargs, so that rounds.jsonl's `pairs` is what trains."""
-    kept, dropped = [], Counter(dict.fromkeys(TRAINING_REASONS.values(), 0))
+def keep_trainable(pairs: list[dict[str, Any]], tokenizer: Any, args: Any,
+                   end_ids: Collection[int] | None = None) -> tuple[list[dict[str, Any]], Counter]:
+    """The pairs the DPO pass trains on, and the others counted by reason (TRAINING_REASONS' values, SPECIAL_INSIDE),
+    decided by the core's own reading and tokenizing with `args`' (a DPOMinConfig) max_length, max_prompt_length,
+    truncation_mode and chat_template_kwargs, and `end_ids` (the ids the policy's samples stop on), so that
+    rounds.jsonl's `pairs` is what trains."""
+    kept, dropped = [], Counter(dict.fromkeys((*TRAINING_REASONS.values(), SPECIAL_INSIDE), 0))
+    specials, ends = special_ids(tokenizer), {tokenizer.eos_token_id} if end_ids is None else set(end_ids)
     for pair in pairs:
+        if any(special_inside(pair.get(side) or [], specials, ends) is not None for side in COMPLETION_IDS):
+            dropped[SPECIAL_INSIDE] += 1
+            continue
         given = ("prompt", "chosen", "rejected", *GIVEN_COLUMNS)
-        reason = drop_reason({name: pair[name] for name in given if name in pair}, tokenizer,
-                             args.max_length, args.max_prompt_length, args.truncation_mode, args.chat_template_kwargs)
+        reason = drop_reason({name: pair[name] for name in given if name in pair}, tokenizer, args.max_length,
+                             args.max_prompt_length, args.truncation_mode, args.chat_template_kwargs, ends)
         if reason is None:
             kept.append(pair)
         else:

@@ -24,6 +24,7 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer, Trai
 
 from ..models import pad_with_eos
 from .config import RoundsError
+from .identity import code_digest, weights_digest
 from .sampling import Completion, is_conversational
 
 RewardFunc = Callable[..., list] | str | torch.nn.Module
@@ -80,6 +81,13 @@ def _source_digest(func: Any) -> str | None:
     if inner is not func:  # a partial: the same function with other arguments is another reward
         source += repr((getattr(func, "args", ()), sorted(getattr(func, "keywords", {}).items())))
     return hashlib.sha256(source.encode()).hexdigest()
+
+
+def _identity(func: Any) -> dict[str, str | None]:
+    found = {"reference": function_reference(func), "source (sha256)": _source_digest(func)}
+    if isinstance(func, RewardModel):
+        return {**found, "weights (sha256)": weights_digest(func.model, func.tokenizer)}
+    return {**found, "code (sha256)": code_digest(func)}
 
 
 class RewardModel:
@@ -180,10 +188,11 @@ class Rewards:
         self.missing_eos_penalty = missing_eos_penalty
 
     def identity(self) -> dict[str, dict[str, str | None]]:
-        """What a resume checks it has the same functions by, beyond their names: each one's full reference and the
-        sha256 of its source (another `length` of the opposite sign would otherwise go on under the same name)."""
-        return {name: {"reference": function_reference(func), "source (sha256)": _source_digest(func)}
-                for name, func in zip(self.names, self.funcs)}
+        """What a resume checks it has the same functions by, beyond their names: each one's full reference, the
+        sha256 of its source (another `length` of the opposite sign would otherwise go on under the same name), and
+        of what decides its rewards (identity.py: its module, the helpers and constants it reads, a callable
+        object's attributes; a reward model's weights)."""
+        return {name: _identity(func) for name, func in zip(self.names, self.funcs)}
 
     def score(self, prompts: list, completions: list[Completion], columns: dict[str, list], round_index: int,
               state: TrainerState | None = None) -> Scores:

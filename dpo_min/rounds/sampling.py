@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from dpo_min.tokenizing import end_token_ids
+
 
 @dataclass(frozen=True)
 class GenerationSettings:
@@ -41,15 +43,6 @@ GenerateFn = Callable[[Any, list[list[int]], GenerationSettings], list[list[int]
 
 def is_conversational(prompt: Any) -> bool:
     return isinstance(prompt, list)
-
-
-def eos_token_ids(model: Any, tokenizer: Any) -> set[int]:
-    """Every id that ends a completion: the tokenizer's EOS and the model's generation_config EOS (a chat model's
-    end-of-turn token is often only the latter)."""
-    ids = {tokenizer.eos_token_id}
-    configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    ids |= set(configured) if isinstance(configured, (list, tuple)) else {configured}
-    return {token for token in ids if token is not None}
 
 
 def _left_padded(prompt_ids: Sequence[list[int]], pad_id: int, device: torch.device) -> dict[str, torch.Tensor]:
@@ -93,7 +86,7 @@ def sample(model: Any, tokenizer: Any, prompt_ids: Sequence[list[int]], settings
     settings.seed + b."""
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     generate = generate_fn or (lambda m, ids, s: hf_generate(m, ids, s, pad_id))
-    eos_ids, n = eos_token_ids(model, tokenizer), settings.num_return_sequences
+    eos_ids, n = end_token_ids(model, tokenizer), settings.num_return_sequences
     groups = []
     for b, start in enumerate(range(0, len(prompt_ids), batch_size)):
         ids = [list(one) for one in prompt_ids[start:start + batch_size]]

@@ -23,13 +23,15 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from ..files import NO_SPACE, staged, write_fault, write_whole
+from ..files import staged, write_failure, write_whole
 from ..records import ABSENT, changes
 from ..tokenizing import template_fingerprint
 from .config import RoundsError
 
 # Settings an earlier version's settings.json lacks: a resume of such a run compares them only once recorded.
 RECORDED_SINCE = ("model", "reward_identity")
+# Keys of each reward_identity entry that an earlier version's lacks (rewards.Rewards.identity): compared once recorded.
+IDENTITY_SINCE = ("code (sha256)", "weights (sha256)")
 # Settings a resume may lengthen: one temperature per round, a list that rounds added to the run extend (the old list
 # its start); settings.json then records the longer one.
 EXTENDABLE = ("temperature",)
@@ -37,14 +39,16 @@ EXTENDABLE = ("temperature",)
 
 @contextmanager
 def writing(target: Path) -> Iterator[None]:
-    """A full disk while writing `target` is one line naming it (RoundsError), not a traceback from deep in the
-    writer; the file it was writing is left absent or whole (each is staged, then renamed)."""
+    """A full or failing disk while writing `target` is one line naming it (RoundsError), not a traceback from deep in
+    the writer (safetensors', torch's short write): the offline command's words, dpo_min.files.write_failure. The
+    file it was writing is left absent or whole (each is staged, then renamed)."""
     try:
         yield
     except Exception as error:
-        if write_fault(error) not in NO_SPACE:  # the command's reading of a write fault, safetensors' words too
+        message = write_failure(error, str(target))
+        if message is None:
             raise
-        raise RoundsError(f"no space left on device writing {target}") from None
+        raise RoundsError(message) from None
 
 
 def write_jsonl(path: Path, rows: list[dict[str, Any]]) -> None:
@@ -87,6 +91,17 @@ def _extends(old: Any, new: Any) -> bool:
     return longer[:len(shorter)] == shorter
 
 
+def _as_recorded(saved: dict[str, Any], settings: dict[str, Any]) -> dict[str, Any]:
+    """`settings` with each reward_identity entry without the IDENTITY_SINCE keys that the saved entry lacks."""
+    old, new = saved.get("reward_identity"), settings.get("reward_identity")
+    if not (isinstance(old, dict) and isinstance(new, dict)):
+        return settings
+    trimmed = {name: {key: value for key, value in entry.items()
+                      if key not in IDENTITY_SINCE or key in old.get(name, {key: None})}
+               for name, entry in new.items()}
+    return {**settings, "reward_identity": trimmed}
+
+
 class RoundFiles:
     """The rounds' files under output_dir (the module's docstring lists them) and their resume record,
     settings.json. Not the folder's lock or checks: the command's RunFolder owns those."""
@@ -105,6 +120,7 @@ class RoundFiles:
         settings = json.loads(json.dumps(settings))  # as JSON reads it back: tuples as lists
         if path.exists():
             saved = json.loads(path.read_text())
+            settings = _as_recorded(saved, settings)
             extended = {name: settings[name] for name in EXTENDABLE if _extends(saved.get(name), settings.get(name))}
             changed = [change for name in sorted(set(saved) | set(settings))
                        if (name in saved or name not in RECORDED_SINCE) and name not in extended

@@ -9,7 +9,6 @@ and `publish`.
 
 import copy
 import json
-import os
 import signal
 import sys
 import time
@@ -25,7 +24,9 @@ import datasets
 from datasets import Dataset
 from transformers import ProgressCallback
 
-from ..files import NO_SPACE, staged, write_fault, write_whole
+from .. import trainer_setup
+from ..devices import deepspeed_on_cpu
+from ..files import staged, write_failure, write_whole
 from ..models import cache_dir
 from ..trainer import DPOMinTrainer
 from . import rounds
@@ -41,7 +42,15 @@ from .args import (  # noqa: F401  (COMMAND_DEFAULTS, DEMO_DEFAULTS, DataArgumen
 from .card import check_hub_access, model_card, push_to_hub
 from .command_line import parse_args  # noqa: F401  (re-exported for scripts, tests)
 from .model_setup import load_model
-from .pairs import StreamCountsLogger, dropped_rows, load_pairs, local_data, pair_count, trained_sources
+from .pairs import (
+    StreamCountsLogger,
+    dropped_rows,
+    load_pairs,
+    local_data,
+    pair_count,
+    stream_rows_checked,
+    trained_sources,
+)
 from .plan import Plan, decide, resolve  # noqa: F401  (decide: a library caller's options -> their plan)
 from .report import (
     CompletionLogger,
@@ -65,24 +74,16 @@ from .run_dir import MANIFEST, OutputDirError
 
 @contextmanager
 def _writing(target: str | Callable[[BaseException], str]) -> Iterator[None]:
-    """A write fault (WRITE_FAULTS) while writing `target` ("what to where", or `target(error)`) is one line naming
-    it (InputError), not safetensors' or torch's traceback. The caller's except clause then discards the staging
-    folder as for any failure."""
+    """A write fault while writing `target` ("what to where", or `target(error)`) is one line naming it (InputError,
+    in dpo_min.files' words), not safetensors' or torch's traceback. The caller's except clause then discards the
+    staging folder as for any failure."""
     try:
         yield
     except Exception as error:
-        text = str(error)
-        fault = write_fault(error)
-        # torch's zip writer says only "unexpected pos N vs M" (or "file write failed") when a write comes up short.
-        short_write = "PytorchStreamWriter" in text or "unexpected pos" in text
-        if fault is None and not short_write:
+        message = write_failure(error, target)
+        if message is None:
             raise
-        where = target(error) if callable(target) else target
-        if fault in NO_SPACE:
-            raise InputError(f"no space left on device writing {where}") from None
-        if fault is not None:
-            raise InputError(f"could not write {where}: {os.strerror(fault)}") from None
-        raise InputError(f"could not write {where} ({text.strip().splitlines()[0]}): is the disk full?") from None
+        raise InputError(message) from None
 
 
 def _in_training(trainer: DPOMinTrainer, staging: Path) -> Callable[[BaseException], str]:
@@ -107,6 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     warnings.filterwarnings("ignore", message=".*pin_memory.*")
     warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
     datasets.disable_progress_bars()  # one bar per file read: noise next to the training bar
+    deepspeed_on_cpu()
     plan = None
     try:
         plan = resolve(argv)
@@ -200,8 +202,9 @@ class Samples:
 def sample_reference(trainer: DPOMinTrainer, plan: Plan, held_out: Dataset | None) -> Samples:
     """Say what the run is, then sample: the policy starts as the reference, so these are the reference's."""
     say, model = _say(plan), trainer.model
-    prompts = held_out["prompt"][:plan.data.num_samples] if held_out is not None else []
-    pairs = [trainer.eval_dataset[i] for i in range(len(prompts))]
+    rows = _sampled_rows(trainer, held_out, plan.data.num_samples)
+    prompts = [held_out[row]["prompt"] for row in rows]
+    pairs = [trainer.eval_dataset[i] for i in range(len(rows))]  # the pairs of those rows, as the trainer kept them
     train_pairs = pair_count(trainer.train_dataset)
     say(f"model {plan.model_name} | {'streamed' if train_pairs is None else train_pairs} train pairs, "
         f"{0 if held_out is None else len(trainer.eval_dataset)} held-out | "
@@ -221,6 +224,19 @@ def sample_reference(trainer: DPOMinTrainer, plan: Plan, held_out: Dataset | Non
     return Samples(prompts, pairs, texts, margins, completions)
 
 
+def _sampled_rows(trainer: DPOMinTrainer, held_out: Dataset | None, count: int) -> list[int]:
+    """The held-out rows of the trainer's first `count` held-out pairs. Tokenizing drops the pairs that truncation
+    leaves unusable, so a row is found by asking it which it kept, over the rows that can hold the first `count`."""
+    if held_out is None:
+        return []
+    dropped = len(held_out) - len(trainer.eval_dataset)
+    if not dropped:
+        return list(range(min(count, len(held_out))))
+    reach = held_out.select(range(min(len(held_out), count + dropped)))
+    tokenizer = getattr(trainer.processing_class, "tokenizer", trainer.processing_class)
+    return trainer_setup.kept_rows(reach, tokenizer, trainer.args, trainer.model)[:count]
+
+
 @dataclass
 class Results:
     """What training gave: Trainer's train metrics, the held-out figures before and after, the trained model."""
@@ -236,7 +252,7 @@ def run_training(trainer: DPOMinTrainer, plan: Plan, checkpoint: str | None, has
     leave the model without its DDP wrapper, and several processes would then train apart, never syncing gradients),
     evaluate, and save the weights into the staging folder."""
     staging = plan.folder.staging
-    with _writing(_in_training(trainer, staging)):
+    with _writing(_in_training(trainer, staging)), stream_rows_checked(plan.data.streaming):
         train_metrics = trainer.train(resume_from_checkpoint=checkpoint).metrics
     before, after = _held_out_before_after(trainer, has_held_out, plan.ties_at_start and has_held_out, _say(plan))
     with _writing(f"the final weights to {staging}"):

@@ -201,10 +201,11 @@ DEMO_DEFAULTS_SHOWN = {"chat_template": "SmolLM2's own, less its default system 
 
 # The rounds' demo (--rounds N with no --model and no data: SmolLM2-135M-Instruct with LoRA on the arithmetic pool,
 # data/arithmetic-pool.jsonl, 3,000 prompts judged by their exact answers) runs the arm that measured best on the
-# exploratory seeds of docs/rounds.md (not shown better than one offline round: a replication tied): a fresh draw of 32 prompts each round, 8 samples each at 0.7, the best
-# against the 2 worst, and DPO plus the chosen answer's NLL per token (Iterative RPO's weight, 1). 64 prompts held
-# out (64 / 3000: datasets rounds the share up to 64), each scored greedily before round 1 and after each round;
-# 32 new tokens (room for `43 + 30 = 73` and a sentence); a learning rate a fifth of the offline demo's.
+# exploratory seeds of docs/rounds.md (not shown better than one offline round: a replication tied): a fresh draw of 32
+# prompts each round, 8 samples each at 0.7, the best against the 2 worst, and DPO plus the chosen answer's NLL per
+# token (Iterative RPO's weight, 1). 64 prompts held out (64 / 3000: datasets rounds the share up to 64), each scored
+# greedily before round 1 and after each round; 32 new tokens (room for `43 + 30 = 73` and a sentence); a learning rate
+# a fifth of the offline demo's.
 ROUNDS_DEMO_DEFAULTS = {
     "chat_template": SMOLLM2_TEMPLATE_WITHOUT_SYSTEM,
     "num_generations": 8,

@@ -7,6 +7,7 @@ in `recipe`, the nested options checked in `kwargs_checks`.
 """
 
 import math
+import re
 import sys
 from collections.abc import Callable
 
@@ -30,7 +31,7 @@ from .args import (
 )
 from .kwargs_checks import check_nested_kwargs
 from .recipe import did_you_mean, recipe_and_flags
-from .rounds_args import ROUNDS_COMMAND_DEFAULTS, RoundsArguments, without_rounds
+from .rounds_args import LOAD_BEST_WITH_ROUNDS, ROUNDS_COMMAND_DEFAULTS, RoundsArguments, without_rounds
 
 
 class _Parser(HfArgumentParser):
@@ -104,7 +105,9 @@ def parse_with_rounds(argv: list[str] | None = None) -> tuple[ModelArguments, Da
         model_args, data_args, rounds_args, args, remaining = parser.parse_args_into_dataclasses(
             args=argv, return_remaining_strings=True, look_for_args_file=False)
     except ValueError as error:  # a dataclass refused a value in __post_init__
-        raise UsageError(str(error).strip().splitlines()[0]) from None
+        if "rounds" in named and str(error).startswith("--load_best_model_at_end"):
+            raise UsageError(LOAD_BEST_WITH_ROUNDS) from None
+        raise UsageError(_one_line(error)) from None
     if remaining:
         flag = next((token for token in remaining if token.startswith("--")), "")
         raise UsageError(f"unknown argument(s): {shown_argv(remaining)}{did_you_mean(flag[2:].split('=')[0])}")
@@ -113,6 +116,14 @@ def parse_with_rounds(argv: list[str] | None = None) -> tuple[ModelArguments, Da
         raise UsageError(without_rounds(rounds_args, named))
     rounds_args.given = frozenset(named)
     return model_args, data_args, rounds_args, args, demo
+
+
+def _one_line(error: ValueError) -> str:
+    """A dataclass's message whole, in one line: TrainingArguments lists what it found on lines of their own ("...
+    but found\n- Evaluation strategy: IntervalStrategy.NO\n- Save strategy: ..."), each strategy as its enum."""
+    lines = [line.strip().removeprefix("- ") for line in str(error).strip().splitlines() if line.strip()]
+    text = lines[0] + "".join(f"{' ' if i == 1 else ', '}{line}" for i, line in enumerate(lines[1:], 1))
+    return re.sub(r"\b[A-Z]\w*Strategy\.(\w+)\b", lambda found: found[1].lower(), text)
 
 
 def _check_combinations(model_args: ModelArguments, data_args: DataArguments, args: DPOMinConfig, named: set[str],

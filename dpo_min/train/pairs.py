@@ -5,9 +5,10 @@ import json
 import logging
 import os
 import sys
+import traceback
 from collections import Counter
-from collections.abc import Mapping
-from contextlib import suppress
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
@@ -186,6 +187,33 @@ def _held_out_of_stream(stream: Any, counts: StreamCounts | None, source: str, w
     print(f"held out {len(pairs)} pairs: {what}{', the whole split' if whole else ''}"
           f"{f' ({skipped} rows {SKIPPED})' if whole and skipped else ''}")
     return Dataset.from_list(pairs)
+
+
+@contextmanager
+def stream_rows_checked(streaming: bool) -> Iterator[None]:
+    """A stream is read, validated and tokenized as it trains: a row refused then (given ids beside a rewritten text,
+    a bad row past the first batch read before the model loaded) is the one line map-style data gives before the
+    model loads, naming row and field (its ValueError's first line), not a traceback from the DataLoader."""
+    try:
+        yield
+    except ValueError as error:
+        refusal = _row_refusal(error) if streaming else None
+        if refusal is None:
+            raise
+        raise InputError(refusal) from None
+
+
+def _row_refusal(error: ValueError) -> str | None:
+    """The message of a ValueError the package's data reading raised (a frame in dpo_min.data or dpo_min.tokenizing;
+    a DataLoader worker's comes back with the worker's traceback as its text), else None: not the data's."""
+    modules = {frame.f_globals.get("__name__", "") for frame, _ in traceback.walk_tb(error.__traceback__)}
+    lines = str(error).strip().splitlines()
+    if any(name == "dpo_min.tokenizing" or name.startswith("dpo_min.data.") for name in modules):
+        return lines[0]
+    if lines and lines[0].startswith("Caught ValueError in DataLoader worker") and any(
+            f"dpo_min{os.sep}{part}" in line for line in lines for part in ("tokenizing.py", f"data{os.sep}")):
+        return lines[-1].removeprefix("ValueError: ")
+    return None
 
 
 class StreamCountsLogger(TrainerCallback):

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 from transformers import ProgressCallback, TrainerCallback
+from transformers.trainer_utils import has_length
 
 from ..intervals import mean_interval, wilson_interval
 from ..logps import sequence_logps
@@ -26,7 +27,21 @@ PLOTTED = {"loss": "loss", "reward accuracy": "rewards/accuracies", "reward marg
 
 
 class LiveLossBar(ProgressCallback):
-    """Trainer's progress bar, with the latest loss, accuracy and margin in the bar instead of a line of logs."""
+    """Trainer's progress bars, labelled (Trainer's own say only "0/12"), with the latest loss, accuracy and margin in
+    the training bar instead of a line of logs."""
+
+    # ProgressCallback's two bars, each labelled as it is made: a bar prints itself when made.
+    def on_train_begin(self, args, state, control, **kwargs):
+        if state.is_world_process_zero:
+            self.training_bar = tqdm(total=state.max_steps, desc="training", dynamic_ncols=True)
+        self.current_step = 0
+
+    def on_prediction_step(self, args, state, control, eval_dataloader=None, **kwargs):
+        if state.is_world_process_zero and has_length(eval_dataloader):
+            if self.prediction_bar is None:
+                self.prediction_bar = tqdm(total=len(eval_dataloader), desc="held-out evaluation",
+                                           leave=self.training_bar is None, dynamic_ncols=True)
+            self.prediction_bar.update(1)
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if state.is_world_process_zero and self.training_bar is not None and logs and "loss" in logs:
@@ -57,10 +72,25 @@ def describe_plan(args: Any, train_pairs: int) -> str:
         steps, epochs = args.max_steps, args.max_steps / steps_per_epoch
     else:
         steps, epochs = math.ceil(args.num_train_epochs * steps_per_epoch), args.num_train_epochs
-    return (f"training: {steps} steps ({epochs:.3g} epochs of {train_pairs} pairs), global batch {global_batch} "
-            f"({args.per_device_train_batch_size} per device x {args.gradient_accumulation_steps} accumulation x "
-            f"{args.world_size} processes), learning rate {args.learning_rate:g} ({args.lr_scheduler_type.value}, "
-            f"warmup {_warmup(args, steps)})")
+    return (f"training: {_count(steps, 'step')} ({_count(f'{epochs:.3g}', 'epoch')} of {train_pairs} pairs), global "
+            f"batch {global_batch} ({args.per_device_train_batch_size} per device x {args.gradient_accumulation_steps} "
+            f"accumulation x {_count(args.world_size, 'process', 'processes')}), learning rate "
+            f"{args.learning_rate:g} ({args.lr_scheduler_type.value}, warmup {_warmup(args, steps)})")
+
+
+def describe_rounds_plan(plan: Any, config: Any, train_prompts: int, held_out: int) -> str:
+    """'model ... | 3 rounds of 32 of 2936 training prompts, 8 samples each | 64 held-out prompts | LoRA r=16 |
+    output ...': a rounds run's one line before it starts, as `describe_plan` and the model line of an offline run."""
+    drawn = "all" if config.prompts_per_round is None else config.prompts_per_round
+    trained = f"LoRA r={plan.model.lora_r}" if plan.trains_adapter else "full fine-tuning"
+    return (f"model {plan.model_name} | {_count(config.rounds, 'round')} of {drawn} of {train_prompts} training "
+            f"prompts, {config.num_generations} samples each | {held_out} held-out prompts | {trained} | output "
+            f"{plan.folder.named}")
+
+
+def _count(number: Any, noun: str, plural: str | None = None) -> str:
+    """'1 epoch', '0.5 epochs', '2 processes': the noun as the number reads."""
+    return f"{number} {noun if str(number) == '1' else plural or noun + 's'}"
 
 
 def _warmup(args: Any, steps: int) -> str:

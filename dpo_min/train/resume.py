@@ -56,9 +56,23 @@ LEFT_TO_THE_PLAN = ("data_seed", "eval_fraction")
 PAIRS_DIGEST = "pairs (sha256)"
 
 
+# A checkpoint Trainer saved with save_only_model: whole weights and trainer state, and none of the optimizer's,
+# scheduler's or RNG's files (a cut save is never published: checkpoints.py stages it).
+MODEL_ONLY = "saved with --save_only_model: no optimizer state"
+_MODEL_ONLY_CANNOT = ("holds the weights alone, no optimizer state, so it cannot resume a run: train from its weights "
+                      "in a new run, or save checkpoints without --save_only_model to resume")
+
+
 # ---- checkpoints ------------------------------------------------------------------------------------------------
 def checkpoint_problems(checkpoint: Path) -> list[str]:
-    """Why `checkpoint` cannot resume a run exactly (empty when it is whole): missing or truncated files."""
+    """Why `checkpoint` cannot resume a run exactly (empty when it is whole): missing or truncated files, or
+    MODEL_ONLY alone for one saved with save_only_model."""
+    problems = _missing_or_cut(checkpoint)
+    model_only = {"no optimizer.pt", "no scheduler.pt", "no rng_state.pth"}
+    return [MODEL_ONLY] if set(problems) == model_only else problems
+
+
+def _missing_or_cut(checkpoint: Path) -> list[str]:
     problems = []
     weights = [checkpoint / name for name in WEIGHT_FILES if (checkpoint / name).exists()]
     if not weights:
@@ -106,6 +120,9 @@ def resolve_checkpoint(resume_from_checkpoint: str | None, staging: Path,
         if not path.is_dir():
             raise OutputDirError(f"--resume_from_checkpoint {path}: no such folder")
         problems = checkpoint_problems(path)
+        if problems == [MODEL_ONLY]:
+            raise OutputDirError(f"--resume_from_checkpoint {path} was saved with --save_only_model: it "
+                                 f"{_MODEL_ONLY_CANNOT}")
         if problems:
             raise OutputDirError(f"--resume_from_checkpoint {path} is incomplete: {', '.join(problems)}")
         return str(path)
@@ -120,7 +137,9 @@ def resolve_checkpoint(resume_from_checkpoint: str | None, staging: Path,
             return str(path)
         skipped.append(f"{path.name} ({', '.join(problems)})")
     raise OutputDirError(f"--resume_from_checkpoint latest: no whole checkpoint in {staging}"
-                         + (f" (incomplete: {'; '.join(skipped)})" if skipped else ""))
+                         + (f" (incomplete: {'; '.join(skipped)})" if skipped else "")
+                         + (f"; a checkpoint saved with --save_only_model {_MODEL_ONLY_CANNOT}"
+                            if any(MODEL_ONLY in entry for entry in skipped) else ""))
 
 
 # ---- settings -----------------------------------------------------------------------------------------------------

@@ -29,6 +29,8 @@ from ..rounds.schedule import check_pool
 from .args import ROUNDS_DEMO_DEFAULTS, InputError, UsageError
 from .pairs import DATA_SUFFIXES
 from .plan import Plan
+from .report import describe_rounds_plan
+from .rounds_args import LOAD_BEST_WITH_ROUNDS
 from .run_dir import OutputDirError, RunFolder
 
 EMBEDDED_PROMPTS = Path(__file__).resolve().parents[2] / "data" / "arithmetic-pool.jsonl"  # the demo's prompts
@@ -79,6 +81,8 @@ def run(plan: Plan, load_model: Callable[[Plan], tuple]) -> None:
             _check_folder(folder)
         prompts = load_prompts(plan)
         train_rows = _training_rows(prompts, config)
+        if plan.is_main:  # the run's one plan line, before the model loads
+            print(describe_rounds_plan(plan, config, len(train_rows), len(prompts) - len(train_rows)), flush=True)
         trust = plan.load.kwargs.get("trust_remote_code", False)  # --trust_remote_code, as the policy loads
         reward_funcs = [_reward_model(func, trust) if isinstance(func, str) else func for func in reward_funcs]
         model, tokenizer, peft_config, _ = load_model(plan)
@@ -125,6 +129,8 @@ def _refuse_unsupported(plan: Plan) -> None:
     for option, instead in NOT_IN_ROUNDS.items():
         if option in given:
             raise UsageError(f"--{option} is not read with --rounds ({instead})")
+    if plan.args.load_best_model_at_end:  # with strategies that match: Trainer would need an evaluation
+        raise UsageError(LOAD_BEST_WITH_ROUNDS)
     # A round's DPO pass has no held-out pairs: Trainer refuses an evaluation after the round has sampled.
     evaluation = {"eval_strategy": getattr(plan.args.eval_strategy, "value", plan.args.eval_strategy),
                   "eval_on_start": plan.args.eval_on_start}
@@ -228,8 +234,22 @@ def _check_folder(folder: RunFolder) -> None:
 def _say_results(result: Any, folder: RunFolder, seconds: float) -> None:
     """The held-out figures of every round together (each was printed as it came), and where the files are."""
     if result.held_out:
-        print("held-out mean reward by round (greedy, 95% interval):")
+        print("held-out by round (greedy, 95% intervals):")
         for line in result.held_out:
             print(f"  {describe(line)}")
-    print(f"wrote {len(result.rounds)} round(s) to {folder.shown} in {seconds:.0f} s: rounds.jsonl, held_out.jsonl, "
-          "round-K/{samples,pairs}.jsonl and round-K/checkpoint")
+    print(f"wrote {len(result.rounds)} round(s) to {folder.shown} in {seconds:.0f} s: {_written(result, folder)}")
+
+
+def _written(result: Any, folder: RunFolder) -> str:
+    """The files the rounds left, as they are: a round that gave no pair trained nothing, so it has no checkpoint,
+    and the policy is the last trained round's (or, none trained, the model as given)."""
+    trained = [line["round"] for line in result.rounds if line["status"] == "trained"]
+    idle = [str(line["round"]) for line in result.rounds if line["status"] != "trained"]
+    files = [name for name in ("rounds.jsonl", "held_out.jsonl") if (folder.output_dir / name).is_file()]
+    files += ["round-K/{samples,pairs}.jsonl"] + ["round-K/checkpoint"] * bool(trained)
+    text = f"{', '.join(files[:-1])} and {files[-1]}"
+    if not idle:
+        return text
+    policy = f"round-{trained[-1]}/checkpoint" if trained else "the model as given, untrained"
+    return (f"{text}; round{'s' * (len(idle) > 1)} {', '.join(idle)} gave no pair (round-K/samples.jsonl holds the "
+            f"rewards): not trained, no checkpoint, the policy unchanged; the policy now: {policy}")

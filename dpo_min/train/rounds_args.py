@@ -78,6 +78,13 @@ class RoundsArguments:
             raise ValueError(f"--rounds must be >= 1, got {self.rounds}")
 
 
+# Trainer keeps the checkpoint its evaluations rated best; a round's DPO pass has none (no held-out pairs): Trainer's
+# advice, to match --eval_strategy to --save_strategy, is one --rounds refuses.
+LOAD_BEST_WITH_ROUNDS = ("--load_best_model_at_end is not supported with --rounds (a round's DPO pass has no held-out "
+                         "pairs to rate its checkpoints by; the held-out prompts, --eval_fraction, are scored after "
+                         "each round: held_out.jsonl)")
+
+
 def without_rounds(rounds_args: RoundsArguments, named: set[str]) -> str | None:
     """Why the options are refused when a rounds option is given without --rounds (it would change nothing)."""
     given = sorted(named & {option.name for option in fields(RoundsArguments)} - {"rounds"})
