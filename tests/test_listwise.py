@@ -159,3 +159,16 @@ def test_the_listwise_loss_is_refused_where_it_cannot_run(tmp_path, options, mes
 
     with pytest.raises(ValueError, match=message):
         DPOMinConfig(**config(tmp_path, **{"group_by_prompt": True, "loss_type": "plackett_luce", **options}))
+
+
+def test_evaluation_reads_whole_groups(tmp_path, tokenizer):
+    from datasets import Dataset
+
+    pairs = _groups_data((3, 4, 2))
+    trainer = _trainer(tmp_path, tokenizer, pairs, per_device_eval_batch_size=3)
+    trainer.eval_dataset = Dataset.from_list(pairs)
+    batches = list(trainer.get_eval_dataloader())
+    assert [batch["group_sizes"].tolist() for batch in batches] == [[3, 4, 2]]  # first appearance order, whole
+    with torch.no_grad():
+        expected = trainer.compute_loss(trainer.model, batches[0]).item()
+    assert trainer.evaluate()["eval_loss"] == pytest.approx(expected, rel=1e-6)
