@@ -20,7 +20,8 @@ TOKEN_COLUMNS = ("prompt_ids", "chosen_ids", "rejected_ids")  # a tokenized pair
 REFERENCE_COLUMNS = ("ref_chosen_logps", "ref_rejected_logps")  # a pair's precomputed reference log-probs, if any
 IGNORE_INDEX = -100
 # Keys of a batch that are not model inputs.
-NON_MODEL_KEYS = ("labels", "sequence_index", "segment_bounds", "segment_ids", "branch_ids", *REFERENCE_COLUMNS)
+NON_MODEL_KEYS = ("labels", "sequence_index", "segment_bounds", "segment_ids", "branch_ids", *REFERENCE_COLUMNS,
+                  "completion_index", "group_ranking", "group_sizes")  # the last three: collator_groups.py
 
 
 def add_reference_logps(batch: dict[str, torch.Tensor], examples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:

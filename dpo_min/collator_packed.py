@@ -18,7 +18,7 @@ from .collator import IGNORE_INDEX, add_reference_logps
 
 
 @dataclass
-class _Row:
+class Row:
     """Per-token columns of one row, named as the batch names them. A token may attend to an earlier token of its
     segment whose branch is its own or 0 (the shared prompt prefix); padding is segment -1."""
 
@@ -73,7 +73,7 @@ class PackedDPODataCollator:
         for pair, ex in enumerate(examples):
             prompt, chosen, rejected = ex["prompt_ids"], ex["chosen_ids"], ex["rejected_ids"]
             if self.share_prompt:
-                row, shared = _Row(), len(prompt) - 1 if prompt else 0
+                row, shared = Row(), len(prompt) - 1 if prompt else 0
                 row.add(prompt[:shared], 0, segment=pair, branch=0)
                 for branch, completion, sequence in ((1, chosen, pair), (2, rejected, num_pairs + pair)):
                     row.add(prompt[shared:], shared, segment=pair, branch=branch)
@@ -83,35 +83,42 @@ class PackedDPODataCollator:
             for sequence in range(2 * num_pairs):
                 ex = examples[sequence % num_pairs]
                 completion = ex["chosen_ids"] if sequence < num_pairs else ex["rejected_ids"]
-                row = _Row()
+                row = Row()
                 row.add(ex["prompt_ids"], 0, segment=sequence, branch=1)
                 row.add(completion, len(ex["prompt_ids"]), segment=sequence, branch=1, sequence=sequence)
                 rows.append(row)
-        segment_bounds = None
-        if self.padding_free:
-            segment_bounds = torch.tensor([0] + [len(row.input_ids) for row in rows]).cumsum(0)
-            packed = _Row()
-            for row in rows:
-                for name, values in vars(row).items():
-                    getattr(packed, name).extend(values)
-            rows = [packed]
-        batch = self._to_tensors(rows)
-        if segment_bounds is not None:
-            batch["segment_bounds"] = segment_bounds
+        batch = rows_to_batch(rows, self.pad_token_id, self.padding_free, self.pad_to_multiple_of,
+                              branch_mask=self.share_prompt and self.dense_mask)
         return add_reference_logps(batch, examples)
 
-    def _to_tensors(self, rows: list[_Row]) -> dict[str, torch.Tensor]:
-        length = max(len(row.input_ids) for row in rows)
-        if self.pad_to_multiple_of and not self.padding_free:
-            length = -(-length // self.pad_to_multiple_of) * self.pad_to_multiple_of
-        pads = {"input_ids": self.pad_token_id, "position_ids": 0, "labels": IGNORE_INDEX, "sequence_index": -1,
-                "segment_ids": -1, "branch_ids": -1}
-        columns = {name: torch.tensor([getattr(row, name) + [pad] * (length - len(row.input_ids)) for row in rows])
-                   for name, pad in pads.items()}
-        segment, branch = columns["segment_ids"], columns["branch_ids"]
-        if self.share_prompt and self.dense_mask:
-            causal = torch.ones(length, length, dtype=torch.bool).tril()
-            same_segment = segment[:, :, None] == segment[:, None, :]
-            visible_branch = (branch[:, None, :] == 0) | (branch[:, :, None] == branch[:, None, :])
-            columns["attention_mask"] = (causal & same_segment & visible_branch)[:, None]
-        return columns
+
+def rows_to_batch(rows: list[Row], pad_token_id: int, padding_free: bool, pad_to_multiple_of: int | None = None,
+                  branch_mask: bool = False) -> dict[str, torch.Tensor]:
+    """Segments laid out as `Row`s -> the batch's tensors: with `padding_free` one row [1, N] and `segment_bounds`
+    [S + 1], else one right-padded row each; `branch_mask` adds the boolean 4D `attention_mask` [rows, 1, T, T] of
+    branches that see their segment's shared prefix (branch 0) and themselves. The grouped layout
+    (collator_groups.py) lays its segments out with `Row` too."""
+    segment_bounds = None
+    if padding_free:
+        segment_bounds = torch.tensor([0] + [len(row.input_ids) for row in rows]).cumsum(0)
+        packed = Row()
+        for row in rows:
+            for name, values in vars(row).items():
+                getattr(packed, name).extend(values)
+        rows = [packed]
+    length = max(len(row.input_ids) for row in rows)
+    if pad_to_multiple_of and not padding_free:
+        length = -(-length // pad_to_multiple_of) * pad_to_multiple_of
+    pads = {"input_ids": pad_token_id, "position_ids": 0, "labels": IGNORE_INDEX, "sequence_index": -1,
+            "segment_ids": -1, "branch_ids": -1}
+    columns = {name: torch.tensor([getattr(row, name) + [pad] * (length - len(row.input_ids)) for row in rows])
+               for name, pad in pads.items()}
+    segment, branch = columns["segment_ids"], columns["branch_ids"]
+    if branch_mask:
+        causal = torch.ones(length, length, dtype=torch.bool).tril()
+        same_segment = segment[:, :, None] == segment[:, None, :]
+        visible_branch = (branch[:, None, :] == 0) | (branch[:, :, None] == branch[:, None, :])
+        columns["attention_mask"] = (causal & same_segment & visible_branch)[:, None]
+    if segment_bounds is not None:
+        columns["segment_bounds"] = segment_bounds
+    return columns

@@ -149,6 +149,13 @@ class DPOMinConfig(TrainingArguments):
         metadata={"help": "Lay each pair out as prompt, chosen, rejected with a 4D attention mask, so the prompt is "
                           "computed once. Combines with padding_free. Needs sdpa or eager attention."},
     )
+    group_by_prompt: bool = field(
+        default=False,
+        metadata={"help": "Train the pairs of one prompt as one group: the prompt once and each distinct completion "
+                          "once, as share_prompt's segment with a branch per completion; the pairs of a prompt are "
+                          "batched together (the groups shuffled, or in order with train_sampling_strategy "
+                          "sequential). Combines with padding_free. Needs sdpa or eager attention."},
+    )
     shard_with_fsdp2: bool = field(
         default=False,
         metadata={"help": "Shard policy and reference with FSDP2 (fully_shard) across the processes, applied by "
@@ -188,6 +195,12 @@ class DPOMinConfig(TrainingArguments):
         for name in ("precompute_ref_batch_size", "pad_to_multiple_of"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1 or None, got {getattr(self, name)}")
+        if self.listwise and not self.group_by_prompt:
+            raise ValueError("loss_type plackett_luce ranks each prompt's answers: it needs group_by_prompt")
+        if self.group_by_prompt and self.train_sampling_strategy not in ("random", "sequential"):
+            raise ValueError(f"group_by_prompt orders the pairs itself (a prompt's pairs together, the groups "
+                             f"shuffled, or in order with 'sequential'): drop "
+                             f"train_sampling_strategy={self.train_sampling_strategy!r}")
         if self.router_aux_loss_coef is not None and self.router_aux_loss_coef < 0:
             raise ValueError(f"router_aux_loss_coef must be >= 0 or None, got {self.router_aux_loss_coef}")
 
@@ -237,8 +250,19 @@ class DPOMinConfig(TrainingArguments):
 
     @property
     def packed(self) -> bool:
-        """Whether a batch is packed into rows (padding_free, share_prompt, or both) rather than padded."""
-        return self.padding_free or self.share_prompt
+        """Whether a batch is packed into rows (padding_free, share_prompt, group_by_prompt) rather than padded."""
+        return self.padding_free or self.shares_prompt
+
+    @property
+    def shares_prompt(self) -> bool:
+        """Whether a segment's completions share its prompt under a 4D mask: share_prompt, or group_by_prompt."""
+        return self.share_prompt or self.group_by_prompt
+
+    @property
+    def listwise(self) -> bool:
+        """Whether the loss reads each group's whole ranking (plackett_luce): then a batch holds
+        per_device_train_batch_size whole groups, not pairs."""
+        return "plackett_luce" in self.loss_type
 
     @property
     def global_batch_size(self) -> int:

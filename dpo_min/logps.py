@@ -69,6 +69,31 @@ class SequenceLogps:
         return chosen * rejected
 
 
+    def of_pairs(self, completion_index: torch.Tensor) -> "SequenceLogps":
+        """The log-probs of C distinct completions (the grouped layout) as those of the 2B sequences of the pairs:
+        sequence s is completion `completion_index[s]` ([2B]). Per-token values are repeated for each sequence a
+        completion is, so that what reads tokens per pair (LD-DPO, WPO) reads them as in the padded layout."""
+        counts = self.lengths.long()
+        order = torch.argsort(self.token_sequence, stable=True)  # the tokens completion by completion, in order
+        starts = torch.cumsum(counts, 0) - counts
+        per_pair = counts[completion_index]
+        token_sequence = torch.repeat_interleave(torch.arange(len(completion_index), device=counts.device), per_pair)
+        offsets = torch.arange(len(token_sequence), device=counts.device) - (torch.cumsum(per_pair, 0) - per_pair)[
+            token_sequence]
+        tokens = order[starts[completion_index][token_sequence] + offsets]
+
+        def gathered(values: torch.Tensor | None, index: torch.Tensor) -> torch.Tensor | None:
+            return None if values is None else values[index]
+
+        return SequenceLogps(
+            logps=self.logps[completion_index], lengths=self.lengths[completion_index],
+            logits_sums=self.logits_sums[completion_index], token_logps=self.token_logps[tokens],
+            token_sequence=token_sequence, token_positions=self.token_positions[tokens],
+            token_log_sum_sq_probs=gathered(self.token_log_sum_sq_probs, tokens),
+            entropy_sums=gathered(self.entropy_sums, completion_index),
+            top1_counts=gathered(self.top1_counts, completion_index), aux_loss=self.aux_loss)
+
+
 def sequence_logps(model: torch.nn.Module, batch: dict[str, torch.Tensor],
                    with_sum_sq_probs: bool = False, with_aux_loss: bool = False) -> SequenceLogps:
     """One forward of `model` over a collated batch -> log-probs of each of its sequences.
@@ -76,7 +101,9 @@ def sequence_logps(model: torch.nn.Module, batch: dict[str, torch.Tensor],
     `with_sum_sq_probs` also fills `token_log_sum_sq_probs` (for WPO weights), at the cost of one more pass over
     each chunk of logits; `with_aux_loss` asks a mixture-of-experts model for its router load-balancing loss."""
     labels, sequence_index = batch["labels"], batch["sequence_index"]
-    num_sequences = 2 * _num_pairs(batch)
+    # The grouped layout's sequences are its distinct completions, gathered into the 2B of the pairs at the end.
+    pairs_of = batch.get("completion_index")
+    num_sequences = 2 * _num_pairs(batch) if pairs_of is None else int(pairs_of.max()) + 1
     # Position t predicts token t+1: keep the positions whose next token is a completion token.
     next_labels = labels[:, 1:]
     predicts_completion = F.pad(next_labels != IGNORE_INDEX, (0, 1), value=False)
@@ -100,7 +127,7 @@ def sequence_logps(model: torch.nn.Module, batch: dict[str, torch.Tensor],
         return values.new_zeros(num_sequences).index_add(0, token_sequence, values)
 
     lengths = per_sequence(torch.ones_like(token_logps))
-    return SequenceLogps(
+    computed = SequenceLogps(
         logps=per_sequence(token_logps),
         lengths=lengths,
         logits_sums=per_sequence(mean_logits),
@@ -112,6 +139,7 @@ def sequence_logps(model: torch.nn.Module, batch: dict[str, torch.Tensor],
         top1_counts=per_sequence(is_top1),
         aux_loss=outputs.aux_loss if with_aux_loss else None,
     )
+    return computed if pairs_of is None else computed.of_pairs(pairs_of)
 
 
 def _positions_in_sequence(token_sequence: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:

@@ -34,6 +34,8 @@ class PairTerms:
     beta: float
     label_smoothing: float
     hyperparameters: Mapping[str, float]  # every one some entry reads, by config field name (`LossEntry.reads`)
+    # plackett_luce: (ranking [R] into the 2B sequences, sizes [G]) of the batch's groups (collator_groups.py)
+    groups: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def value(self, name: str) -> float:
         """A hyperparameter a loss entry declares it reads (`LossEntry.reads`)."""

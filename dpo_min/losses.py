@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from . import listwise
 from . import loss_family as family
 from .loss_family import PairTerms
 
@@ -138,6 +139,15 @@ def _simpo(t: PairTerms) -> torch.Tensor:  # SimPO, arXiv 2405.14734: per-token 
     return _sigmoid(t, chosen - rejected - t.value("simpo_gamma") / t.beta)
 
 
+def _plackett_luce(t: PairTerms) -> torch.Tensor:
+    """DPO's listwise loss, arXiv 2305.18290 appendix A.3: [G], one loss per group, over each group's ranking of the
+    rewards beta * (pi - ref) (listwise.py); without groups each pair is its own ranking of two, DPO's sigmoid."""
+    rewards = t.beta * torch.cat([t.chosen_logratios, t.rejected_logratios])
+    pairs = len(t.chosen_logratios)
+    ranking, sizes = t.groups or (torch.arange(2 * pairs).view(2, pairs).T.flatten(), torch.full((pairs,), 2))
+    return listwise.plackett_luce(rewards, ranking.to(rewards.device), sizes)
+
+
 LOSSES: dict[str, LossEntry] = {
     "sigmoid": LossEntry(_sigmoid, READS_LABEL_SMOOTHING, f_divergence=True, tie=math.log(2)),  # -logsigmoid(0)
     "robust": LossEntry(family.robust, {"label_smoothing": Knob(0.0, 0.0, 0.5, open_high=True)}, f_divergence=True),
@@ -158,6 +168,7 @@ LOSSES: dict[str, LossEntry] = {
     "cpo": LossEntry(_cpo, {**READS_LABEL_SMOOTHING, "alpha": ALPHA}, reads_reference=False, rewards=_cpo_rewards),
     "simpo": LossEntry(_simpo, {**READS_LABEL_SMOOTHING, "alpha": ALPHA, "simpo_gamma": GAMMA}, reads_reference=False,
                        needs_lengths=True, rewards=_simpo_rewards),
+    "plackett_luce": LossEntry(_plackett_luce),  # one loss per group (a batch of whole groups, listwise.py)
 }
 LOSS_TYPES = tuple(LOSSES)
 
@@ -283,6 +294,10 @@ class LossSettings:
         self._check_unread_alpha()
         self._check_f_divergence()
         self._check_modifiers()
+        if "plackett_luce" in self.loss_types and (len(self.loss_types) > 1 or self.ld_alpha is not None
+                                                   or self.cpo_alpha or self.use_weighting):
+            raise ValueError("loss_type plackett_luce is one loss per group: it takes no other loss type, ld_alpha, "
+                             "use_weighting or cpo_alpha")
         return self
 
     def _check_modifiers(self) -> None:
@@ -313,7 +328,7 @@ def dpo_loss(policy_chosen_logps: torch.Tensor, policy_rejected_logps: torch.Ten
              ref_chosen_logps: torch.Tensor | None, ref_rejected_logps: torch.Tensor | None,
              settings: LossSettings | None = None, chosen_lengths: torch.Tensor | None = None,
              rejected_lengths: torch.Tensor | None = None, chosen_nll: torch.Tensor | None = None,
-             pair_weights: torch.Tensor | None = None,
+             pair_weights: torch.Tensor | None = None, groups: tuple[torch.Tensor, torch.Tensor] | None = None,
              **options: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-pair preference loss and implicit rewards.
 
@@ -329,10 +344,12 @@ def dpo_loss(policy_chosen_logps: torch.Tensor, policy_rejected_logps: torch.Ten
         chosen_nll: [B] summed negative log-likelihood of each chosen completion under the policy, for sft and
             cpo_alpha (default -policy_chosen_logps; pass it when those are length-desensitised).
         pair_weights: [B] per-pair weights multiplying every loss term (WPO), or None.
+        groups: plackett_luce's (ranking [R], sizes [G]) of the batch's groups (collator_groups.py), or None.
 
     Returns:
         (losses [B], chosen_rewards [B], rejected_rewards [B]), rewards detached: beta * (policy - reference), or
-        for a first loss type with rewards of its own (cpo, simpo), beta times those.
+        for a first loss type with rewards of its own (cpo, simpo), beta times those. plackett_luce's losses are
+        [G], one per group.
     """
     settings = _settings_of(settings, options, chosen_lengths is not None and rejected_lengths is not None)
     if settings.reference_free or ref_chosen_logps is None:  # log pi_ref taken as 0
@@ -348,7 +365,7 @@ def dpo_loss(policy_chosen_logps: torch.Tensor, policy_rejected_logps: torch.Ten
                       delta=chosen_scores - rejected_scores, chosen_lengths=chosen_lengths,
                       rejected_lengths=rejected_lengths, chosen_nll=chosen_nll, beta=settings.beta,
                       label_smoothing=settings.hyperparameters["label_smoothing"],
-                      hyperparameters=settings.hyperparameters)
+                      hyperparameters=settings.hyperparameters, groups=groups)
     losses = sum(weight * LOSSES[name].loss(terms) for name, weight in zip(settings.loss_types, settings.weights))
     if pair_weights is not None:
         losses = losses * pair_weights

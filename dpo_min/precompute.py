@@ -19,6 +19,7 @@ from tqdm.auto import tqdm
 from . import ref_cache
 from .collator import REFERENCE_COLUMNS
 from .compat import TRL_ITERABLE_REFUSAL
+from .grouping import GroupBatchSampler, GroupedSampler, dataset_groups
 from .scale import zero
 
 
@@ -65,8 +66,7 @@ def with_reference_logps(trainer: Any, dataset: Dataset, description: str, metho
 
 def _reference_pass(trainer: Any, dataset: Dataset) -> tuple[torch.Tensor, torch.Tensor]:
     args, accelerator = trainer.args, trainer.accelerator
-    loader = DataLoader(dataset, batch_size=args.precompute_ref_batch_size or args.per_device_eval_batch_size,
-                        shuffle=False, collate_fn=trainer.data_collator, num_workers=args.dataloader_num_workers)
+    loader, order = _loader(trainer, dataset)
     chosen, rejected = [], []
     was_training = trainer.model.training
     trainer.model.eval()
@@ -83,4 +83,27 @@ def _reference_pass(trainer: Any, dataset: Dataset) -> tuple[torch.Tensor, torch
         chosen.append(ref[0].float().cpu())
         rejected.append(ref[1].float().cpu())
     trainer.model.train(was_training)
-    return torch.cat(chosen), torch.cat(rejected)
+    if order is None:
+        return torch.cat(chosen), torch.cat(rejected)
+    # Back to the dataset's order; several processes may have repeated the first batches to end together.
+    positions = torch.tensor(order)
+    return tuple(torch.empty(len(order)).index_copy_(0, positions, torch.cat(values)[:len(order)])
+                 for values in (chosen, rejected))
+
+
+def _loader(trainer: Any, dataset: Dataset) -> tuple[DataLoader, list[int] | None]:
+    """The pass's loader, and under group_by_prompt the dataset position of each pair it yields, in order: batches
+    of whole groups (precompute_ref_batch_size groups each), so that each distinct completion runs once; with several
+    processes, which must gather batches of one size, batches of pairs with a prompt's pairs together."""
+    args = trainer.args
+    size, collate = args.precompute_ref_batch_size or args.per_device_eval_batch_size, trainer.data_collator
+    if not args.group_by_prompt:
+        return DataLoader(dataset, batch_size=size, shuffle=False, collate_fn=collate,
+                          num_workers=args.dataloader_num_workers), None
+    if trainer.accelerator.num_processes == 1:
+        batches = GroupBatchSampler(dataset_groups(dataset), size, args.seed, shuffle=False)
+        return DataLoader(dataset, batch_sampler=batches, collate_fn=collate,
+                          num_workers=args.dataloader_num_workers), [p for batch in batches for p in batch]
+    order = GroupedSampler(dataset_groups(dataset), args.seed, shuffle=False)
+    return DataLoader(dataset, batch_size=size, sampler=order, collate_fn=collate,
+                      num_workers=args.dataloader_num_workers), list(order)

@@ -24,7 +24,7 @@ from datasets import Dataset, IterableDataset
 from torch.utils.data import DataLoader
 from transformers import EvalPrediction, PreTrainedModel, Trainer, TrainerCallback, set_seed
 
-from . import checkpoints, precompute, trainer_setup
+from . import checkpoints, grouping, precompute, trainer_setup
 from .collator import NON_MODEL_KEYS, REFERENCE_COLUMNS
 from .compat import trl_hub_tags
 from .config import DPOMinConfig
@@ -46,7 +46,8 @@ class DPOMinTrainer(TRLSurface, Trainer):
     The `Trainer` methods it overrides, all in this body: `compute_loss` and `prediction_step` (the loss of a batch,
     training and evaluating), `log` (the metrics of every micro-batch since the last log), `train`,
     `get_train_dataloader`, `get_eval_dataloader` and `get_test_dataloader` (a dataset passed to `evaluate` or
-    `predict` tokenized; the precompute pass, when asked for), `_clip_grad_norm` and
+    `predict` tokenized; the precompute pass, when asked for; plackett_luce's batches of whole groups),
+    `_get_train_sampler` (group_by_prompt's order, grouping.py), `_clip_grad_norm` and
     `_get_grad_norm` (a non-finite gradient stops the run), `_save_checkpoint` and `_save` (each checkpoint staged,
     then renamed; a sharded model saved whole), and `__setattr__` (the loss reads its settings when the trainer
     is given a config, `args`). A default run also calls methods it inherits as they are: `training_step`,
@@ -153,12 +154,14 @@ class DPOMinTrainer(TRLSurface, Trainer):
             logits = chosen_logratios - rejected_logratios
             losses = -F.logsigmoid(beta * logits)
             chosen_rewards, rejected_rewards = beta * chosen_logratios.detach(), beta * rejected_logratios.detach()
-        else:  # any other loss type, label smoothing, f-DPO, WPO or CPO's term: the loss table (losses.py)
+        else:  # any other loss type, label smoothing, f-DPO, WPO, CPO's term, plackett_luce: the loss table (losses.py)
             chosen_lengths, rejected_lengths = policy.lengths.chunk(2)
+            # plackett_luce's groups, as the grouped layout ranks them (collator_groups.py); one loss per group
+            groups = (inputs["group_ranking"], inputs["group_sizes"]) if "group_ranking" in inputs else None
             losses, chosen_rewards, rejected_rewards = dpo_loss(
                 chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, settings,
                 chosen_lengths=chosen_lengths, rejected_lengths=rejected_lengths, chosen_nll=-policy.logps.chunk(2)[0],
-                pair_weights=policy.wpo_weights() if settings.use_weighting else None)
+                pair_weights=policy.wpo_weights() if settings.use_weighting else None, groups=groups)
         loss = losses.mean()
         if policy.aux_loss is not None:
             loss = loss + self.router_aux_loss_coef * policy.aux_loss
@@ -238,7 +241,20 @@ class DPOMinTrainer(TRLSurface, Trainer):
     def get_train_dataloader(self) -> DataLoader:
         # The eval data too, now: for full fine-tuning the reference is the model before its first step.
         self.precompute_reference()
+        # plackett_luce reads whole groups: per_device_train_batch_size groups a batch (it needs group_by_prompt)
+        if self.args.group_by_prompt and self.args.listwise:
+            shuffle = self.args.train_sampling_strategy == "random"
+            return grouping.whole_group_loader(self, self.train_dataset, self.args.per_device_train_batch_size,
+                                               shuffle)
         return super().get_train_dataloader()
+
+    def _get_train_sampler(self, train_dataset: Any = None) -> Any:
+        # group_by_prompt: a prompt's pairs together, the groups shuffled (grouping.py); a stream keeps its order.
+        dataset = self.train_dataset if train_dataset is None else train_dataset
+        if self.args.group_by_prompt and isinstance(dataset, Dataset):
+            shuffle = self.args.train_sampling_strategy == "random"
+            return grouping.GroupedSampler(grouping.dataset_groups(dataset), self.args.seed, shuffle)
+        return super()._get_train_sampler(train_dataset)
 
     def get_eval_dataloader(self, eval_dataset: Any = None) -> DataLoader:
         if isinstance(eval_dataset, str) and self.args.precompute_ref_log_probs:
@@ -247,6 +263,10 @@ class DPOMinTrainer(TRLSurface, Trainer):
             self.precompute_reference()
         elif not isinstance(eval_dataset, str):
             eval_dataset = self._passed(eval_dataset, "evaluate")
+        if self.args.group_by_prompt and self.args.listwise:  # whole groups, in the order of their first pairs
+            data = self.eval_dataset if eval_dataset is None else eval_dataset
+            data = self.eval_dataset[data] if isinstance(data, str) else data
+            return grouping.whole_group_loader(self, data, self.args.per_device_eval_batch_size, False)
         return super().get_eval_dataloader(eval_dataset)
 
     def get_test_dataloader(self, test_dataset: Any) -> DataLoader:

@@ -17,9 +17,11 @@ from datasets import Dataset, IterableDataset
 from transformers import TrainingArguments
 
 from .collator import DPODataCollator
+from .collator_groups import GroupedDPODataCollator
 from .collator_packed import PackedDPODataCollator
 from .compat import TRL_ITERABLE_REFUSAL, trl_default_output_dir
 from .config import DPOMinConfig
+from .grouping import check_rankings
 from .models import load_causal_lm, load_tokenizer, pad_with_eos
 from .scale import sharding, zero
 from .scale.attention import check_packed_model, packed_attention, use_packed_attention
@@ -62,8 +64,9 @@ def _check_layout(model_config: Any, args: DPOMinConfig) -> None:
         return
     check_packed_model(model_config)  # raises for a family or an attention not tested packed
     layer_types = getattr(model_config, "layer_types", None) or ["sliding_attention"]
-    if args.share_prompt and getattr(model_config, "sliding_window", None) and "sliding_attention" in layer_types:
-        raise ValueError("share_prompt's 4D attention mask has no sliding window, and this model uses one "
+    if args.shares_prompt and getattr(model_config, "sliding_window", None) and "sliding_attention" in layer_types:
+        raise ValueError("share_prompt's and group_by_prompt's 4D attention mask has no sliding window, and this "
+                         "model uses one "
                          f"(sliding_window={model_config.sliding_window})")
 
 
@@ -86,6 +89,9 @@ def validated_args(model: Any, ref_model: Any, args: DPOMinConfig | None, train_
     evals = eval_dataset.values() if isinstance(eval_dataset, dict) else [eval_dataset]
     if args.precompute_ref_log_probs and any(isinstance(d, IterableDataset) for d in (train_dataset, *evals)):
         raise ValueError(TRL_ITERABLE_REFUSAL)
+    if args.listwise and (args.world_size > 1 or any(isinstance(d, IterableDataset) for d in (train_dataset, *evals))):
+        raise ValueError("loss_type plackett_luce trains batches of whole groups, of varied sizes: in one process, "
+                         "on data with a length (no stream)")
     if compute_metrics is not None and args.packed:
         raise ValueError("compute_metrics receives [2B, T] logits (as TRL), which the padding_free and "
                          "share_prompt layouts do not compute: turn them off to use compute_metrics")
@@ -134,9 +140,9 @@ def check_model(model: Any, args: DPOMinConfig) -> float:
     """The checks that need the model, before any data is tokenized; the router load-balancing loss's weight."""
     _check_layout(model.config, args)
     router_aux_loss_coef = _router_aux_loss_coef(model.config, args.router_aux_loss_coef)
-    if router_aux_loss_coef and args.share_prompt:
-        raise ValueError("share_prompt's 4D attention mask cannot go into the router load-balancing loss: set "
-                         "router_aux_loss_coef=0 or drop share_prompt")
+    if router_aux_loss_coef and args.shares_prompt:
+        raise ValueError("share_prompt's and group_by_prompt's 4D attention mask cannot go into the router "
+                         "load-balancing loss: set router_aux_loss_coef=0 or drop share_prompt and group_by_prompt")
     return router_aux_loss_coef
 
 
@@ -154,9 +160,13 @@ def prepare_models(modules: list[torch.nn.Module], args: DPOMinConfig) -> None:
 
 
 def make_collator(pad_token_id: int, padding_free: bool = False, share_prompt: bool = False,
-                  dense_mask: bool = True, pad_to_multiple_of: int | None = None
-                  ) -> DPODataCollator | PackedDPODataCollator:
-    """The collator of a layout: padded (collator.py) unless `padding_free` or `share_prompt` (collator_packed.py)."""
+                  dense_mask: bool = True, pad_to_multiple_of: int | None = None, group_by_prompt: bool = False,
+                  rank_groups: bool = False) -> Callable:
+    """The collator of a layout: padded (collator.py) unless `padding_free` or `share_prompt` (collator_packed.py),
+    or `group_by_prompt` (collator_groups.py; `rank_groups` for plackett_luce)."""
+    if group_by_prompt:
+        return GroupedDPODataCollator(pad_token_id, padding_free=padding_free, pad_to_multiple_of=pad_to_multiple_of,
+                                      dense_mask=dense_mask, rank_groups=rank_groups)
     if padding_free or share_prompt:
         return PackedDPODataCollator(pad_token_id, padding_free=padding_free, share_prompt=share_prompt,
                                      dense_mask=dense_mask, pad_to_multiple_of=pad_to_multiple_of)
@@ -168,7 +178,7 @@ def default_collator(model: Any, tokenizer: Any, args: DPOMinConfig) -> Callable
     dense_mask = not args.packed or packed_attention(
         model.config._attn_implementation).dense_mask
     return make_collator(tokenizer.pad_token_id, args.padding_free, args.share_prompt, dense_mask,
-                         args.pad_to_multiple_of)
+                         args.pad_to_multiple_of, args.group_by_prompt, args.listwise)
 
 
 @contextlib.contextmanager
@@ -187,14 +197,17 @@ def tokenized(dataset: Any, tokenizer: Any, args: DPOMinConfig, model: Any = Non
     given ids may close on a token that ends the model's samples (`end_token_ids`)."""
     if isinstance(dataset, dict):
         return {name: tokenized(split, tokenizer, args, model) for name, split in dataset.items()}
-    if dataset is None or is_tokenized(dataset):
-        return dataset
-    # The main process tokenizes first; the others then read its datasets cache instead of tokenizing again.
-    with args.main_process_first(desc="tokenizing the pairs"), \
-            datasets_progress_bars(not args.disable_tqdm and args.local_process_index == 0):
-        return tokenize_dataset(dataset, tokenizer, args.max_length, args.max_prompt_length, args.truncation_mode,
-                                num_proc=args.dataset_num_proc, chat_template_kwargs=args.chat_template_kwargs,
-                                end_ids=end_token_ids(model, tokenizer))
+    if dataset is not None and not is_tokenized(dataset):
+        # The main process tokenizes first; the others then read its datasets cache instead of tokenizing again.
+        with args.main_process_first(desc="tokenizing the pairs"), \
+                datasets_progress_bars(not args.disable_tqdm and args.local_process_index == 0):
+            dataset = tokenize_dataset(dataset, tokenizer, args.max_length, args.max_prompt_length,
+                                       args.truncation_mode, num_proc=args.dataset_num_proc,
+                                       chat_template_kwargs=args.chat_template_kwargs,
+                                       end_ids=end_token_ids(model, tokenizer))
+    if args.group_by_prompt and args.listwise:  # each group's ranking, checked once, before anything trains
+        check_rankings(dataset)
+    return dataset
 
 
 def kept_rows(dataset: Dataset, tokenizer: Any, args: DPOMinConfig, model: Any = None) -> list[int]:

@@ -276,6 +276,7 @@ ONE_ROW = {
                                 "summaries": [{"text": " a"}, {"text": " b"}]},
     "webgpt_comparisons": {"question": {"full_text": "Q"}, "answer_0": "a", "answer_1": "b", "score_0": 1.0,
                            "score_1": -1.0},
+    "ranked": {"prompt": "Q", "completions": ["a", "b"], "scores": [1.0, 0.0]},
 }
 
 

@@ -168,9 +168,10 @@ def replace_in_place(folder):
     (lambda folder: ["--warmup_steps", "2", "--adam_beta2", "0.99"],
      ["adam_beta2 0.999 -> 0.99, warmup_steps 0 -> 2.0"]),
     (lambda folder: ["--optim", "sgd"], ["optim adamw_torch_fused -> sgd"]),
+    (lambda folder: ["--group_by_prompt"], ["group_by_prompt False -> True"]),  # another order of the pairs
 ], ids=["other-file", "file-replaced-in-place", "max-length", "loss-type", "eval-fraction", "beta", "model",
         "model-revision", "lora-r", "lora-alpha-dropout", "lora-targets", "no-peft", "chat-template",
-        "learning-rate", "weight-decay", "scheduler", "warmup-betas", "optim"])
+        "learning-rate", "weight-decay", "scheduler", "warmup-betas", "optim", "group-by-prompt"])
 def test_a_resume_that_is_not_the_same_run_is_refused_naming_old_and_new(finished_run, tiny_model_dir, tmp_path,
                                                                         capsys, change, expected):
     from dpo_min.train import main

@@ -151,6 +151,7 @@ def held_indices(run):
 def test_every_loss_type_trains_a_round(tmp_path, tokenizer, loss_type):
     # The core tests every loss's numbers; here a round runs with it: 1 round, 2 prompts, 1 step, no checkpoint.
     needs = {"label_smoothing": 1e-3} if loss_type == "exo_pair" else {}  # EXO's eps must be in (0, 1)
+    needs |= {"group_by_prompt": True} if loss_type == "plackett_luce" else {}  # it ranks each prompt's samples
     config = settings(tmp_path, rounds=1, held_out_share=0.0, num_generations=2,
                       training={"loss_type": [loss_type], "save_strategy": "no", **needs})
     result = run_rounds(tiny_policy(), tokenizer, PROMPTS[:2], letters, config)

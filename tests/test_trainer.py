@@ -300,7 +300,7 @@ def test_every_overridden_trainer_hook_is_called(tmp_path, tokenizer, hh_pairs, 
     # Every private Trainer method DPOMinTrainer or its base overrides, read from the classes: a new one joins here.
     overridden = {name for cls in (DPOMinTrainer, TRLSurface) for name in vars(cls)
                   if name.startswith("_") and not name.startswith("__") and hasattr(Trainer, name)}
-    assert overridden == {"_clip_grad_norm", "_get_grad_norm", "_save", "_save_checkpoint",
+    assert overridden == {"_clip_grad_norm", "_get_grad_norm", "_get_train_sampler", "_save", "_save_checkpoint",
                           "_set_signature_columns_if_needed"}
     calls = {name: 0 for name in (*overridden, "_check_finite_gradients")}
 
@@ -319,7 +319,7 @@ def test_every_overridden_trainer_hook_is_called(tmp_path, tokenizer, hh_pairs, 
                             processing_class=tokenizer, peft_config=lora())
     trainer.train()
     assert calls == {"_clip_grad_norm": 2 if max_grad_norm else 0, "_get_grad_norm": 2, "_save_checkpoint": 2,
-                     "_save": 2, "_set_signature_columns_if_needed": 1,
+                     "_save": 2, "_set_signature_columns_if_needed": 1, "_get_train_sampler": 1,
                      "_check_finite_gradients": 2}  # the gradients checked once per step, by either hook
     assert sorted(path.name for path in (tmp_path / "out").iterdir()) == ["checkpoint-1", "checkpoint-2"]
 

@@ -12,6 +12,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from .options import LayoutOptions
+from .ranked import every_better_pair
 
 # winner, label(s), choice, rank, *preference*, *_response_id, score_*: a column that says which response is better.
 # One named after the chosen or the rejected reply (score_chosen, chosen_rating) describes a pair already in order.
@@ -146,7 +147,7 @@ def helpsteer2(row: Mapping[str, Any], index: int | str, options: LayoutOptions)
     return None if ordered is None else {"prompt": row["prompt"], "chosen": ordered[0], "rejected": ordered[1]}
 
 
-def ultrafeedback_raw(row: Mapping[str, Any], index: int | str, options: LayoutOptions) -> dict | None:
+def ultrafeedback_raw(row: Mapping[str, Any], index: int | str, options: LayoutOptions) -> dict | list | None:
     # openbmb/UltraFeedback binarized as HuggingFaceH4/ultrafeedback_binarized's card says: chosen = the highest
     # overall_score (the first of equals), rejected = one of the other completions at random.
     require(row, index, "instruction", "completions")
@@ -156,6 +157,10 @@ def ultrafeedback_raw(row: Mapping[str, Any], index: int | str, options: LayoutO
         raise ValueError(f"row {index}: field 'completions' must be a list of {{'response', 'overall_score', ...}}")
     if len(completions) < 2:
         return None  # nothing to compare
+    if options.every_ranked_pair:  # every better completion against every worse one (ranked.py)
+        scores = [one["overall_score"] for one in completions]
+        pairs = every_better_pair(_user(row["instruction"]), [one.get("response") for one in completions], scores)
+        return pairs or None  # every score equal: a tie
     best = max(range(len(completions)), key=lambda position: completions[position]["overall_score"])
     other = seeded_choice([one for position, one in enumerate(completions) if position != best], row["instruction"])
     return _turns(_user(row["instruction"]), completions[best].get("response"), other.get("response"))
@@ -213,7 +218,7 @@ def webgpt_comparisons(row: Mapping[str, Any], index: int | str, options: Layout
     return {"prompt": question, "chosen": row[f"answer_{better}"], "rejected": row[f"answer_{1 - better}"]}
 
 
-def nectar(row: Mapping[str, Any], index: int | str, options: LayoutOptions) -> dict:
+def nectar(row: Mapping[str, Any], index: int | str, options: LayoutOptions) -> dict | list | None:
     # berkeley-nest/Nectar: `prompt` is an HH transcript ("Human: ...\n\nAssistant:"), `answers` seven
     # {answer, model, rank}. Rank 1 against one lower-ranked answer drawn at random (seeded by the prompt);
     # open-instruct's scripts/data/preferences/nectar.py draws chosen among the top 4 instead.
@@ -225,6 +230,9 @@ def nectar(row: Mapping[str, Any], index: int | str, options: LayoutOptions) -> 
     turns = hh_messages("\n\n" + row["prompt"].lstrip("\n"))
     if not turns or turns[-1] != {"role": "assistant", "content": ""}:
         raise ValueError(f"row {index}: field 'prompt' must be a transcript ending with an empty 'Assistant:' turn")
+    if options.every_ranked_pair:  # every better-ranked answer against every worse one (ranked.py); rank 1 is best
+        return every_better_pair(turns[:-1], [one.get("answer") for one in answers],
+                                 [-one["rank"] for one in answers]) or None
     ranked = sorted(answers, key=lambda one: one["rank"])
     lower = [one for one in ranked if one["rank"] > ranked[0]["rank"]]
     if not lower:

@@ -16,6 +16,7 @@ from . import labelled
 from .given_ids import given_columns
 from .labelled import check_label_option, check_labels_read, hh_messages, require
 from .options import PREFERENCE_LABELS, LayoutOptions
+from .ranked import ranked
 from .unpaired import NO_ANSWER, NO_COMMON_PROMPT, SAME_ANSWERS, Unpaired
 
 # Columns carried from the source row to the pair: TRL hands both to the chat template.
@@ -30,7 +31,8 @@ MAPPING_HINT = ("name the columns with --prompt_column/--chosen_column/--rejecte
 class Layout:
     """A published layout: `recognise(kinds, first_row)` says whether the columns are this layout's (kinds maps
     each column to 'text', 'messages', 'turn', 'null' or 'other'); `to_pair(row, index, options)` returns
-    {prompt, chosen, rejected}, or None for a row the layout itself says to skip (a tie).
+    {prompt, chosen, rejected}, a list of them (a ranked row: ranked.py), or None for a row the layout itself says to
+    skip (a tie).
 
     reads_only: for a layout whose prompt is implicit, the columns it reads. Any other text column might be the
     prompt it would drop, so data that has one is refused (None: the layout reads its prompt from a column).
@@ -41,7 +43,7 @@ class Layout:
     name: str
     example: str  # a dataset published in this layout, for the log line and README
     recognise: Callable[[Mapping[str, str], Mapping[str, Any]], bool]
-    to_pair: Callable[[Mapping[str, Any], int, LayoutOptions], dict[str, Any] | None]
+    to_pair: Callable[[Mapping[str, Any], int, LayoutOptions], dict[str, Any] | list[dict[str, Any]] | None]
     reads_only: tuple[str, ...] | None = None
     labels: tuple[str, ...] = ()
     rule: str = ""
@@ -219,6 +221,8 @@ LAYOUTS: tuple[Layout, ...] = (
            labels=("preference_strength", "preference_statement", "preference_elaboration",
                    "three_most_similar_preferences", "all_preferences_unprocessed"),
            rule="negative strength: response_1 is chosen", skips="ties, and rows of another split than --row_split"),
+    Layout("ranked", "k scored answers to one prompt", _has("prompt", "completions", "scores"), ranked,
+           rule="every answer against every lower-scored one", skips="rows whose answers are one text"),
     Layout("ultrafeedback_raw", "openbmb/UltraFeedback", _has("instruction", "completions"),
            labelled.ultrafeedback_raw,
            rule="H4's binarization: chosen = the highest overall_score, rejected = a seeded random other completion",
@@ -290,6 +294,11 @@ def _check_nothing_unread(layout: Layout, kinds: Mapping[str, str], options: Lay
                          "or say the data has no prompts (--no_prompt)")
 
 
+def gives_several_pairs(layout: Layout, options: LayoutOptions) -> bool:
+    """Whether a row may give several pairs (ranked.py): the ranked layout, or a binarized one kept whole."""
+    return layout.name == "ranked" or (options.every_ranked_pair and layout.name in ("nectar", "ultrafeedback_raw"))
+
+
 def layout_by_name(name: str) -> Layout:
     for layout in LAYOUTS:
         if layout.name == name:
@@ -298,13 +307,21 @@ def layout_by_name(name: str) -> Layout:
 
 
 # ---- validation of the result -----------------------------------------------------------------------------------
-def to_pair(layout: Layout, row: Mapping[str, Any], index: int, options: LayoutOptions) -> dict[str, Any] | None:
-    """Row -> validated {prompt, chosen, rejected, carried columns}, or None for a row the layout skips."""
+def to_pair(layout: Layout, row: Mapping[str, Any], index: int,
+            options: LayoutOptions) -> dict[str, Any] | list[dict[str, Any]] | None:
+    """Row -> validated {prompt, chosen, rejected, carried columns}, or None for a row the layout skips; a ranked row
+    (ranked.py) -> a list of them, its pairs."""
     if not isinstance(row, Mapping):
         raise ValueError(f"row {index}: expected an object with chosen/rejected fields, got {type(row).__name__}")
     pair = layout.to_pair(row, index, options)
     if pair is None:
         return None
+    if isinstance(pair, list):
+        return [_validated(one, row, index, options) for one in pair]
+    return _validated(pair, row, index, options)
+
+
+def _validated(pair: dict[str, Any], row: Mapping[str, Any], index: int, options: LayoutOptions) -> dict[str, Any]:
     if options.label_column is not None:
         pair = labelled.apply_label(pair, row, index, options)
     if options.as_messages and isinstance(pair["prompt"], str):

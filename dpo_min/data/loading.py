@@ -23,7 +23,8 @@ def load_preference_dataset(path_or_name: str, split: str = "train", *, config: 
                             no_prompt: bool = False, as_messages: bool = False, row_split: str = "train",
                             label_column: str | None = None, label_chosen: str | None = None,
                             label_rejected: str | None = None, counts: StreamCounts | None = None,
-                            strict_pairs: bool = False, **load_kwargs: Any) -> AnyDataset:
+                            strict_pairs: bool = False, every_ranked_pair: bool = False,
+                            **load_kwargs: Any) -> AnyDataset:
     """Load preference pairs from a JSON/JSONL/Parquet/CSV file (optionally .gz) or a `datasets` name.
 
     Returns a `Dataset` (an `IterableDataset` with `streaming`) with columns `prompt`, `chosen`, `rejected`
@@ -32,11 +33,12 @@ def load_preference_dataset(path_or_name: str, split: str = "train", *, config: 
     `layouts.LAYOUTS`); `columns` maps our names (prompt, chosen, rejected, system) to the source's. A stream
     counts what it reads and skips in `counts` (a new `StreamCounts` if not given; `stream_counts(stream)` is it).
     A row that cannot be a preference pair (`UNPAIRED`: no answer, no common prompt) is dropped and counted, unless
-    `strict_pairs`, or most rows are such (a wrong layout): then it raises, naming the row.
+    `strict_pairs`, or most rows are such (a wrong layout): then it raises, naming the row. `every_ranked_pair`:
+    Nectar's and UltraFeedback's (raw) rows give every better answer against every worse one, not one pair.
     """
     options = LayoutOptions(preference_label=preference_label, no_prompt=no_prompt, as_messages=as_messages,
                             row_split=row_split, label_column=label_column, label_chosen=label_chosen,
-                            label_rejected=label_rejected)
+                            label_rejected=label_rejected, every_ranked_pair=every_ranked_pair)
     raw = load_raw(path_or_name, split, config, streaming, load_kwargs, (columns or {}).values())
     try:
         return to_preference_dataset(raw, columns=columns, options=options, num_proc=num_proc,

@@ -11,7 +11,8 @@ class LayoutOptions:
     """What the data cannot say about itself: which label decides (PKU-SafeRLHF), whether string pairs have no
     prompt, whether string pairs become one user and one assistant turn, which rows of a file that holds several
     splits in a `split` column are read (HelpSteer2's preference file: train, val), and how to read a label column
-    of mapped data (label_column, and its values that mean the chosen or the rejected column is the better one)."""
+    of mapped data (label_column, and its values that mean the chosen or the rejected column is the better one), and
+whether the ranked layouts that are published binarized (Nectar, UltraFeedback raw) keep every ranked answer."""
 
     preference_label: str = "better_response_id"
     no_prompt: bool = False
@@ -20,6 +21,7 @@ class LayoutOptions:
     label_column: str | None = None
     label_chosen: str | None = None
     label_rejected: str | None = None
+    every_ranked_pair: bool = False  # Nectar, UltraFeedback (raw): every ranked answer kept (ranked.py)
 
     def __post_init__(self):
         if self.preference_label not in PREFERENCE_LABELS:

@@ -18,6 +18,7 @@ from .layouts import (
     Layout,
     detect_layout,
     feature_kind,
+    gives_several_pairs,
     layout_by_name,
     to_pair,
     value_kind,
@@ -68,6 +69,7 @@ def _first_kind(rows: list[Any], layout: Layout, options: LayoutOptions, strict_
     are ties or unpaired, so reading them here raises only what `_pairs_of` would raise first."""
     for index, row in enumerate(rows):
         found = pair_or_reason(layout, row, index, options, strict_pairs)
+        found = found[0] if isinstance(found, list) and found else found
         if isinstance(found, dict):
             return isinstance(found["prompt"], list)
     return None
@@ -76,16 +78,18 @@ def _first_kind(rows: list[Any], layout: Layout, options: LayoutOptions, strict_
 def _pairs_of(rows: Iterable[Any], labels: Iterable[Any], layout: Layout, options: LayoutOptions,
               columns: Mapping[str, str] | None, conversational: bool | None,
               strict_pairs: bool) -> tuple[list[tuple[int, dict[str, Any]]], LeftOut]:
-    """The loop every row goes through: (position, pair) of each row that is a pair, and the rows that cannot be
-    (`UNPAIRED`) by reason; ties are left out. Every pair must be `conversational` or not (None: not checked)."""
+    """The loop every row goes through: (position, pair) of each pair a row gives (a ranked row several), and the
+    rows that cannot be (`UNPAIRED`) by reason; ties are left out. Every pair must be `conversational` or not (None:
+    not checked)."""
     kept, unpaired = [], {}
     for position, (row, label) in enumerate(zip(rows, labels)):
         found = pair_or_reason(layout, rename_columns(row, columns) if columns else row, label, options, strict_pairs)
         if isinstance(found, tuple):
             unpaired.setdefault(found[0], []).append((label, found[1]))
         elif found is not None:
-            _check_kind(found, label, conversational)
-            kept.append((position, found))
+            for pair in found if isinstance(found, list) else [found]:
+                _check_kind(pair, label, conversational)
+                kept.append((position, pair))
     return kept, unpaired
 
 
@@ -121,8 +125,8 @@ def _convert_batch(batch: dict[str, list], indices: list[int], layout_name: str,
     for name in (name for name in (*CARRIED_COLUMNS, *GIVEN_IDS, *MADE_BY, *keep) if name in batch):
         out[name] = [rows[position][name] for position, _ in kept]
     if counts is not None:  # a stream: its drops are counted as they happen (see StreamCounts)
-        unpaired_rows = sum(map(len, unpaired.values()))
-        counts.add({"read": len(indices), SKIPPED: len(indices) - len(kept) - unpaired_rows,
+        unpaired_rows, paired_rows = sum(map(len, unpaired.values())), len({position for position, _ in kept})
+        counts.add({"read": len(indices), SKIPPED: len(indices) - paired_rows - unpaired_rows,
                     **{reason: len(found) for reason, found in unpaired.items()}})
         note_in_stream(unpaired, counts)
     return out
@@ -143,6 +147,7 @@ def to_preference_dataset(dataset: AnyDataset, columns: Mapping[str, str] | None
     # The kind every pair must have is the first row's. Not validated here: the map validates that row with the
     # others. None: a tie; a tuple: unpaired (then the kinds are not checked).
     first_pair = pair_or_reason(layout, first, 0, options, strict_pairs, validate=False)
+    first_pair = first_pair[0] if isinstance(first_pair, list) and first_pair else first_pair
     conversational = None if not isinstance(first_pair, dict) else (
         options.as_messages or isinstance(first_pair["prompt"], list))
     fn_kwargs = {"layout_name": layout.name, "options": options, "columns": dict(columns) if columns else None,
@@ -163,12 +168,13 @@ def _note_map_drops(dataset: Dataset, converted: Dataset, layout: Layout, option
                     columns: Mapping[str, str] | None, counts: StreamCounts | None, source: str) -> None:
     """What a map-style read left out, counted and logged once: most rows unpaired is refused."""
     left_out: LeftOut = {}
-    if len(converted) < len(dataset):
+    # A map that kept no row writes no columns at all: no source_row to read. A ranked row gives several pairs.
+    kept = converted[SOURCE_ROW] if len(converted) else []
+    kept = list(dict.fromkeys(kept)) if gives_several_pairs(layout, options) else kept
+    if len(kept) < len(dataset):
         labels = dataset[SOURCE_ROW] if SOURCE_ROW in dataset.column_names else range(len(dataset))
-        # A map that kept no row writes no columns at all: no source_row to read.
-        kept = converted[SOURCE_ROW] if len(converted) else []
         left_out = left_out_rows(dataset, labels, kept, layout, options, columns)
-    ties = len(dataset) - len(converted) - sum(map(len, left_out.values()))
+    ties = len(dataset) - len(kept) - sum(map(len, left_out.values()))
     if left_out:
         refuse_most_unpaired(min(rows[0] for rows in left_out.values())[1],
                              {reason: len(rows) for reason, rows in left_out.items()}, len(dataset))

@@ -121,6 +121,9 @@ class DataArguments:
         "help": "The data has no prompts: string pairs without a prompt column train with an empty prompt."})
     as_messages: bool = field(default=False, metadata={
         "help": "String pairs become a user turn (after the system one) and assistant turns, for the chat template."})
+    every_ranked_pair: bool = field(default=False, metadata={
+        "help": "Nectar and UltraFeedback (raw): every better-ranked answer against every worse one (a group per "
+                "prompt, for --group_by_prompt), rather than one binarized pair per row."})
     strict_pairs: bool = field(default=False, metadata={
         "help": "Refuse the data at its first row that cannot be a preference pair (an empty answer, no common "
                 "prompt, chosen identical to rejected) instead of dropping and counting such rows."})

@@ -1,6 +1,7 @@
 """The command's data phase: the pairs a run trains and evaluates on, from one dataset, a mixture or a stream, as
 the plan says; and the local files and folders it reads, which the output folder must stay apart from."""
 
+import json
 import logging
 import os
 import sys
@@ -22,6 +23,7 @@ from ..data.overlap import count_shared_in_stream, warn_shared_pairs
 from ..data.pairs import SOURCE_DATASET
 from ..data.streams import DROP_REASONS, SKIPPED, StreamCounts, describe_stream_counts, stream_counts
 from ..data.unpaired import UNPAIRED
+from ..grouping import prompt_groups
 from ..split import held_out_split
 from .args import MIXTURE_KEYS, DataArguments, InputError, UsageError
 from .plan import Plan
@@ -61,7 +63,7 @@ def load_pairs(plan: Plan) -> tuple[Dataset, Dataset | None]:
         train, held_out = _split(train, plan)
     if held_out is not None and data_args.max_eval_samples is not None:
         held_out = held_out.select(range(min(data_args.max_eval_samples, len(held_out))))
-    if plan.reach is not None and len(train) > plan.reach:
+    if plan.reach is not None and len(train) > plan.reach and not plan.args.group_by_prompt:  # a cut would cut groups
         # Only the pairs the run will reach are tokenized (and, with precompute_ref_log_probs, scored).
         train = train.shuffle(seed=plan.seed).select(range(plan.reach))
     warn_shared_pairs(train, held_out, source)  # the pairs as trained and evaluated, whichever form split them
@@ -85,15 +87,20 @@ def _load_dataset(plan: Plan) -> tuple[str, Any, Any]:
 
 
 def _split(pairs: Dataset, plan: Plan) -> tuple[Dataset, Dataset]:
-    """The seeded split of one dataset, holding out the plan's count of its pairs."""
+    """The seeded split of one dataset, holding out the plan's count of its pairs; under group_by_prompt, of its
+    prompts, each with all its pairs (a group cut in two would train on the prompt it is evaluated on)."""
+    groups = prompt_groups([json.dumps(p, sort_keys=True) for p in pairs["prompt"]]) \
+        if plan.args.group_by_prompt else [[position] for position in range(len(pairs))]
+    what = "prompts" if plan.args.group_by_prompt else "pairs"
     try:  # dpo_min.split, the split the rounds' held-out prompts take too
-        train, held_out = held_out_split(len(pairs), plan.eval_fraction, plan.seed)
+        train, held_out = held_out_split(len(groups), plan.eval_fraction, plan.seed)
     except ValueError:
-        raise UsageError(f"--eval_fraction {plan.eval_fraction} of {len(pairs)} pairs leaves no pair to train on") \
-            from None
+        raise UsageError(f"--eval_fraction {plan.eval_fraction} of {len(groups)} {what} leaves no pair to train "
+                         "on") from None
     if not held_out:
-        raise UsageError(f"--eval_fraction {plan.eval_fraction} of {len(pairs)} pairs holds out no pair")
-    return pairs.select(train), pairs.select(held_out)
+        raise UsageError(f"--eval_fraction {plan.eval_fraction} of {len(groups)} {what} holds out no pair")
+    return tuple(pairs.select([position for group in part for position in groups[group]])
+                 for part in (train, held_out))
 
 
 def trained_sources(train_pairs: Any, data_args: DataArguments) -> dict[str, Any]:
@@ -239,7 +246,7 @@ def _columns(data_args: DataArguments) -> dict[str, str] | None:
 
 def _layout_options(data_args: DataArguments) -> dict[str, Any]:
     names = ("preference_label", "no_prompt", "as_messages", "row_split", "label_column", "label_chosen",
-             "label_rejected")
+             "label_rejected", "every_ranked_pair")
     return {name: getattr(data_args, name) for name in names}
 
 

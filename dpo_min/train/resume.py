@@ -33,7 +33,7 @@ RESUME_SETTINGS = (
     "use_peft", *ADAPTER_SETTINGS,
     # the order of the pairs
     "per_device_train_batch_size", "gradient_accumulation_steps", "world_size", "max_steps", "num_train_epochs",
-    "seed", "data_seed", "train_sampling_strategy", "dataloader_drop_last",
+    "seed", "data_seed", "train_sampling_strategy", "dataloader_drop_last", "group_by_prompt",
     # the data and its held-out split
     "dataset", "dataset_config", "split", "datasets", "eval_split", "eval_fraction", "max_eval_samples",
     "dataset_mixture", "dataset_mixer", "dataset_splits", "dataset_configs", "test_split_size",
