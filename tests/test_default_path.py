@@ -177,7 +177,11 @@ def test_the_trace_counts_generated_code_in_the_module_that_defines_it():
     assert trace.entered["construction"]["loss_family.py"] == {"PairTerms.__init__ (generated)"}
     source = (PACKAGE / "loss_family.py").read_text().splitlines()
     lines = trace.spans["construction"]["loss_family.py"]
-    assert source[min(lines) - 1].startswith("class PairTerms") and "hyperparameters:" in source[max(lines) - 1]
+    fields = [number for number, line in enumerate(source, 1)
+              if min(lines) < number and line.startswith("    ") and ": " in line and "(" not in line.split(":")[0]]
+    first_method = source.index("    def value(self, name: str) -> float:") + 1
+    last_field = max(number for number in fields if number < first_method)
+    assert source[min(lines) - 1].startswith("class PairTerms") and max(lines) == last_field  # the span: its fields
 
 
 def test_the_trace_sees_a_file_the_default_never_runs():
