@@ -1,0 +1,131 @@
+"""Every pair of a prompt's k answers, in groups, against one best-against-worst pair, at equal samples: a protocol
+fixed before its seeds run (issue 51, item 6), every arm scored on the same held-out prompts of the arithmetic pool,
+one greedy completion each, right or wrong, prompt by prompt.
+
+    python benchmarks/compare_groups.py --protocol benchmarks/protocols/groups-2026-12-05.json --seed 47 \\
+        --out runs/groups-47 --json benchmarks/results/groups-2026-12-05/seed-47.json
+    python benchmarks/compare_groups.py --table benchmarks/results/groups-2026-12-05/seed-*.json
+
+Each arm is ONE round of `python -m dpo_min.train --rounds 1` with the protocol's options and the arm's own: pi_0
+samples the seed's draw of training prompts (the same draw, seeds and temperature in every arm, so the same
+samples: checked), the arm's pair rule pairs them, one DPO pass trains from pi_0. pi_0's held-out outcomes are the
+rounds' score before round 1 (the same in every arm: checked). The paired statistics are benchmarks/paired.py's:
+exact McNemar over prompts, and over seeds the sign test and the exact sign-flip test, since the prompts of a seed
+share one trained model (docs/rounds.md: they vary 1.6-2.8x what independent prompts would).
+"""
+
+import argparse
+import json
+import shlex
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from compare_rounds import POOL_OPTIONS, demo_options, interval, rounds_arm
+from paired import overdispersion, seed_permutation_test, shown_p
+
+
+def arm_figures(on: dict) -> dict:
+    """What one arm's single round gave: pi_0's and the trained policy's held-out outcomes, pairs, steps, seconds,
+    and its samples (to check that every arm trained on the same ones)."""
+    held = sorted(on["result"].held_out, key=lambda line: line["round"])
+    before, after = ([int(bool(total)) for _, total in line["per_prompt"]] for line in (held[0], held[-1]))
+    (round_line,) = on["result"].rounds
+    samples = (Path(on["plan"].output_dir) / "round-1" / "samples.jsonl").read_text()
+    return {"pi0_outcomes": before, "outcomes": after, "held_rows": [i for i, _ in held[0]["per_prompt"]],
+            "pairs": round_line["pairs"], "steps": round_line.get("dpo", {}).get("steps", 0),
+            "saturated": round_line.get("saturated"), "seconds": round(on["seconds"]),
+            "samples": [[row["prompt_index"], row["completion_ids"]] for row in map(json.loads, samples.splitlines())]}
+
+
+def run_seed(protocol: dict, seed: int, out: Path) -> dict:
+    if seed not in protocol["seeds"]:
+        sys.exit(f"seed {seed} is not one of the protocol's {protocol['seeds']}: a protocol's seeds are fixed")
+    figures, argvs = {}, {}
+    for arm, options in protocol["arm_options"].items():
+        argvs[arm] = ["--rounds", "1", "--seed", str(seed), *demo_options(), *POOL_OPTIONS, *protocol["options"],
+                      *options, "--output_dir", str(out / arm)]
+        figures[arm] = arm_figures(rounds_arm(argvs[arm]))
+    first, *others = figures.values()
+    for arm, of_arm in zip(list(figures)[1:], others):
+        for key in ("pi0_outcomes", "held_rows", "samples"):
+            if of_arm[key] != first[key]:
+                sys.exit(f"seed {seed}: arm {arm}'s {key} differ from the first arm's: every arm trains on pi_0's "
+                         "same samples")
+    return {"seed": seed, "protocol": protocol["name"], "argv": argvs, "held_rows": first["held_rows"],
+            "samples": len(first["samples"]),
+            "outcomes": {"pi_0": first["pi0_outcomes"], **{arm: f["outcomes"] for arm, f in figures.items()}},
+            "arms": {arm: {k: v for k, v in f.items() if k not in ("outcomes", "pi0_outcomes", "held_rows", "samples")}
+                     for arm, f in figures.items()}}
+
+
+def read_seeds(paths: list[str]) -> list[dict]:
+    """The seed files, each seed once, every arm scored on the same number of prompts."""
+    seeds = {}
+    for path in paths:
+        figures = json.loads(Path(path).read_text())
+        if figures["seed"] in seeds:
+            sys.exit(f"--table: seed {figures['seed']} is given twice ({seeds[figures['seed']][0]}, {path})")
+        lengths = {arm: len(outcomes) for arm, outcomes in figures["outcomes"].items()}
+        if len(set(lengths.values())) != 1:
+            sys.exit(f"--table: {path}: the arms of seed {figures['seed']} were scored on unequal numbers of "
+                     f"prompts ({', '.join(f'{arm} {n}' for arm, n in lengths.items())})")
+        seeds[figures["seed"]] = (path, figures)
+    return [figures for _, figures in sorted(seeds.values(), key=lambda item: item[1]["seed"])]
+
+
+def print_table(paths: list[str]) -> None:
+    seeds = read_seeds(paths)
+    if len({figures["protocol"] for figures in seeds}) != 1:
+        sys.exit("--table: the files are of different protocols")
+    arms = list(seeds[0]["outcomes"])
+    print(f"protocol {seeds[0]['protocol']}, {len(seeds)} seed(s)\n")
+    print(f"| seed | {' | '.join(arms)} | pairs | steps |\n| ---: |{' ---: |' * len(arms)} --- | --- |")
+    for f in seeds:
+        trained = [arm for arm in arms if arm in f["arms"]]
+        print(f"| {f['seed']} | {' | '.join(str(sum(f['outcomes'][arm])) for arm in arms)} | "
+              f"{', '.join(str(f['arms'][arm]['pairs']) for arm in trained)} | "
+              f"{', '.join(str(f['arms'][arm]['steps']) for arm in trained)} |")
+    pooled = {arm: [x for f in seeds for x in f["outcomes"][arm]] for arm in arms}
+    print("\n| arm | all seeds (Wilson 95%) |\n| --- | --- |")
+    for arm in arms:
+        print(f"| {arm} | {interval(sum(pooled[arm]), len(pooled[arm]))} |")
+    print("\n| comparison | right only in the first | right only in the second | exact McNemar p (prompts) | "
+          "seeds first ahead / behind / level | sign test p (seeds) | sign-flip p (seeds) | seed variance / prompts' "
+          "|\n| --- | ---: | ---: | ---: | --- | ---: | ---: | ---: |")
+    trained = arms[1:]
+    comparisons = [(trained[-1], other) for other in trained[:-1]] + [(arm, "pi_0") for arm in trained]
+    for first, second in comparisons:
+        only_first = sum(a and not b for a, b in zip(pooled[first], pooled[second]))
+        only_second = sum(b and not a for a, b in zip(pooled[first], pooled[second]))
+        diffs = [sum(f["outcomes"][first]) - sum(f["outcomes"][second]) for f in seeds]
+        ahead, behind = sum(d > 0 for d in diffs), sum(d < 0 for d in diffs)
+        spread = (f"{overdispersion(diffs, len(seeds[0]['outcomes']['pi_0']), only_first, only_second):.2f}"
+                  if len(diffs) > 1 and only_first + only_second else "-")
+        print(f"| {first} vs {second} | {only_first} | {only_second} | {shown_p(only_first, only_first + only_second)}"
+              f" | {ahead} / {behind} / {len(diffs) - ahead - behind} | {shown_p(ahead, ahead + behind)} | "
+              f"{seed_permutation_test(diffs):.3g} | {spread} |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--protocol", help="the committed protocol file: options, arms, seeds")
+    parser.add_argument("--seed", type=int, help="one of the protocol's seeds")
+    parser.add_argument("--out", default="compare_groups", help="where every arm writes (a folder there is reused)")
+    parser.add_argument("--json", default=None, help="also write the figures to this file (for --table)")
+    parser.add_argument("--table", nargs="+", default=None, help="print the table and tests of these --json files")
+    args = parser.parse_args()
+    if args.table:
+        return print_table(args.table)
+    if not (args.protocol and args.seed is not None):
+        parser.error("give --protocol FILE and --seed S (or --table FILES)")
+    figures = run_seed(json.loads(Path(args.protocol).read_text()), args.seed, Path(args.out))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(figures, indent=1))
+    print(json.dumps({k: v for k, v in figures.items() if k not in ("outcomes", "argv", "held_rows")}, indent=1))
+    print(f"\nreproduce: python benchmarks/compare_groups.py {shlex.join(sys.argv[1:])}")
+
+
+if __name__ == "__main__":
+    main()
