@@ -125,15 +125,16 @@ def run_config(config: str, model_path: str, options: argparse.Namespace, output
 
 
 def print_table(results: list[dict]) -> None:
-    print("| config | pairs/s | vs TRL | vs padded | peak MB | vs TRL | vs padded |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| config | pairs/s | vs TRL | vs padded | vs share_prompt | peak MB | vs TRL | vs padded "
+          "| vs share_prompt |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     by_name = {r["config"]: r for r in results}
     for r in results:
         group = r["config"].rsplit("/", 1)[0]
-        trl, padded = by_name.get(f"{group}/trl"), by_name.get(f"{group}/padded")
-        cells = [r["config"], f"{r['pairs_per_s']:.2f}", ratio(r["pairs_per_s"], trl and trl["pairs_per_s"]),
-                 ratio(r["pairs_per_s"], padded and padded["pairs_per_s"]), f"{r['peak_mb']:.0f}",
-                 ratio(r["peak_mb"], trl and trl["peak_mb"]), ratio(r["peak_mb"], padded and padded["peak_mb"])]
+        peers = [by_name.get(f"{group}/{peer}") for peer in ("trl", "padded", "shared")]
+        cells = [r["config"], f"{r['pairs_per_s']:.2f}",
+                 *(ratio(r["pairs_per_s"], peer and peer["pairs_per_s"]) for peer in peers), f"{r['peak_mb']:.0f}",
+                 *(ratio(r["peak_mb"], peer and peer["peak_mb"]) for peer in peers)]
         print("| " + " | ".join(cells) + " |")
 
 

@@ -30,7 +30,8 @@ LORA = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_t
 @pytest.mark.parametrize("seed", [0, 7, 42])
 def test_the_rounds_hold_out_the_rows_the_commands_split_holds_out(count, share, seed):
     rows = Dataset.from_dict({"row": list(range(count))})
-    train, held = _split(rows, SimpleNamespace(eval_fraction=share, seed=seed))
+    plan = SimpleNamespace(eval_fraction=share, seed=seed, args=SimpleNamespace(group_by_prompt=False))
+    train, held = _split(rows, plan)
     ours = split_held_out(count, share, seed)
     assert ours == (sorted(train["row"]), sorted(held["row"]))
     assert (train["row"], held["row"]) == tuple(held_out_split(count, share, seed))  # the command's, in its order
