@@ -21,8 +21,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from compare_rounds import POOL_OPTIONS, demo_options, interval, rounds_arm
-from paired import overdispersion, seed_permutation_test, shown_p
+from compare_rounds import POOL_OPTIONS, demo_options, interval, print_comparisons, read_seeds, rounds_arm
 
 
 def arm_figures(on: dict) -> dict:
@@ -59,23 +58,8 @@ def run_seed(protocol: dict, seed: int, out: Path) -> dict:
                      for arm, f in figures.items()}}
 
 
-def read_seeds(paths: list[str]) -> list[dict]:
-    """The seed files, each seed once, every arm scored on the same number of prompts."""
-    seeds = {}
-    for path in paths:
-        figures = json.loads(Path(path).read_text())
-        if figures["seed"] in seeds:
-            sys.exit(f"--table: seed {figures['seed']} is given twice ({seeds[figures['seed']][0]}, {path})")
-        lengths = {arm: len(outcomes) for arm, outcomes in figures["outcomes"].items()}
-        if len(set(lengths.values())) != 1:
-            sys.exit(f"--table: {path}: the arms of seed {figures['seed']} were scored on unequal numbers of "
-                     f"prompts ({', '.join(f'{arm} {n}' for arm, n in lengths.items())})")
-        seeds[figures["seed"]] = (path, figures)
-    return [figures for _, figures in sorted(seeds.values(), key=lambda item: item[1]["seed"])]
-
-
 def print_table(paths: list[str]) -> None:
-    seeds = read_seeds(paths)
+    seeds = sorted(read_seeds(paths), key=lambda figures: figures["seed"])
     if len({figures["protocol"] for figures in seeds}) != 1:
         sys.exit("--table: the files are of different protocols")
     arms = list(seeds[0]["outcomes"])
@@ -90,21 +74,9 @@ def print_table(paths: list[str]) -> None:
     print("\n| arm | all seeds (Wilson 95%) |\n| --- | --- |")
     for arm in arms:
         print(f"| {arm} | {interval(sum(pooled[arm]), len(pooled[arm]))} |")
-    print("\n| comparison | right only in the first | right only in the second | exact McNemar p (prompts) | "
-          "seeds first ahead / behind / level | sign test p (seeds) | sign-flip p (seeds) | seed variance / prompts' "
-          "|\n| --- | ---: | ---: | ---: | --- | ---: | ---: | ---: |")
     trained = arms[1:]
     comparisons = [(trained[-1], other) for other in trained[:-1]] + [(arm, "pi_0") for arm in trained]
-    for first, second in comparisons:
-        only_first = sum(a and not b for a, b in zip(pooled[first], pooled[second]))
-        only_second = sum(b and not a for a, b in zip(pooled[first], pooled[second]))
-        diffs = [sum(f["outcomes"][first]) - sum(f["outcomes"][second]) for f in seeds]
-        ahead, behind = sum(d > 0 for d in diffs), sum(d < 0 for d in diffs)
-        spread = (f"{overdispersion(diffs, len(seeds[0]['outcomes']['pi_0']), only_first, only_second):.2f}"
-                  if len(diffs) > 1 and only_first + only_second else "-")
-        print(f"| {first} vs {second} | {only_first} | {only_second} | {shown_p(only_first, only_first + only_second)}"
-              f" | {ahead} / {behind} / {len(diffs) - ahead - behind} | {shown_p(ahead, ahead + behind)} | "
-              f"{seed_permutation_test(diffs):.3g} | {spread} |")
+    print_comparisons(seeds, pooled, comparisons)
 
 
 def main() -> None:

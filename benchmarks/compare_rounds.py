@@ -239,7 +239,7 @@ def read_seeds(paths: list[str]) -> list[dict]:
             sys.exit(f"--table: seed {figures['seed']} is given twice ({where[figures['seed']]}, {path}): each seed "
                      "counts once in the pooled counts and the paired tests")
         where[figures["seed"]] = path
-        lengths = {arm: len(figures["outcomes"][arm]) for arm in ARMS}
+        lengths = {arm: len(outcomes) for arm, outcomes in figures["outcomes"].items()}
         if "held_rows" in figures:
             lengths = {"held-out prompts": len(figures["held_rows"]), **lengths}
         if len(set(lengths.values())) != 1:
@@ -269,26 +269,26 @@ def print_table(paths: list[str]) -> None:
     print("\n| arm | all seeds (Wilson 95%) |\n| --- | --- |")
     for arm in ARMS:
         print(f"| {arm} | {interval(sum(pooled[arm]), len(pooled[arm]))} |")
+    print_comparisons(seeds, pooled, (("rounds", "offline_samples"), ("rounds", "offline_matched"), ("rounds", "pi_0"),
+                                      ("offline_samples", "pi_0"), ("offline_matched", "pi_0")))
+
+
+def print_comparisons(seeds: list[dict], pooled: dict[str, list[int]], comparisons) -> None:
+    """The paired tests of each (first, second) arm: over prompts (exact McNemar) and over seeds (the sign test, the
+    exact sign-flip test, and how much more the seeds vary than independent prompts would make them)."""
     print("\n| comparison | right only in the first | right only in the second | exact McNemar p (prompts) | "
           "seeds first ahead / behind / level | sign test p (seeds) | sign-flip p (seeds) | seed variance / prompts' "
-          "|\n"
-          "| --- | ---: | ---: | ---: | --- | ---: | ---: | ---: |")
-    for first, second in (("rounds", "offline_samples"), ("rounds", "offline_matched"), ("rounds", "pi_0"),
-                          ("offline_samples", "pi_0"), ("offline_matched", "pi_0")):
+          "|\n| --- | ---: | ---: | ---: | --- | ---: | ---: | ---: |")
+    for first, second in comparisons:
         only_first = sum(a and not b for a, b in zip(pooled[first], pooled[second]))
         only_second = sum(b and not a for a, b in zip(pooled[first], pooled[second]))
         diffs = [sum(f["outcomes"][first]) - sum(f["outcomes"][second]) for f in seeds]
         ahead, behind = sum(d > 0 for d in diffs), sum(d < 0 for d in diffs)
+        spread = (f"{overdispersion(diffs, len(seeds[0]['outcomes'][first]), only_first, only_second):.2f}"
+                  if len(diffs) > 1 and only_first + only_second else "-")
         print(f"| {first} vs {second} | {only_first} | {only_second} | {shown_p(only_first, only_first + only_second)}"
               f" | {ahead} / {behind} / {len(diffs) - ahead - behind} | {shown_p(ahead, ahead + behind)} | "
-              f"{seed_permutation_test(diffs):.3g} | {_spread(diffs, seeds, only_first, only_second)} |")
-
-
-def _spread(diffs: list[int], seeds: list[dict], only_first: int, only_second: int) -> str:
-    """How much more the seeds vary than independent prompts would make them (paired.overdispersion)."""
-    if len(diffs) < 2 or not only_first + only_second:
-        return "-"
-    return f"{overdispersion(diffs, len(seeds[0]['outcomes']['pi_0']), only_first, only_second):.2f}"
+              f"{seed_permutation_test(diffs):.3g} | {spread} |")
 
 
 def main() -> None:
