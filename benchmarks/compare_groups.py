@@ -24,13 +24,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from compare_rounds import POOL_OPTIONS, demo_options, interval, print_comparisons, read_seeds, rounds_arm
 
 
-def arm_figures(on: dict) -> dict:
+def arm_figures(on: dict, folder: Path) -> dict:
     """What one arm's single round gave: pi_0's and the trained policy's held-out outcomes, pairs, steps, seconds,
     and its samples (to check that every arm trained on the same ones)."""
     held = sorted(on["result"].held_out, key=lambda line: line["round"])
     before, after = ([int(bool(total)) for _, total in line["per_prompt"]] for line in (held[0], held[-1]))
     (round_line,) = on["result"].rounds
-    samples = (Path(on["plan"].output_dir) / "round-1" / "samples.jsonl").read_text()
+    samples = (folder / "round-1" / "generated.jsonl").read_text()  # the round's samples, as drawn
     return {"pi0_outcomes": before, "outcomes": after, "held_rows": [i for i, _ in held[0]["per_prompt"]],
             "pairs": round_line["pairs"], "steps": round_line.get("dpo", {}).get("steps", 0),
             "saturated": round_line.get("saturated"), "seconds": round(on["seconds"]),
@@ -44,7 +44,7 @@ def run_seed(protocol: dict, seed: int, out: Path) -> dict:
     for arm, options in protocol["arm_options"].items():
         argvs[arm] = ["--rounds", "1", "--seed", str(seed), *demo_options(), *POOL_OPTIONS, *protocol["options"],
                       *options, "--output_dir", str(out / arm)]
-        figures[arm] = arm_figures(rounds_arm(argvs[arm]))
+        figures[arm] = arm_figures(rounds_arm(argvs[arm]), out / arm)
     first, *others = figures.values()
     for arm, of_arm in zip(list(figures)[1:], others):
         for key in ("pi0_outcomes", "held_rows", "samples"):

@@ -56,11 +56,11 @@ def test_arms_that_did_not_sample_the_same_completions_are_refused(tmp_path, mon
         folder = Path(argv[argv.index("--output_dir") + 1])
         (folder / "round-1").mkdir(parents=True)
         ids = [5] if "every" in argv else [6]
-        (folder / "round-1" / "samples.jsonl").write_text(json.dumps({"prompt_index": 0, "completion_ids": ids}))
+        (folder / "round-1" / "generated.jsonl").write_text(json.dumps({"prompt_index": 0, "completion_ids": ids}))
         held = [{"round": r, "per_prompt": [[0, 1.0], [1, 0.0]]} for r in (0, 1)]
         rounds = [{"pairs": 1, "dpo": {"steps": 1}, "saturated": 0}]
-        return {"plan": SimpleNamespace(output_dir=str(folder)), "result": SimpleNamespace(held_out=held,
-                rounds=rounds), "seconds": 1.0}
+        return {"plan": None, "config": None, "result": SimpleNamespace(held_out=held, rounds=rounds),
+                "seconds": 1.0}
 
     monkeypatch.setattr(compare, "rounds_arm", fake_arm)
     protocol = json.loads(PROTOCOL.read_text())
