@@ -78,9 +78,9 @@ def test_readme_gives_the_default_paths_line_counts():
     assert f"{sum(counts.values()):,} lines in all" in paragraph
 
 
-def test_readmes_table_of_the_core_names_every_file_at_dpo_mins_top():
-    # "The core is all the files at the top of dpo_min/": the table a reader follows names each of them.
-    table = (ROOT / "README.md").read_text().split("Read the files in this order:", 1)[1].split("\n\n", 2)[1]
+def test_the_layout_pages_table_of_the_core_names_every_file_at_dpo_mins_top():
+    # "The core is all the files at the top of dpo_min/": the table a reader follows (docs/layout.md) names each.
+    table = (ROOT / "docs" / "layout.md").read_text().split("Read the files in this order:", 1)[1].split("\n\n", 2)[1]
     top = {path.name for path in (ROOT / "dpo_min").glob("*.py")} - {"__init__.py"}
     assert top - set(re.findall(r"`(\w+\.py)`", table)) == set()
 
