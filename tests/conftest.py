@@ -2,8 +2,10 @@
 a few real HH-RLHF pairs, and a fake Hugging Face Hub that records the push (`fake_hub`)."""
 
 import gzip
+import importlib.util
 import json
 import os
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -201,3 +203,12 @@ def _one_line_error(argv: list[str], tmp_path, capsys, monkeypatch) -> str:
     [line] = capsys.readouterr().err.strip().splitlines()
     assert not (tmp_path / "run").exists()
     return line
+
+
+def load_benchmark(name: str):
+    """benchmarks/NAME.py as a module (the benchmarks are scripts, not a package; they import each other by name)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -1,13 +1,12 @@
 """The groups protocol (issue 51, item 6): fixed before its seeds run, on new seeds, with options the command takes;
 its table's paired tests at the prompt and the seed level, counted by hand."""
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from conftest import load_benchmark as load
 
 from dpo_min.train.plan import resolve
 from dpo_min.train.rounds import rounds_config
@@ -15,13 +14,6 @@ from dpo_min.train.rounds import rounds_config
 ROOT = Path(__file__).resolve().parent.parent
 PROTOCOL = ROOT / "benchmarks" / "protocols" / "groups-2026-12-05.json"
 
-
-def load(name):
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_the_protocol_takes_seeds_no_earlier_run_used_and_arms_the_command_accepts(tmp_path):

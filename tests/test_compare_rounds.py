@@ -1,16 +1,15 @@
 """The evidence of DPO in rounds (issue 45): the pair rule that raises a round's signal, the paired tests the
 comparison reports, and the protocol fixed before its seeds ran."""
 
-import importlib.util
 import json
 import math
 import random
-import sys
 from collections import Counter
 from fractions import Fraction
 from pathlib import Path
 
 import pytest
+from conftest import load_benchmark as load
 
 from dpo_min.rounds import RoundsConfig, RoundsError, make_pairs
 from dpo_min.rounds.pairs import every_better_against_worse
@@ -21,13 +20,6 @@ ROOT = Path(__file__).resolve().parent.parent
 PROTOCOL = ROOT / "benchmarks" / "protocols" / "rounds-2026-12-05.json"
 SEEDS_ALREADY_SEEN = {42, 7, 1, 3, 11}  # the seeds of the published arms and of the replication that broke them
 
-
-def load(name):
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def group(*samples):

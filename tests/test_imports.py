@@ -126,8 +126,8 @@ def test_no_module_defines_what_pytest_would_collect_where_it_is_imported():
 
 
 def test_the_rounds_use_the_core_modules_the_layout_page_names_by_their_public_names():
-    # docs/layout.md's row for dpo_min/rounds/ names the core modules the rounds ask; they import those and no other, and
-    # only public names of them (from `dpo_min` itself, only what it exports).
+    # docs/layout.md's row for dpo_min/rounds/ names the core modules the rounds ask; they import those and no other,
+    # and only public names of them (from `dpo_min` itself, only what it exports).
     import dpo_min
 
     row = next(line for line in (PACKAGE.parent / "docs" / "layout.md").read_text().splitlines()
