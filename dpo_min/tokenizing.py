@@ -25,7 +25,7 @@ from .data.given_ids import (  # noqa: F401 - the rounds record them, and end an
     template_fingerprint,
     tokenizer_fingerprint,
 )
-from .data.layouts import CARRIED_COLUMNS, layout_by_name, validate_text, validate_turns
+from .data.layouts import CARRIED_COLUMNS, layout_by_name
 from .data.pairs import (
     DEFAULT_OPTIONS,
     PAIR_COLUMNS,
@@ -40,6 +40,7 @@ from .data.pairs import (
 from .data.sources import AnyDataset
 from .data.streams import DROP_REASONS, NO_COMPLETION, SAME_COMPLETIONS, StreamCounts, carrying, counts_for
 from .data.unpaired import NO_ANSWER  # noqa: F401 - drop_reason returns it: its callers name it from here
+from .data.validation import validate_text, validate_turns
 
 logger = logging.getLogger("dpo_min.data")  # the data folder's logger: the command shows its lines
 
@@ -160,7 +161,7 @@ def _token_ids(ids: Any, name: str, vocabulary: int) -> list[int]:
 
 
 def check_prompt(prompt: str | list, index: int) -> None:
-    """A prompt by the rules its pairs are validated with (data/layouts.py), before any answer exists: DPO in rounds
+    """A prompt by the rules its pairs are validated with (data/validation.py), before any answer exists: DPO in rounds
     checks its prompts so before it samples them. Raises ValueError("row N: field 'prompt' ...")."""
     if isinstance(prompt, list):
         validate_turns(prompt, index, "prompt")

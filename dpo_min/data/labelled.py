@@ -12,7 +12,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from .options import LayoutOptions
-from .ranked import every_better_pair
+from .ranked import every_better_pair, finite_score, shown
 
 # winner, label(s), choice, rank, *preference*, *_response_id, score_*: a column that says which response is better.
 # One named after the chosen or the rejected reply (score_chosen, chosen_rating) describes a pair already in order.
@@ -152,16 +152,17 @@ def ultrafeedback_raw(row: Mapping[str, Any], index: int | str, options: LayoutO
     # overall_score (the first of equals), rejected = one of the other completions at random.
     require(row, index, "instruction", "completions")
     completions = row["completions"]
-    if not isinstance(completions, list) or not all(
-            isinstance(one, dict) and isinstance(one.get("overall_score"), (int, float)) for one in completions):
-        raise ValueError(f"row {index}: field 'completions' must be a list of {{'response', 'overall_score', ...}}")
+    if not isinstance(completions, list) or not all(isinstance(one, dict) for one in completions):
+        raise ValueError(f"row {index}: field 'completions' must be a list of {{'response', 'overall_score', ...}}, "
+                         f"got {shown(completions)}")
+    scores = [finite_score(one.get("overall_score"), index, f"completions[{position}].overall_score")
+              for position, one in enumerate(completions)]
     if len(completions) < 2:
         return None  # nothing to compare
     if options.every_ranked_pair:  # every better completion against every worse one (ranked.py)
-        scores = [one["overall_score"] for one in completions]
-        pairs = every_better_pair(_user(row["instruction"]), [one.get("response") for one in completions], scores)
-        return pairs or None  # every score equal: a tie
-    best = max(range(len(completions)), key=lambda position: completions[position]["overall_score"])
+        return every_better_pair(_user(row["instruction"]), [one.get("response") for one in completions], scores,
+                                 index, "completions[{}].response") or None  # None: every score equal, a tie
+    best = max(range(len(completions)), key=lambda position: scores[position])
     other = seeded_choice([one for position, one in enumerate(completions) if position != best], row["instruction"])
     return _turns(_user(row["instruction"]), completions[best].get("response"), other.get("response"))
 
@@ -224,18 +225,22 @@ def nectar(row: Mapping[str, Any], index: int | str, options: LayoutOptions) -> 
     # open-instruct's scripts/data/preferences/nectar.py draws chosen among the top 4 instead.
     require(row, index, "prompt", "answers")
     answers = row["answers"]
-    if not isinstance(row["prompt"], str) or not isinstance(answers, list) or len(answers) < 2 or not all(
-            isinstance(one, dict) and isinstance(one.get("rank"), (int, float)) for one in answers):
-        raise ValueError(f"row {index}: field 'answers' must be a list of two or more {{'answer', 'rank'}}")
+    if not isinstance(answers, list) or len(answers) < 2 or not all(isinstance(one, dict) for one in answers):
+        raise ValueError(f"row {index}: field 'answers' must be a list of two or more {{'answer', 'rank'}}, "
+                         f"got {shown(answers)}")
+    if not isinstance(row["prompt"], str):
+        raise ValueError(f"row {index}: field 'prompt' must be a transcript string, got {type(row['prompt']).__name__}")
+    ranks = [finite_score(one.get("rank"), index, f"answers[{position}].rank") for position, one in enumerate(answers)]
     turns = hh_messages("\n\n" + row["prompt"].lstrip("\n"))
     if not turns or turns[-1] != {"role": "assistant", "content": ""}:
         raise ValueError(f"row {index}: field 'prompt' must be a transcript ending with an empty 'Assistant:' turn")
     if options.every_ranked_pair:  # every better-ranked answer against every worse one (ranked.py); rank 1 is best
-        return every_better_pair(turns[:-1], [one.get("answer") for one in answers],
-                                 [-one["rank"] for one in answers]) or None
-    ranked = sorted(answers, key=lambda one: one["rank"])
-    lower = [one for one in ranked if one["rank"] > ranked[0]["rank"]]
+        return every_better_pair(turns[:-1], [one.get("answer") for one in answers], [-rank for rank in ranks],
+                                 index, "answers[{}].answer") or None
+    best = min(ranks)
+    lower = [one for one, rank in zip(answers, ranks) if rank > best]
     if not lower:
         raise ValueError(f"row {index}: field 'answers' has no answer ranked below the first")
-    return {"prompt": turns[:-1], "chosen": [{"role": "assistant", "content": ranked[0].get("answer")}],
+    first = answers[ranks.index(best)]  # the first of the best-ranked, as a stable sort by rank puts it
+    return {"prompt": turns[:-1], "chosen": [{"role": "assistant", "content": first.get("answer")}],
             "rejected": [{"role": "assistant", "content": seeded_choice(lower, row["prompt"]).get("answer")}]}

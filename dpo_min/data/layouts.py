@@ -17,11 +17,11 @@ from .given_ids import given_columns
 from .labelled import check_label_option, check_labels_read, hh_messages, require
 from .options import PREFERENCE_LABELS, LayoutOptions
 from .ranked import ranked
-from .unpaired import NO_ANSWER, NO_COMMON_PROMPT, SAME_ANSWERS, Unpaired
+from .unpaired import NO_COMMON_PROMPT, Unpaired
+from .validation import validate_pair
 
 # Columns carried from the source row to the pair: TRL hands both to the chat template.
 CARRIED_COLUMNS = ("tools", "chat_template_kwargs")
-_ROLES = ("system", "user", "assistant", "tool")
 _SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
 MAPPING_HINT = ("name the columns with --prompt_column/--chosen_column/--rejected_column [--system_column] "
                 "(columns={'prompt': ..., 'chosen': ..., 'rejected': ...} in load_preference_dataset)")
@@ -222,7 +222,8 @@ LAYOUTS: tuple[Layout, ...] = (
                    "three_most_similar_preferences", "all_preferences_unprocessed"),
            rule="negative strength: response_1 is chosen", skips="ties, and rows of another split than --row_split"),
     Layout("ranked", "k scored answers to one prompt", _has("prompt", "completions", "scores"), ranked,
-           rule="every answer against every lower-scored one", skips="rows whose answers are one text"),
+           rule="every answer against every lower-scored one",
+           skips="rows whose answers are one text, or straddle each other: one text scored above and below another"),
     Layout("ultrafeedback_raw", "openbmb/UltraFeedback", _has("instruction", "completions"),
            labelled.ultrafeedback_raw,
            rule="H4's binarization: chosen = the highest overall_score, rejected = a seeded random other completion",
@@ -253,6 +254,7 @@ LAYOUTS: tuple[Layout, ...] = (
            _has("chosen", "rejected", prompt="absent"), _implicit, reads_only=("chosen", "rejected")),
 )
 LAYOUT_NAMES = tuple(layout.name for layout in LAYOUTS)
+KEPT_WHOLE = ("nectar", "ultrafeedback_raw")  # ranked data published binarized: every_ranked_pair keeps every pair
 
 
 def detect_layout(kinds: Mapping[str, str], first_row: Mapping[str, Any] | None = None,
@@ -296,7 +298,7 @@ def _check_nothing_unread(layout: Layout, kinds: Mapping[str, str], options: Lay
 
 def gives_several_pairs(layout: Layout, options: LayoutOptions) -> bool:
     """Whether a row may give several pairs (ranked.py): the ranked layout, or a binarized one kept whole."""
-    return layout.name == "ranked" or (options.every_ranked_pair and layout.name in ("nectar", "ultrafeedback_raw"))
+    return layout.name == "ranked" or (options.every_ranked_pair and layout.name in KEPT_WHOLE)
 
 
 def layout_by_name(name: str) -> Layout:
@@ -338,57 +340,3 @@ def _as_messages(pair: dict[str, Any]) -> dict[str, Any]:
     return {"prompt": [{"role": "user", "content": prompt}] if prompt else [],
             "chosen": [{"role": "assistant", "content": pair["chosen"]}],
             "rejected": [{"role": "assistant", "content": pair["rejected"]}]}
-
-
-def validate_pair(pair: dict[str, Any], index: int) -> None:
-    conversational = isinstance(pair["prompt"], list)
-    for name in ("prompt", "chosen", "rejected"):
-        value = pair[name]
-        if conversational:
-            _validate_messages(value, index, name, need_assistant=name != "prompt")
-        elif not isinstance(value, str):
-            raise ValueError(f"row {index}: field '{name}' must be a string, got {type(value).__name__}")
-        else:
-            validate_text(value, index, name)
-            if name != "prompt" and not value.strip():
-                raise Unpaired(NO_ANSWER, f"row {index}: field '{name}' is an empty completion")
-    if pair["chosen"] == pair["rejected"]:
-        raise Unpaired(SAME_ANSWERS, f"row {index}: field 'rejected' is identical to 'chosen'")
-
-
-def validate_text(text: str, index: int, name: str) -> None:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as error:  # lone surrogates: no tokenizer can encode them
-        raise ValueError(f"row {index}: field '{name}' is not valid unicode ({error.reason})") from None
-
-
-def _validate_messages(messages: Any, index: int, name: str, need_assistant: bool) -> None:
-    validate_turns(messages, index, name)
-    if need_assistant:
-        if messages[0]["role"] != "assistant":
-            raise ValueError(f"row {index}: field '{name}' must start with an assistant turn, "
-                             f"not {messages[0]['role']!r}")
-        if not any((turn["content"] or "").strip() or turn.get("tool_calls")
-                   for turn in messages if turn["role"] == "assistant"):
-            raise Unpaired(NO_ANSWER, f"row {index}: field '{name}' is an empty completion")
-    elif messages[-1]["role"] == "assistant":
-        raise ValueError(f"row {index}: field 'prompt' ends with an assistant turn; the completion goes in chosen")
-
-
-def validate_turns(messages: Any, index: int, name: str) -> None:
-    """Each message of a non-empty list: a known role, text content (none only for an assistant turn that calls
-    tools), valid unicode, a system turn only as the prompt's first. The prompt-only layout checks its rows by it."""
-    if not isinstance(messages, list) or not messages:
-        raise ValueError(f"row {index}: field '{name}' must be a non-empty list of messages")
-    for position, turn in enumerate(messages):
-        # An assistant turn that calls tools may have no text.
-        calls_tools = isinstance(turn, dict) and turn.get("role") == "assistant" and turn.get("tool_calls")
-        if not isinstance(turn, dict) or turn.get("role") not in _ROLES or not (
-                isinstance(turn.get("content"), str) or (calls_tools and turn.get("content") is None)):
-            raise ValueError(f"row {index}: field '{name}' has a message that is not {{'role': "
-                             f"{'|'.join(_ROLES)}, 'content': str}}: {str(turn)[:80]}")
-        if turn["content"] is not None:
-            validate_text(turn["content"], index, name)
-        if turn["role"] == "system" and (position > 0 or name != "prompt"):
-            raise ValueError(f"row {index}: field '{name}' has a system message that is not the prompt's first")

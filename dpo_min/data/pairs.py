@@ -15,6 +15,7 @@ from .columns import check_mapping, rename_columns
 from .given_ids import GIVEN_IDS, MADE_BY
 from .layouts import (
     CARRIED_COLUMNS,
+    KEPT_WHOLE,
     Layout,
     detect_layout,
     feature_kind,
@@ -217,6 +218,10 @@ def _detect(first: Mapping[str, Any], features: Any, options: LayoutOptions, sou
     layout = detect_layout(kinds, first, options)
     logger.info("%slayout %s (as %s), from columns [%s]", f"{source}: " if source else "", layout.name,
                 layout.described(), ", ".join(kinds))
+    if options.every_ranked_pair and layout.name not in ("ranked", *KEPT_WHOLE):
+        logger.warning("%severy_ranked_pair changes nothing: the %s layout has no ranked answers (it keeps every "
+                       "ranked answer of %s; the ranked layout pairs every answer anyway)", f"{source}: " if source
+                       else "", layout.name, " and ".join(KEPT_WHOLE))
     return layout
 
 
