@@ -11,7 +11,9 @@ samples the seed's draw of training prompts (the same draw, seeds and temperatur
 samples: checked), the arm's pair rule pairs them, one DPO pass trains from pi_0. pi_0's held-out outcomes are the
 rounds' score before round 1 (the same in every arm: checked). The paired statistics are benchmarks/paired.py's:
 exact McNemar over prompts, and over seeds the sign test and the exact sign-flip test, since the prompts of a seed
-share one trained model (docs/rounds.md: they vary 1.6-2.8x what independent prompts would).
+share one trained model (docs/rounds.md: they vary 1.6-2.8x what independent prompts would). A seed file records the
+protocol's digest and each arm's arguments; `--table` reads the protocol and refuses, in one line, a file not run
+under it (benchmarks/seed_files.py).
 """
 
 import argparse
@@ -21,7 +23,8 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from compare_rounds import POOL_OPTIONS, demo_options, interval, print_comparisons, read_seeds, rounds_arm
+from compare_rounds import POOL_OPTIONS, demo_options, interval, print_comparisons, rounds_arm
+from seed_files import SeedFileForm, protocol_digest, read_seeds, recorded_argv
 
 
 def arm_figures(on: dict, folder: Path) -> dict:
@@ -37,36 +40,53 @@ def arm_figures(on: dict, folder: Path) -> dict:
             "samples": [[row["prompt_index"], row["completion_ids"]] for row in map(json.loads, samples.splitlines())]}
 
 
+def seed_argv(protocol: dict, seed: int, out: Path = Path("compare_groups")) -> dict[str, list[str]]:
+    """Each arm's arguments for one seed of the protocol (its seed files record them, `--table` checks them)."""
+    return {arm: ["--rounds", "1", "--seed", str(seed), *demo_options(), *POOL_OPTIONS, *protocol["options"],
+                  *options, "--output_dir", str(out / arm)] for arm, options in protocol["arm_options"].items()}
+
+
+def seed_fields(protocol: dict) -> dict:
+    """The fields of a seed file of `protocol` that `--table` reads (seed_files.field_problem's shape)."""
+    trained = protocol["arm_options"]
+    return {"seed": int, "protocol": str, "protocol_digest": str, "argv": dict, "held_rows": list,
+            "outcomes": dict.fromkeys(["pi_0", *trained], list),
+            "arms": {arm: {"pairs": int, "steps": int} for arm in trained}}
+
+
+SEED_FILES = SeedFileForm({"name": str, "seeds": list, "options": list, "arm_options": dict}, seed_fields, seed_argv)
+
+
 def run_seed(protocol: dict, seed: int, out: Path) -> dict:
     if seed not in protocol["seeds"]:
         sys.exit(f"seed {seed} is not one of the protocol's {protocol['seeds']}: a protocol's seeds are fixed")
-    figures, argvs = {}, {}
-    for arm, options in protocol["arm_options"].items():
-        argvs[arm] = ["--rounds", "1", "--seed", str(seed), *demo_options(), *POOL_OPTIONS, *protocol["options"],
-                      *options, "--output_dir", str(out / arm)]
-        figures[arm] = arm_figures(rounds_arm(argvs[arm]), out / arm)
+    figures, argvs = {}, seed_argv(protocol, seed, out)
+    for arm, argv in argvs.items():
+        figures[arm] = arm_figures(rounds_arm(argv), out / arm)
     first, *others = figures.values()
     for arm, of_arm in zip(list(figures)[1:], others):
         for key in ("pi0_outcomes", "held_rows", "samples"):
             if of_arm[key] != first[key]:
                 sys.exit(f"seed {seed}: arm {arm}'s {key} differ from the first arm's: every arm trains on pi_0's "
                          "same samples")
-    return {"seed": seed, "protocol": protocol["name"], "argv": argvs, "held_rows": first["held_rows"],
+    return {"seed": seed, "protocol": protocol["name"], "protocol_digest": protocol_digest(protocol),
+            "argv": {arm: recorded_argv(argv) for arm, argv in argvs.items()}, "held_rows": first["held_rows"],
             "samples": len(first["samples"]),
             "outcomes": {"pi_0": first["pi0_outcomes"], **{arm: f["outcomes"] for arm, f in figures.items()}},
             "arms": {arm: {k: v for k, v in f.items() if k not in ("outcomes", "pi0_outcomes", "held_rows", "samples")}
                      for arm, f in figures.items()}}
 
 
-def print_table(paths: list[str]) -> None:
-    seeds = sorted(read_seeds(paths), key=lambda figures: figures["seed"])
-    if len({figures["protocol"] for figures in seeds}) != 1:
-        sys.exit("--table: the files are of different protocols")
-    arms = list(seeds[0]["outcomes"])
+def print_table(paths: list[str], protocol_file: str | None = None) -> None:
+    """Per seed: each arm's held-out right, pairs and steps; then every seed pooled (Wilson 95% interval) and the
+    paired tests. Every file is checked against the protocol first (`protocol_file`, or the one the files name):
+    seed_files.read_seeds."""
+    protocol, seeds = read_seeds(paths, protocol_file, SEED_FILES)
+    arms = list(seed_fields(protocol)["outcomes"])
+    trained = arms[1:]
     print(f"protocol {seeds[0]['protocol']}, {len(seeds)} seed(s)\n")
     print(f"| seed | {' | '.join(arms)} | pairs | steps |\n| ---: |{' ---: |' * len(arms)} --- | --- |")
     for f in seeds:
-        trained = [arm for arm in arms if arm in f["arms"]]
         print(f"| {f['seed']} | {' | '.join(str(sum(f['outcomes'][arm])) for arm in arms)} | "
               f"{', '.join(str(f['arms'][arm]['pairs']) for arm in trained)} | "
               f"{', '.join(str(f['arms'][arm]['steps']) for arm in trained)} |")
@@ -74,27 +94,30 @@ def print_table(paths: list[str]) -> None:
     print("\n| arm | all seeds (Wilson 95%) |\n| --- | --- |")
     for arm in arms:
         print(f"| {arm} | {interval(sum(pooled[arm]), len(pooled[arm]))} |")
-    trained = arms[1:]
     comparisons = [(trained[-1], other) for other in trained[:-1]] + [(arm, "pi_0") for arm in trained]
     print_comparisons(seeds, pooled, comparisons)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--protocol", help="the committed protocol file: options, arms, seeds")
+    parser.add_argument("--protocol", help="the committed protocol file: options, arms, seeds (with --table: the "
+                        "one the files are checked against; by default benchmarks/protocols/NAME.json of the name "
+                        "they record)")
     parser.add_argument("--seed", type=int, help="one of the protocol's seeds")
     parser.add_argument("--out", default="compare_groups", help="where every arm writes (a folder there is reused)")
     parser.add_argument("--json", default=None, help="also write the figures to this file (for --table)")
     parser.add_argument("--table", nargs="+", default=None, help="print the table and tests of these --json files")
     args = parser.parse_args()
     if args.table:
-        return print_table(args.table)
+        return print_table(args.table, args.protocol)
     if not (args.protocol and args.seed is not None):
         parser.error("give --protocol FILE and --seed S (or --table FILES)")
     figures = run_seed(json.loads(Path(args.protocol).read_text()), args.seed, Path(args.out))
     if args.json:
+        from dpo_min.files import write_whole
+
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(figures, indent=1))
+        write_whole(args.json, json.dumps(figures, indent=1))  # whole or not at all: --table reads it
     print(json.dumps({k: v for k, v in figures.items() if k not in ("outcomes", "argv", "held_rows")}, indent=1))
     print(f"\nreproduce: python benchmarks/compare_groups.py {shlex.join(sys.argv[1:])}")
 

@@ -17,6 +17,8 @@ The arms of one seed (its held-out split, draws and sampling seeds are the comma
 A protocol fixes one learning-rate schedule for all arms (constant: equal steps are equal summed learning rate),
 which is what makes the matched comparison fair; each round's pass would otherwise restart a decay.
 The seed must be one the protocol lists; each arm's folder is kept under --out and a rerun reuses the rounds run.
+A seed file records the protocol's digest and its arguments; `--table` reads the protocol and refuses, in one line,
+a file not run under it (benchmarks/seed_files.py).
 The paired statistics are benchmarks/paired.py's.
 """
 
@@ -34,6 +36,7 @@ sys.path.insert(0, str(ROOT))  # this checkout's dpo_min, when it is not install
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from paired import overdispersion, seed_permutation_test, shown_p  # noqa: E402
+from seed_files import SeedFileForm, protocol_digest, read_seeds, recorded_argv  # noqa: E402
 
 # The pool's task with the demo's model, template and LoRA: eval_fraction 0.0213 holds out 64 of the 3,000 prompts.
 POOL_OPTIONS = ["--dataset", str(ROOT / "data" / "arithmetic-pool.jsonl"),
@@ -204,15 +207,33 @@ def one_pass(plan, config, pairs, steps, out: Path):
     return trainer.model, trainer.state.global_step
 
 
+def seed_argv(protocol: dict, seed: int, out: Path = Path("compare_rounds")) -> list[str]:
+    """The rounds run's arguments for one seed of the protocol (its seed files record them, `--table` checks them)."""
+    return ["--rounds", str(protocol["rounds"]), "--seed", str(seed), *demo_options(), *POOL_OPTIONS,
+            *protocol["options"], "--output_dir", str(out / "rounds")]
+
+
+def seed_fields(protocol: dict) -> dict:
+    """The fields of a seed file of `protocol` that `--table` reads (seed_files.field_problem's shape)."""
+    rounds = protocol["rounds"]
+    return {"seed": int, "protocol": str, "protocol_digest": str, "argv": list, "held_rows": list,
+            "rounds": {"right": rounds + 1, "changed": rounds, "pairs": rounds, "steps": rounds}, "per_draw": rounds,
+            "outcomes": dict.fromkeys(ARMS, list),
+            "offline": {arm: {"steps": int} for arm in ("offline_samples", "offline_matched")}}
+
+
+SEED_FILES = SeedFileForm({"name": str, "seeds": list, "rounds": int, "options": list}, seed_fields, seed_argv)
+
+
 def run_seed(protocol: dict, seed: int, out: Path) -> dict:
     if seed not in protocol["seeds"]:
         sys.exit(f"seed {seed} is not one of the protocol's {protocol['seeds']}: a protocol's seeds are fixed")
-    argv = ["--rounds", str(protocol["rounds"]), "--seed", str(seed), *demo_options(), *POOL_OPTIONS,
-            *protocol["options"], "--output_dir", str(out / "rounds")]
+    argv = seed_argv(protocol, seed, out)
     on = rounds_arm(argv)
     rounds = rounds_figures(on)
     off = offline_arms(on, out)
-    return {"seed": seed, "protocol": protocol["name"], "argv": argv, "held_rows": rounds["held_rows"],
+    return {"seed": seed, "protocol": protocol["name"], "protocol_digest": protocol_digest(protocol),
+            "argv": recorded_argv(argv), "held_rows": rounds["held_rows"],
             "rounds": rounds, "per_draw": off["per_draw"], "pool": off["pool"], "offline_seconds": off["seconds"],
             "outcomes": {"pi_0": rounds["pi0_outcomes"], "rounds": rounds["outcomes"],
                          "offline_samples": off["offline_samples"]["outcomes"],
@@ -228,33 +249,11 @@ def interval(right: int, n: int) -> str:
     return f"{right}/{n} = {right / n:.3f} [{low:.3f}, {high:.3f}]"
 
 
-def read_seeds(paths: list[str]) -> list[dict]:
-    """The seeds' figures, each seed once and each arm scored on every held-out prompt of it: the pooled counts and the
-    paired tests read the arms prompt by prompt (a seed given twice counted its prompts twice as if independent, and
-    arms of unequal length were paired off by position). Refused in one line otherwise."""
-    seeds, where = [], {}
-    for path in paths:
-        figures = json.loads(Path(path).read_text())
-        if figures["seed"] in where:
-            sys.exit(f"--table: seed {figures['seed']} is given twice ({where[figures['seed']]}, {path}): each seed "
-                     "counts once in the pooled counts and the paired tests")
-        where[figures["seed"]] = path
-        lengths = {arm: len(outcomes) for arm, outcomes in figures["outcomes"].items()}
-        if "held_rows" in figures:
-            lengths = {"held-out prompts": len(figures["held_rows"]), **lengths}
-        if len(set(lengths.values())) != 1:
-            sys.exit(f"--table: {path}: the arms of seed {figures['seed']} were scored on unequal numbers of prompts "
-                     f"({', '.join(f'{arm} {n}' for arm, n in lengths.items())}): they are paired prompt by prompt")
-        seeds.append(figures)
-    return seeds
-
-
-def print_table(paths: list[str]) -> None:
+def print_table(paths: list[str], protocol_file: str | None = None) -> None:
     """Per seed: each arm's held-out right, the rounds' per-round figures; then every seed pooled (Wilson 95%
-    interval) and the paired tests of the rounds against each offline arm and of each arm against pi_0."""
-    seeds = sorted(read_seeds(paths), key=lambda figures: figures["seed"])
-    if len({figures["protocol"] for figures in seeds}) != 1:
-        sys.exit("--table: the files are of different protocols")
+    interval) and the paired tests of the rounds against each offline arm and of each arm against pi_0. Every file is
+    checked against the protocol first (`protocol_file`, or the one the files name): seed_files.read_seeds."""
+    _, seeds = read_seeds(paths, protocol_file, SEED_FILES)
     print(f"protocol {seeds[0]['protocol']}, {len(seeds)} seed(s)\n")
     print("| seed | pi_0 | rounds (after each round) | changed per round | offline, equal samples | offline, equal "
           "pairs and steps | pairs per round (pi_0's per draw) | steps: rounds, samples, matched |\n"
@@ -293,19 +292,24 @@ def print_comparisons(seeds: list[dict], pooled: dict[str, list[int]], compariso
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--protocol", help="the committed protocol file: rounds, options, seeds")
+    parser.add_argument("--protocol", help="the committed protocol file: rounds, options, seeds (with --table: the "
+                        "one the files are checked against; by default benchmarks/protocols/NAME.json of the name "
+                        "they record)")
     parser.add_argument("--seed", type=int, help="one of the protocol's seeds")
     parser.add_argument("--out", default="compare_rounds", help="where every arm writes (the rounds run is reused)")
     parser.add_argument("--json", default=None, help="also write the figures to this file (for --table)")
     parser.add_argument("--table", nargs="+", default=None, help="print the table and tests of these --json files")
     args = parser.parse_args()
     if args.table:
-        return print_table(args.table)
+        return print_table(args.table, args.protocol)
     if not (args.protocol and args.seed is not None):
         parser.error("give --protocol FILE and --seed S (or --table FILES)")
     figures = run_seed(json.loads(Path(args.protocol).read_text()), args.seed, Path(args.out))
     if args.json:
-        Path(args.json).write_text(json.dumps(figures, indent=1))
+        from dpo_min.files import write_whole
+
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        write_whole(args.json, json.dumps(figures, indent=1))  # whole or not at all: --table reads it
     print(json.dumps({k: v for k, v in figures.items() if k not in ("outcomes", "argv", "held_rows")}, indent=1))
     print(f"\nreproduce: python benchmarks/compare_rounds.py {shlex.join(sys.argv[1:])}")
 

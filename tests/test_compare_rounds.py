@@ -1,9 +1,12 @@
 """The evidence of DPO in rounds (issue 45): the pair rule that raises a round's signal, the paired tests the
 comparison reports, and the protocol fixed before its seeds ran."""
 
+import hashlib
 import json
 import math
 import random
+import subprocess
+import sys
 from collections import Counter
 from fractions import Fraction
 from pathlib import Path
@@ -18,7 +21,16 @@ from dpo_min.train.rounds import rounds_config
 
 ROOT = Path(__file__).resolve().parent.parent
 PROTOCOL = ROOT / "benchmarks" / "protocols" / "rounds-2026-12-05.json"
+RESULTS = ROOT / "benchmarks" / "results" / "rounds-2026-12-05"
 SEEDS_ALREADY_SEEN = {42, 7, 1, 3, 11}  # the seeds of the published arms and of the replication that broke them
+
+
+def digest_of(protocol: dict) -> str:
+    """The protocol's digest as the design states it, computed here apart from benchmarks/seed_files.py: sha256 of
+    its canonical JSON (sorted keys, no spaces) without the seed list."""
+    fixed = {key: value for key, value in protocol.items() if key != "seeds"}
+    canonical = json.dumps(fixed, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return hashlib.sha256(canonical.encode()).hexdigest()
 
 
 
@@ -204,12 +216,21 @@ def test_the_two_sided_binomial_is_the_exact_fraction_for_moderate_n_and_never_u
     assert paired.shown_p(0, 5000) == "1.42e-1505" and paired.shown_p(10, 10) == "0.00195"
 
 
+def seed_figures(seed, rounds, offline, pi_0=None):
+    """A seed file of the rounds protocol as compare_rounds writes it: its name, digest and arguments."""
+    compare, seed_files = load("compare_rounds"), load("seed_files")
+    protocol = json.loads(PROTOCOL.read_text())
+    return {"seed": seed, "protocol": protocol["name"], "protocol_digest": seed_files.protocol_digest(protocol),
+            "argv": seed_files.recorded_argv(compare.seed_argv(protocol, seed)),
+            "held_rows": list(range(len(rounds))), "per_draw": [1, 2, 3],
+            "rounds": {"right": [0, 1, 1, sum(rounds)], "changed": [1, 1, 1], "pairs": [2, 3, 3], "steps": [1, 1, 1]},
+            "outcomes": {"pi_0": [0] * len(rounds) if pi_0 is None else pi_0, "rounds": rounds,
+                         "offline_samples": offline, "offline_matched": offline},
+            "offline": {"offline_samples": {"steps": 2}, "offline_matched": {"steps": 2}}}
+
+
 def seed_file(folder, seed, rounds, offline, pi_0=None):
-    figures = {"seed": seed, "protocol": "p", "per_draw": [1, 2, 3],
-               "rounds": {"right": [0, 1, sum(rounds)], "changed": [1, 1], "pairs": [2, 3], "steps": [1, 1]},
-               "outcomes": {"pi_0": [0] * len(rounds) if pi_0 is None else pi_0, "rounds": rounds,
-                            "offline_samples": offline, "offline_matched": offline},
-               "offline": {"offline_samples": {"steps": 2}, "offline_matched": {"steps": 2}}}
+    figures = seed_figures(seed, rounds, offline, pi_0)
     path = folder / f"{seed}-{len(list(folder.iterdir()))}.json"
     path.write_text(json.dumps(figures))
     return str(path)
@@ -227,8 +248,8 @@ def test_the_table_refuses_a_seed_given_twice_and_arms_of_unequal_length_in_one_
     with pytest.raises(SystemExit) as error:
         compare.print_table([once, short])
     assert str(error.value) == (f"--table: {short}: the arms of seed 19 were scored on unequal numbers of prompts "
-                                "(pi_0 4, rounds 4, offline_samples 3, offline_matched 3): they are paired prompt by "
-                                "prompt")
+                                "(held-out prompts 4, pi_0 4, rounds 4, offline_samples 3, offline_matched 3): they "
+                                "are paired prompt by prompt")
 
 
 def test_the_table_prints_a_p_value_below_a_floats_range_in_log10_terms(tmp_path, capsys):
@@ -262,11 +283,7 @@ def test_the_table_gives_each_seed_the_pooled_counts_and_the_paired_tests(tmp_pa
     compare = load("compare_rounds")
     files = []
     for seed, rounds, offline in ((13, [1, 1, 0, 0], [1, 0, 0, 0]), (17, [1, 1, 1, 0], [0, 0, 1, 0])):
-        figures = {"seed": seed, "protocol": "p", "per_draw": [1, 2, 3],
-                   "rounds": {"right": [0, 1, sum(rounds)], "changed": [1, 1], "pairs": [2, 3], "steps": [1, 1]},
-                   "outcomes": {"pi_0": [0, 0, 0, 0], "rounds": rounds, "offline_samples": offline,
-                                "offline_matched": offline},
-                   "offline": {"offline_samples": {"steps": 2}, "offline_matched": {"steps": 2}}}
+        figures = seed_figures(seed, rounds, offline)
         files.append(tmp_path / f"{seed}.json")
         files[-1].write_text(json.dumps(figures))
     compare.print_table([str(path) for path in files])
@@ -274,3 +291,81 @@ def test_the_table_gives_each_seed_the_pooled_counts_and_the_paired_tests(tmp_pa
     assert "| rounds | 5/8 = 0.625" in printed and "| offline_samples | 2/8 = 0.250" in printed
     # Right only in the rounds: seed 13 prompt 2, seed 17 prompts 1, 2: 3 against 0; both seeds ahead.
     assert "| rounds vs offline_samples | 3 | 0 | 0.25 | 2 / 0 / 0 | 0.5 |" in printed
+
+
+def test_the_committed_seed_files_carry_the_protocols_digest_and_print_the_table_docs_rounds_quotes(capsys):
+    """Migrated once (issue 54 item 6): the digest of the protocol they ran under, --dataset relative to the
+    repository; the table over them is the one docs/rounds.md quotes, line for line."""
+    protocol = json.loads(PROTOCOL.read_text())
+    files = sorted(RESULTS.glob("seed-*.json"))
+    assert [json.loads(path.read_text())["seed"] for path in files] == protocol["seeds"]
+    for path in files:
+        figures = json.loads(path.read_text())
+        assert figures["protocol_digest"] == digest_of(protocol)
+        assert figures["argv"][figures["argv"].index("--dataset") + 1] == "data/arithmetic-pool.jsonl"
+    load("compare_rounds").print_table([str(path) for path in files])
+    printed = capsys.readouterr().out.splitlines()
+    doc = (ROOT / "docs" / "rounds.md").read_text().splitlines()
+    start = doc.index("protocol rounds-2026-12-05, 8 seed(s)")
+    assert doc[start:start + len(printed)] == printed and len(printed) == 27  # every line, the tests included
+
+
+def test_a_seed_file_not_run_under_the_protocol_is_refused_in_one_line_and_no_table_printed(tmp_path, capsys):
+    """A file run under an edited protocol (3 epochs made 1), a seed the protocol does not list, a digest of another
+    protocol: the table over them was printed, their outcomes pooled with the rest."""
+    committed = json.loads((RESULTS / "seed-13.json").read_text())
+    edited = json.loads(json.dumps(committed))
+    edited["argv"][edited["argv"].index("--num_train_epochs") + 1] = "1"
+    unlisted = {**committed, "seed": 42, "argv": [*committed["argv"][:3], "42", *committed["argv"][4:]]}
+    expected = {
+        "edited": "its arguments differ from the protocol's: '--num_train_epochs 3' is '--num_train_epochs 1' here",
+        "unlisted": "seed 42 is not one of the protocol's [13, 17, 19, 23, 29, 31, 37, 43]: a protocol's seeds are "
+                    "fixed",
+        "other_digest": "its protocol digest 000000000000 is not benchmarks/protocols/rounds-2026-12-05.json's "
+                        f"({digest_of(json.loads(PROTOCOL.read_text()))[:12]}): it ran under another version of the "
+                        "protocol"}
+    for name, figures in (("edited", edited), ("unlisted", unlisted),
+                          ("other_digest", {**committed, "protocol_digest": "0" * 64})):
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps(figures))
+        with pytest.raises(SystemExit) as refused:
+            load("compare_rounds").print_table([str(RESULTS / "seed-17.json"), str(path)])
+        assert str(refused.value) == f"--table: {path}: {expected[name]}" and capsys.readouterr().out == ""
+
+
+def test_a_missing_truncated_or_armless_seed_file_is_one_line_not_a_traceback(tmp_path):
+    committed = (RESULTS / "seed-13.json").read_text()
+    armless = json.loads(committed)
+    del armless["outcomes"]["offline_matched"]
+    (tmp_path / "armless.json").write_text(json.dumps(armless))
+    (tmp_path / "truncated.json").write_text(committed[:-1])
+    expected = {"missing": "the seed file cannot be read (No such file or directory)",
+                "truncated": "the seed file is not whole JSON (cut short?): Expecting ',' delimiter: line 643 column 1 "
+                             "(char 5309)",
+                "armless": "field 'outcomes.offline_matched' is missing"}
+    for name, line in expected.items():  # the bad file first: refused before the good one's arguments are built
+        run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "compare_rounds.py"), "--table",
+                              str(tmp_path / f"{name}.json"), str(RESULTS / "seed-17.json")],
+                             capture_output=True, text=True, cwd=ROOT)
+        assert (run.returncode, run.stdout, run.stderr) == (1, "", f"--table: {tmp_path / name}.json: {line}\n")
+
+
+def test_a_seed_file_records_the_digest_and_a_relative_dataset_and_the_table_reads_it(tmp_path, monkeypatch, capsys):
+    """What run_seed writes (the arms faked) is what --table checks: the protocol's digest, arguments whose
+    --dataset is relative to the repository (it was this machine's absolute path)."""
+    compare = load("compare_rounds")
+    outcomes = [1, 0]
+    monkeypatch.setattr(compare, "rounds_arm", lambda argv: {"argv": argv})
+    monkeypatch.setattr(compare, "rounds_figures", lambda on: {
+        "right": [0, 1, 1, 1], "outcomes": outcomes, "pi0_outcomes": [0, 0], "held_rows": [5, 9],
+        "changed": [1, 0, 0], "pairs": [2, 2, 2], "steps": [1, 1, 1], "saturated": [0, 0, 0], "seconds": 1})
+    monkeypatch.setattr(compare, "offline_arms", lambda on, out: {
+        "per_draw": [2, 2, 2], "pool": 6, "seconds": 1, **{name: {"pairs": 6, "steps": 3, "outcomes": outcomes}
+                                                          for name in ("offline_samples", "offline_matched")}})
+    protocol = json.loads(PROTOCOL.read_text())
+    figures = compare.run_seed(protocol, 13, tmp_path / "out")
+    assert figures["protocol_digest"] == digest_of(protocol)
+    assert figures["argv"][figures["argv"].index("--dataset") + 1] == "data/arithmetic-pool.jsonl"
+    (tmp_path / "13.json").write_text(json.dumps(figures))
+    compare.print_table([str(tmp_path / "13.json")])
+    assert "| 13 | 0 | 1 -> 1 -> 1 | [1, 0, 0] | 1 | 1 | [2, 2, 2] ([2, 2, 2]) | 3, 3, 3 |" in capsys.readouterr().out
