@@ -58,7 +58,9 @@ class DPOMinConfig(TrainingArguments):
                         metadata={"help": "Strength of the implicit KL penalty towards the reference."})
     loss_type: list[str] = field(
         default_factory=lambda: ["sigmoid"],
-        metadata={"help": f"Preference loss(es), space- or comma-separated, from {', '.join(LOSS_TYPES)}."},
+        metadata={"help": f"Preference loss(es), space- or comma-separated, from {', '.join(LOSS_TYPES)} "
+                          "(docs/losses.md). plackett_luce needs --group_by_prompt: it ranks each prompt's answers "
+                          "at once, so per_device_train_batch_size counts whole groups, not pairs (docs/groups.md)."},
     )
     loss_weights: list[float] | None = field(
         default=None, metadata={"help": "One weight per loss_type: total = sum_i w_i * mean(L_i). Default all 1."}
@@ -117,7 +119,8 @@ class DPOMinConfig(TrainingArguments):
     max_length: int | None = field(
         default=1024, metadata={"help": "Most tokens of prompt+completion; completions are cut to fit."}
     )
-    max_prompt_length: int | None = field(default=None, metadata={"help": "Most prompt tokens, cut first."})
+    max_prompt_length: int | None = field(default=None, metadata={
+        "help": "Most prompt tokens, cut first. Default: no cap of its own (max_length still cuts)."})
     truncation_mode: str = field(
         default="keep_end",
         metadata={"help": "Which end of an over-long prompt to keep: keep_end (its last tokens) or keep_start."},
@@ -154,7 +157,8 @@ class DPOMinConfig(TrainingArguments):
         metadata={"help": "Train the pairs of one prompt as one group: the prompt once and each distinct completion "
                           "once, as share_prompt's segment with a branch per completion; the pairs of a prompt are "
                           "batched together (the groups shuffled, or in order with train_sampling_strategy "
-                          "sequential). Combines with padding_free. Needs sdpa or eager attention."},
+                          "sequential). Combines with padding_free. Needs sdpa or eager attention. Ranked data, "
+                          "plackett_luce: docs/groups.md."},
     )
     shard_with_fsdp2: bool = field(
         default=False,

@@ -3,6 +3,7 @@
 Parsing is the part of "works as written" a test can afford for all of them: an option renamed or removed, a value
 the parser refuses, a recipe path that moved. The runs themselves are covered by the tests of each feature."""
 
+import json
 import re
 import shlex
 from pathlib import Path
@@ -51,6 +52,7 @@ def test_every_command_in_the_pages_parses(page, arguments, files, tmp_path, mon
     for folder in ("data", "recipes", "tests", "shared"):
         (tmp_path / folder).symlink_to(ROOT / folder)
     for name, body in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text(body)
     monkeypatch.chdir(tmp_path)
     argv = shlex.split(arguments, comments=True)
@@ -100,3 +102,22 @@ def test_the_demos_printout_opens_with_the_lines_the_demo_prints(capsys):
     assert capsys.readouterr().out.splitlines() == printout[:1]
     assert printout[1].startswith(f"model {plan.model_name} | {len(train_pairs)} train pairs")
     assert printout[2] == describe_plan(plan.args, len(train_pairs))
+
+
+def test_the_rows_data_md_counts_from_0_are_the_rows_errors_name(tmp_path):
+    # Messages say `row 0`, `row 20`: the page says which line of a file that is, and the loader agrees.
+    from dpo_min.data.loading import load_preference_dataset
+
+    text = " ".join((ROOT / "docs" / "data.md").read_text().split())
+    jsonl_line, jsonl_row = map(int, re.search(r"a JSON Lines file's line (\d+) is `row (\d+)`", text).groups())
+    csv_line, csv_row = map(int, re.search(r"a CSV file's line (\d+) \(its header is line 1\) is `row (\d+)`",
+                                           text).groups())
+    lines = {"jsonl": [json.dumps({"prompt": f"p{n}", "chosen": "c", "rejected": "r"}) for n in range(5)],
+             "csv": ["prompt,chosen,rejected", *(f"p{n},c,r" for n in range(5))]}
+    lines["jsonl"][jsonl_line - 1] = json.dumps({"prompt": "p", "chosen": "same", "rejected": "same"})
+    lines["csv"][csv_line - 1] = "p,same,same"
+    for kind, row in (("jsonl", jsonl_row), ("csv", csv_row)):
+        path = tmp_path / f"pairs.{kind}"
+        path.write_text("\n".join(lines[kind]) + "\n")
+        with pytest.raises(ValueError, match=rf"pairs\.{kind}: row {row}: field 'rejected' is identical"):
+            load_preference_dataset(str(path), strict_pairs=True)

@@ -73,7 +73,7 @@ class ModelArguments:
         "help": "Save the adapter merged into the weights: a plain model for AutoModelForCausalLM.from_pretrained."})
     chat_template: str | None = field(default=None, metadata={
         "help": "A Jinja chat template set on the tokenizer before the data is rendered (alignment-handbook's "
-                "DPOConfig key)."})
+                "DPOConfig key). Default: the tokenizer's own."})
 
 
 @dataclass
@@ -82,7 +82,11 @@ class DataArguments:
 
     dataset: str | None = field(default=None, metadata={
         "help": "A .json/.jsonl/.parquet/.csv file (optionally .gz), a dataset folder (a hub repository's copy, or "
-                "save_to_disk's) or a datasets name (TRL: dataset_name). "
+                "save_to_disk's) or a datasets name (TRL: dataset_name), in a layout of docs/data.md: pairs (prompt, "
+                "chosen, rejected: strings or message lists), ranked rows (prompt, completions, scores: every better "
+                "answer against every worse one, a group for --group_by_prompt), the published sets' own columns "
+                "(HH-RLHF, UltraFeedback, Nectar, HelpSteer2, ...) or columns of your own named by --prompt_column, "
+                "--chosen_column, --rejected_column. An error names a bad row by its index, counting from 0. "
                 "Default: the single-turn HH-RLHF harmless pairs in data/; with --rounds, the arithmetic prompts "
                 "of data/arithmetic-pool.jsonl, with the rounds demo's round settings whatever the model (marked "
                 "'rounds demo and its prompts')."})
@@ -97,7 +101,8 @@ class DataArguments:
                 "(0: no evaluation). Default: "
                 f"{EVAL_FRACTION} of "
                 "one dataset; none of a mixture, whose held-out rows are its own (test_split_size, test splits)."})
-    max_eval_samples: int | None = field(default=None, metadata={"help": "Most held-out pairs evaluated."})
+    max_eval_samples: int | None = field(default=None, metadata={
+        "help": "Most held-out pairs evaluated. Default: every one."})
     num_samples: int = field(default=3, metadata={
         "help": "Held-out prompts completed greedily by the reference and the trained policy (samples.jsonl)."})
     max_new_tokens: int = field(default=48, metadata={"help": "Most new tokens in each of those completions."})

@@ -6,6 +6,7 @@ Read top to bottom: the parser (HfArgumentParser over the dataclasses, with the 
 in `recipe`, the nested options checked in `kwargs_checks`.
 """
 
+import argparse
 import math
 import re
 import sys
@@ -40,11 +41,28 @@ class _Parser(HfArgumentParser):
         raise UsageError(message)
 
 
+_NAMES_A_DEFAULT = re.compile(r"\bdefaults?\b", re.IGNORECASE)
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """argparse's "(default: X)" after an option's text, where X is the option's own default. Not after None (an
+    option left unset: its text says what that means, --model's "Default: SmolLM2-135M-Instruct"), a --no_X flag
+    (--X shows the default) or a text that names its default itself (--use_peft's depends on --model); a text that
+    ends in the demos' "otherwise:" always takes it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if action.default is None or isinstance(action, argparse._StoreFalseAction) or (
+                _NAMES_A_DEFAULT.search(text) and not text.endswith("otherwise:")):
+            return text
+        return super()._get_help_string(action)
+
+
 def build_parser(demo: bool = False, rounds: bool = False, demo_prompts: bool = False) -> HfArgumentParser:
     """The parser, with the command's defaults and the demo's (`demo`: no model, no data); `demo_prompts`: a rounds
     run on the rounds demo's prompts (no data), which takes the demo's settings of a round with any model."""
     parser = _Parser(
-        ARGUMENT_TYPES, prog=PROG, allow_abbrev=False,
+        ARGUMENT_TYPES, prog=PROG, allow_abbrev=False, formatter_class=_HelpFormatter,
         usage=f"{PROG} [recipe.yaml | --config recipe.yaml] [--option value ...]",
         description="Direct Preference Optimization of a causal LM. With no --model and no data (no --dataset, no "
                     "mixture): the demo, a short LoRA run of SmolLM2-135M-Instruct on the embedded HH-RLHF pairs. A "
@@ -53,7 +71,7 @@ def build_parser(demo: bool = False, rounds: bool = False, demo_prompts: bool = 
         epilog="Options marked 'demo:' take that default in the demo only ('rounds demo:', in --rounds without "
                "--model and data; 'rounds demo and its prompts:', in --rounds without data, with any --model); "
                "with --model or data (--dataset, datasets, dataset_mixture, dataset_mixer), DPOMinConfig's (TRL's) "
-               "defaults apply.")
+               "defaults apply. An option shown without a default is unset unless its text names one.")
     demo_defaults = (ROUNDS_DEMO_DEFAULTS if rounds else DEMO_DEFAULTS) if demo else \
         {name: ROUNDS_DEMO_DEFAULTS[name] for name in ROUNDS_DEMO_PROMPT_SETTINGS} if rounds and demo_prompts else {}
     parser.set_defaults(**{**COMMAND_DEFAULTS, **(ROUNDS_COMMAND_DEFAULTS if rounds else {}),
@@ -62,14 +80,23 @@ def build_parser(demo: bool = False, rounds: bool = False, demo_prompts: bool = 
         # A CPU-only machine: without use_cpu, transformers refuses --bf16 ("You need to assign use_cpu") and, for
         # one of several processes, accelerate would leave each training alone instead of joining them over gloo.
         parser.set_defaults(use_cpu=True)
+    _complete_help(parser)
+    return parser
+
+
+def _complete_help(parser: HfArgumentParser) -> None:
+    """Each option's help names the demos' defaults ("demo: 5e-4; rounds demo: 1e-4; otherwise:", the formatter adds
+    the default); a --no_X flag's help is one line, not --X's paragraph again."""
     for action in parser._actions:
+        if isinstance(action, argparse._StoreFalseAction):
+            action.help = f"Same as --{action.dest} false."
         rounds_label = "rounds demo and its prompts" if action.dest in ROUNDS_DEMO_PROMPT_SETTINGS else "rounds demo"
         marks = [f"{label}: {DEMO_DEFAULTS_SHOWN.get(action.dest, table[action.dest])}"
                  for label, table in (("demo", DEMO_DEFAULTS), (rounds_label, ROUNDS_DEMO_DEFAULTS))
                  if action.dest in table and action.option_strings[0] == f"--{action.dest}"]
-        if marks:
-            action.help = f"{action.help or ''} {'; '.join(marks)}; otherwise:".strip()
-    return parser
+        if marks:  # unset otherwise (None): the text says what that means, and nothing completes "otherwise:"
+            ending = "." if action.default is None else "; otherwise:"
+            action.help = f"{action.help or ''} {'; '.join(marks)}{ending}".strip()
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[ModelArguments, DataArguments, DPOMinConfig]:
