@@ -1,11 +1,14 @@
 """Checkpoints are all-or-nothing: what `DPOMinTrainer._save_checkpoint` and `_save` call at every save.
 
-`save_whole` takes Trainer's `_save_checkpoint` steps (transformers 5.24) in an order that keeps checkpoint-N whole
+`save_whole` takes Trainer's `_save_checkpoint` steps (transformers 5.21 to 5.25, whose `_save_checkpoint` is the same
+source, `SAVE_CHECKPOINT_SHA256`) in an order that keeps checkpoint-N whole
 or absent: Trainer's own savers write its files into a staging folder, which is renamed onto checkpoint-N when whole;
 only then is that path recorded, pushed and rotated. Trainer is never lent a path that will not exist: the trainer
 state names the real best checkpoint, `training_args.bin` the real output folder, and a push uploads checkpoint-N,
 not a staging folder about to be deleted. A sharded (FSDP2) model is saved whole. tests/test_trainer.py fails if
-transformers stops calling these hooks, and tests/test_checkpoints.py if its `_save_checkpoint` takes other steps.
+transformers stops calling these hooks, and tests/test_checkpoints.py if its `_save_checkpoint` takes other steps or
+is another source than the one these steps were read from. Trainer exposes no public way to save a checkpoint into
+a folder of the caller's choosing (`save_model` writes weights, not the optimizer, scheduler, RNG and state).
 """
 
 import os
@@ -18,6 +21,11 @@ from transformers.trainer_callback import ExportableState
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy, rotate_checkpoints
 
 from .scale import sharding
+
+# sha256 of `inspect.getsource(Trainer._save_checkpoint)` in the transformers releases whose steps `save_whole` takes
+# (5.21.1, 5.22.2, 5.23.0, 5.24.0 and 5.25.0 hold this same source): a release that changes it fails
+# tests/test_checkpoints.py until save_whole is read against it again and its hash added here.
+SAVE_CHECKPOINT_SHA256 = {"a9111e30faa9933986e022e56b5af81fd990356db64d727b4c320c852283bf3b"}
 
 
 def whole_state_dict(model: torch.nn.Module, state_dict: dict | None) -> dict | None:

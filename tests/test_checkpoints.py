@@ -3,6 +3,7 @@ path recorded (the best checkpoint) and pushed. The kill during a save is tests/
 equal to an uninterrupted one, tests/test_resume.py's."""
 
 import ast
+import hashlib
 import inspect
 import json
 import os
@@ -128,6 +129,14 @@ def _calls(function) -> set[str]:
     return {node.func.attr if isinstance(node.func, ast.Attribute) else node.func.id
             for node in ast.walk(tree) if isinstance(node, ast.Call)
             and isinstance(node.func, (ast.Attribute, ast.Name))}
+
+
+def test_the_installed_trainers_save_checkpoint_is_the_source_save_whole_was_read_against():
+    """A private method copied in steps: any change to it, even one that keeps its calls, is read again by a person."""
+    installed = hashlib.sha256(inspect.getsource(Trainer._save_checkpoint).encode()).hexdigest()
+    assert installed in checkpoints.SAVE_CHECKPOINT_SHA256, (
+        f"transformers {transformers.__version__} changed Trainer._save_checkpoint (sha256 {installed}): read "
+        "dpo_min/checkpoints.py's save_whole against it, then add the hash")
 
 
 def test_save_whole_takes_the_steps_of_trainers_save_checkpoint():
