@@ -209,3 +209,17 @@ def test_the_plan_line_puts_each_noun_in_the_number_it_counts(tmp_path, steps, p
     args = DPOMinConfig(output_dir=str(tmp_path), max_steps=steps, per_device_train_batch_size=4, report_to="none",
                         use_cpu=True)
     assert describe_plan(args, pairs).startswith(f"{expected}, learning rate 1e-06 (linear, warmup 0)")
+
+
+def test_the_reference_samples_and_margins_show_labelled_bars_that_move_at_each_token(tmp_path, tiny_model_dir,
+                                                                                      capsys):
+    """Before training the command samples the reference (minutes on busy cores): never without a moving bar."""
+    data_file = write_hh_rows(tmp_path / "pairs.jsonl", 12)
+    argv = tiny_run_args(tiny_model_dir, data_file, tmp_path / "run")
+    argv[argv.index("--disable_tqdm") + 1] = "false"
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    for label in ("the reference's greedy completions of the samples", "the reference's margins of the samples",
+                  "the trained policy's margins of the samples"):
+        assert f"{label}: " in err, label
+    assert "token 1/4" in err and "token 4/4" in err  # --max_new_tokens 4
