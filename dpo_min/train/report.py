@@ -109,8 +109,13 @@ def describe(metrics: dict[str, float]) -> str:
 
 def describe_change(before: dict[str, float], after: dict[str, float]) -> str:
     """'reward accuracy 0.0000 -> 0.6250, ...' from two evaluations."""
-    return ", ".join(f"{name} {before[key]:{style}} -> {after[key]:{style}}" for name, (key, style) in HEADLINE.items()
-                     if key in before and key in after)
+    return ", ".join(f"{name} {_shown(before[key]):{style}} -> {_shown(after[key]):{style}}"
+                     for name, (key, style) in HEADLINE.items() if key in before and key in after)
+
+
+def _shown(value: float) -> float:
+    """`value` as 4 decimals show it, with no negative zero: a mean of ties, or -0.00001, is never "-0.0000"."""
+    return round(value, 4) + 0.0
 
 
 def is_empty_completion(text: str) -> bool:
@@ -166,7 +171,8 @@ def describe_held_out(after: dict[str, float], margins: list[float]) -> str:
     lines = [f"held-out after training, {pairs} pairs:",  # never trained on, unless load_pairs warned
              f"  reward accuracy {wins}/{pairs} = {wins / pairs:.3f}, 95% interval [{low:.3f}, {high:.3f}] (Wilson): "
              f"{verdict}",
-             f"  mean margin {mean:+.4f}, 95% interval [{mean_low:+.4f}, {mean_high:+.4f}] over the {pairs} pairs "
+             f"  mean margin {_shown(mean):+.4f}, 95% interval [{_shown(mean_low):+.4f}, {_shown(mean_high):+.4f}] "
+             f"over the {pairs} pairs "
              "(reward of chosen minus reward of rejected, each beta x the summed log-ratio policy / reference)"]
     if "eval_loss" in after:
         lines.append(f"  loss {after['eval_loss']:.4f}" + "".join(
