@@ -5,9 +5,12 @@
 resumed run loads its checkpoint), so that for full fine-tuning the reference is the model as given. Each dataset
 gains the columns `ref_chosen_logps` and `ref_rejected_logps`, which the collator carries and `compute_loss` reads in
 place of a reference forward. The log-probs are cached on disk (ref_cache.py), keyed by the reference's weights and
-the data.
+the data; a pass stopped part-way (Ctrl-C, SIGTERM, a kill) keeps the batches it finished, and the next one goes on
+from them (one process only: several gather each batch together).
 """
 
+import contextlib
+import time
 from typing import Any
 
 import torch
@@ -56,7 +59,7 @@ def with_reference_logps(trainer: Any, dataset: Dataset, description: str, metho
     if trainer.accelerator.num_processes > 1:  # all processes must take the same branch: the pass below gathers
         cached = broadcast_object_list([cached])[0]
     if cached is None:
-        cached = _reference_pass(trainer, dataset)
+        cached = _reference_pass(trainer, dataset, key)
         if trainer.accelerator.is_main_process:
             ref_cache.save(key, *cached)
     for name, logps in zip(REFERENCE_COLUMNS, cached):
@@ -64,10 +67,15 @@ def with_reference_logps(trainer: Any, dataset: Dataset, description: str, metho
     return dataset
 
 
-def _reference_pass(trainer: Any, dataset: Dataset) -> tuple[torch.Tensor, torch.Tensor]:
+# How often a pass keeps the batches it has finished: a stop loses at most this much of the pass.
+KEEP_EVERY_S = 10.0
+
+
+def _reference_pass(trainer: Any, dataset: Dataset, key: str) -> tuple[torch.Tensor, torch.Tensor]:
     args, accelerator = trainer.args, trainer.accelerator
     loader, order = _loader(trainer, dataset)
-    chosen, rejected = [], []
+    alone = accelerator.num_processes == 1
+    chosen, rejected = ref_cache.load_partial(key) if alone else ([], [])
     was_training = trainer.model.training
     trainer.model.eval()
     if trainer.reference.model is None and trainer.is_deepspeed_enabled and trainer._precompute_engine is None \
@@ -76,12 +84,28 @@ def _reference_pass(trainer: Any, dataset: Dataset) -> tuple[torch.Tensor, torch
         trainer._precompute_engine = zero.inference_engine(trainer.model, accelerator)
     loader = accelerator.prepare(loader)
     # The pass runs before the first step and can take minutes: a bar on the main process says how many.
-    bar = tqdm(loader, desc="reference log-probs", unit="batch", leave=False,
+    bar = tqdm(total=len(loader), desc="reference log-probs", unit="batch", leave=False, initial=len(chosen),
                disable=args.disable_tqdm or not trainer.is_local_process_zero())
-    for batch in bar:
-        ref = accelerator.gather_for_metrics(trainer.reference_logps(batch).summed_logps(args.ld_alpha).chunk(2))
-        chosen.append(ref[0].float().cpu())
-        rejected.append(ref[1].float().cpu())
+    kept, finished_before = time.monotonic(), len(chosen)
+    try:
+        for index, batch in enumerate(loader):
+            if index < finished_before:  # computed by the pass that stopped: the same batch, the same weights
+                continue
+            ref = accelerator.gather_for_metrics(trainer.reference_logps(batch).summed_logps(args.ld_alpha).chunk(2))
+            chosen.append(ref[0].float().cpu())
+            rejected.append(ref[1].float().cpu())
+            bar.update()
+            if alone and time.monotonic() - kept > KEEP_EVERY_S:
+                ref_cache.save_partial(key, chosen, rejected)
+                kept = time.monotonic()
+    except BaseException as stop:  # a stop (KeyboardInterrupt, SIGTERM as the command raises it) or a failure
+        if alone and chosen:
+            with contextlib.suppress(OSError, RuntimeError):  # a full disk: the stop itself is what to report
+                ref_cache.save_partial(key, chosen, rejected)
+                stop.kept_work = f"the reference log-probs of {len(chosen)} of {len(loader)} batches cached"
+        raise
+    finally:
+        bar.close()
     trainer.model.train(was_training)
     if order is None:
         return torch.cat(chosen), torch.cat(rejected)

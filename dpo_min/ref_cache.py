@@ -6,7 +6,9 @@ An entry lives in `$DPO_MIN_CACHE/ref_logps/` (default `~/.cache/dpo_min/ref_log
   takes seconds, not minutes; a fine-tune or merge changes every value of a matrix, so its sample too),
 - the tokenized pairs (prompt/chosen/rejected ids, in order), after truncation,
 - the settings that change the numbers (truncation settings, ld_alpha, which reference).
-Entries are written to a temporary file and renamed into place: an interrupted run leaves no partial entry.
+Entries are written to a temporary file and renamed into place: an interrupted run leaves no partial entry. What
+an interrupted reference pass had finished is kept beside it, batch by batch (`<key>.partial.pt`, `save_partial`),
+and the next pass with the same key starts after those batches; the whole entry replaces it.
 """
 
 import contextlib
@@ -100,7 +102,41 @@ def _move_aside(path: Path, problem: str) -> None:
 
 def save(key: str, chosen: torch.Tensor, rejected: torch.Tensor) -> Path:
     path = _path(key)
+    _write(path, {"chosen": chosen, "rejected": rejected})
+    _partial_path(key).unlink(missing_ok=True)  # the whole entry holds every batch the partial one held
+    return path
+
+
+def _partial_path(key: str) -> Path:
+    return cache_dir() / "ref_logps" / f"{key}.partial.pt"
+
+
+def save_partial(key: str, chosen: list[torch.Tensor], rejected: list[torch.Tensor]) -> None:
+    """The log-probs of the batches a pass has finished, in order (one [batch] tensor each): the pass that computes
+    the same key next starts after them."""
+    _write(_partial_path(key), {"chosen": chosen, "rejected": rejected})
+
+
+def load_partial(key: str) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The finished batches an interrupted pass kept (`save_partial`), or two empty lists; an entry that cannot be
+    read is moved aside as a whole one is."""
+    path = _partial_path(key)
+    if not path.exists():
+        return [], []
+    try:
+        saved = torch.load(path, weights_only=True)
+    except (OSError, RuntimeError, EOFError, pickle.UnpicklingError) as error:
+        _move_aside(path, f"unreadable ({str(error).strip().splitlines()[0] if str(error) else type(error)})")
+        return [], []
+    batches = saved.get("chosen") if isinstance(saved, dict) else None
+    if not isinstance(batches, list) or not isinstance(saved.get("rejected"), list) \
+            or len(batches) != len(saved["rejected"]):
+        _move_aside(path, "does not hold two equally long lists of batches")
+        return [], []
+    return batches, saved["rejected"]
+
+
+def _write(path: Path, content: dict[str, Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with staged(path) as staging, open(staging, "wb") as file:
-        torch.save({"chosen": chosen, "rejected": rejected}, file)
-    return path
+        torch.save(content, file)

@@ -31,8 +31,21 @@ def test_demo_defaults_apply_to_the_demo_only(tmp_path):
         for name in ("learning_rate", "max_steps", "max_length", "max_prompt_length", "per_device_train_batch_size",
                      "padding_free", "logging_steps", "save_strategy"):
             assert getattr(args, name) == getattr(library, name), (given, name)
-        assert data_args.max_eval_samples is None and args.eval_on_start
+        # No step-0 pass either: the policy starts as its reference, every held-out pair a tie (stated, not measured).
+        assert data_args.max_eval_samples is None and not args.eval_on_start
         assert parse_args(given)[0].chat_template is None  # the model's own template
+
+
+@pytest.mark.parametrize(("extra", "measured_at_start"), [
+    ([], False),  # sigmoid reads the reference: the figures before training are ties, stated
+    (["--loss_type", "simpo"], True),  # no reference: the step-0 figures are the model's own, measured
+    (["--eval_on_start", "true"], True),  # asked for
+    (["--loss_type", "simpo", "--eval_on_start", "false"], False),
+])
+def test_the_held_out_pass_before_training_is_spent_only_where_its_figures_are_not_known(extra, measured_at_start):
+    plan = resolve(["--dataset", "p.jsonl", *extra])
+    assert plan.args.eval_on_start is measured_at_start
+    assert plan.ties_at_start is (not measured_at_start and plan.args.loss_settings.reads_reference)
 
 
 def test_a_run_with_a_dataset_is_not_capped(tmp_path):

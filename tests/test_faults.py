@@ -135,7 +135,40 @@ def test_ctrl_c_and_sigterm_stop_the_command_in_the_same_one_line_keeping_whole_
     # stderr less transformers' progress bars ("Loading weights: 100%|...| 21/21 [00:00<...]")
     lines = [line for line in err.splitlines() if line.strip() and "it/s]" not in line]
     assert lines == [f"python -m dpo_min.train: stopped by {signal.Signals(signal_number).name}; checkpoints of the "
-                     f"interrupted run kept in {staging}"]
+                     f"interrupted run kept in {staging} (add --resume_from_checkpoint latest to go on from the "
+                     "newest)"]
     checkpoints = sorted(staging.glob("checkpoint-*"))
     assert len(checkpoints) >= 2 and not any(checkpoint_problems(path) for path in checkpoints)
     assert sorted(os.listdir(tmp_path)) == ["pairs.jsonl", "run.partial"]  # no lock file, no staging leftovers
+
+
+def test_ctrl_c_in_the_reference_pass_keeps_its_finished_batches_and_says_the_same_command_goes_on(
+        tmp_path, tiny_model_dir, capsys, monkeypatch):
+    from dpo_min.train import main
+
+    monkeypatch.setenv("DPO_MIN_CACHE", str(tmp_path / "cache"))
+    data = write_hh_rows(tmp_path / "pairs.jsonl", 12)
+    argv = ["--model", str(tiny_model_dir), "--dataset", str(data), "--output_dir", str(tmp_path / "run"),
+            "--num_train_epochs", "1", "--per_device_train_batch_size", "2", "--per_device_eval_batch_size", "2",
+            "--eval_fraction", "0", "--num_samples", "0", "--precompute_ref_log_probs", "true",
+            "--disable_tqdm", "true"]  # 12 pairs: 6 batches of 2
+    reference_logps, calls = DPOMinTrainer.reference_logps, []
+
+    def stops_at_the_fourth_batch(self, inputs):
+        calls.append(1)
+        if len(calls) == 4:
+            raise KeyboardInterrupt
+        return reference_logps(self, inputs)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(DPOMinTrainer, "reference_logps", stops_at_the_fourth_batch)
+        assert main(argv) == 130
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "python -m dpo_min.train: stopped by SIGINT; the reference log-probs of 3 of 6 batches cached: the same "
+        "command starts after them")
+    calls.clear()
+    with monkeypatch.context() as patch:
+        patch.setattr(DPOMinTrainer, "reference_logps", stops_at_the_fourth_batch)  # counts, stops no more
+        calls.extend([None] * 10)
+        assert main(argv) == 0
+    assert len(calls) - 10 == 3  # the batches the stopped pass had not finished

@@ -86,7 +86,8 @@ def test_the_plan_says_once_what_resuming_means(tmp_path, checkpoint, resuming, 
         argv += ["--resume_from_checkpoint", checkpoint.format(run=tmp_path / "run", elsewhere=tmp_path / "other")]
     plan = resolve(argv)
     assert (plan.resuming, plan.resumes_here) == (resuming, resumes_here)
-    assert plan.args.eval_on_start is not resuming  # a resumed run has its first run's step 0
+    # A resumed run has its first run's step 0; a new one states its ties (sigmoid reads the reference).
+    assert not plan.args.eval_on_start and plan.ties_at_start is not resuming
 
 
 def test_zero3_full_fine_tuning_loads_the_reference_again(tmp_path, monkeypatch):

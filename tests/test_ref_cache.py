@@ -117,3 +117,47 @@ def test_tokenizing_and_the_reference_pass_show_a_progress_bar_unless_disabled(t
     trainer.get_train_dataloader()
     shown = capsys.readouterr().err
     assert ("reference log-probs" in shown and "/2 " in shown) != disable_tqdm, shown  # a bar over 2 batches
+
+
+@pytest.mark.parametrize("stop", [KeyboardInterrupt, RuntimeError], ids=["ctrl-c", "failure"])
+def test_a_stopped_reference_pass_keeps_its_finished_batches_and_the_rerun_computes_only_the_rest(
+        precompute, tmp_path, monkeypatch, stop):
+    _, uninterrupted = precompute(rows=range(8))  # 4 batches of 2
+    for entry in (tmp_path / "cache" / "ref_logps").glob("*.pt"):
+        entry.unlink()
+    reference_logps, calls = DPOMinTrainer.reference_logps, []
+
+    def stops_at_the_third_batch(self, inputs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise stop("stopped")
+        return reference_logps(self, inputs)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(DPOMinTrainer, "reference_logps", stops_at_the_third_batch)
+        with pytest.raises(stop):
+            precompute(rows=range(8))
+    (partial,) = (tmp_path / "cache" / "ref_logps").glob("*.partial.pt")
+    assert len(torch.load(partial, weights_only=True)["chosen"]) == 2
+    passes, resumed = precompute(rows=range(8))
+    assert passes == 2  # the third and fourth batches only
+    assert resumed == uninterrupted  # bit for bit
+    assert not partial.exists()  # the whole entry replaced it
+    assert precompute(rows=range(8))[0] == 0
+
+
+def test_a_partial_entry_of_other_data_is_not_read(precompute, tmp_path, monkeypatch):
+    reference_logps, calls = DPOMinTrainer.reference_logps, []
+
+    def stops_at_the_second_batch(self, inputs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return reference_logps(self, inputs)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(DPOMinTrainer, "reference_logps", stops_at_the_second_batch)
+        with pytest.raises(KeyboardInterrupt):
+            precompute(rows=range(4))
+    passes, _ = precompute(rows=range(1, 5))  # other pairs: another key, the whole pass
+    assert passes == 2

@@ -19,7 +19,15 @@ from dpo_min.rounds.held_out import mean_with_interval
 from dpo_min.split import held_out_split
 from dpo_min.tokenizing import tokenize_dataset
 from dpo_min.train import main
-from dpo_min.train.report import describe_held_out, describe_plan, describe_ties, plot_training, smoothed, tie_figures
+from dpo_min.train.report import (
+    describe_change,
+    describe_held_out,
+    describe_plan,
+    describe_ties,
+    plot_training,
+    smoothed,
+    tie_figures,
+)
 
 
 def test_each_evaluation_logs_scalars_and_completions_to_tensorboard(tmp_path, tiny_model_dir):
@@ -29,7 +37,7 @@ def test_each_evaluation_logs_scalars_and_completions_to_tensorboard(tmp_path, t
                  "--eval_fraction", "0.25", "--max_steps", "2", "--per_device_train_batch_size", "2",
                  "--eval_strategy", "steps", "--eval_steps", "1", "--learning_rate", "5e-3", "--num_samples", "2",
                  "--max_new_tokens", "3", "--logging_steps", "1", "--report_to", "tensorboard",
-                 "--disable_tqdm", "true"])
+                 "--disable_tqdm", "true", "--eval_on_start", "true"])
     assert code == 0
     samples = [json.loads(line) for line in (output_dir / "samples.jsonl").read_text().splitlines()]
     # Evaluations at steps 0 (eval_on_start), 1 and 2 (eval_strategy); the one at the last step is the "after" figure,
@@ -209,3 +217,26 @@ def test_the_plan_line_puts_each_noun_in_the_number_it_counts(tmp_path, steps, p
     args = DPOMinConfig(output_dir=str(tmp_path), max_steps=steps, per_device_train_batch_size=4, report_to="none",
                         use_cpu=True)
     assert describe_plan(args, pairs).startswith(f"{expected}, learning rate 1e-06 (linear, warmup 0)")
+
+
+def test_the_reference_samples_and_margins_show_labelled_bars_that_move_at_each_token(tmp_path, tiny_model_dir,
+                                                                                      capsys):
+    """Before training the command samples the reference (minutes on busy cores): never without a moving bar."""
+    data_file = write_hh_rows(tmp_path / "pairs.jsonl", 12)
+    argv = tiny_run_args(tiny_model_dir, data_file, tmp_path / "run")
+    argv[argv.index("--disable_tqdm") + 1] = "false"
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    for label in ("the reference's greedy completions of the samples", "the reference's margins of the samples",
+                  "the trained policy's margins of the samples"):
+        assert f"{label}: " in err, label
+    assert "token 1/4" in err and "token 4/4" in err  # --max_new_tokens 4
+
+
+def test_no_figure_is_shown_as_minus_zero():
+    ties = tie_figures("sigmoid")
+    after = {**ties, "eval_rewards/margins": -0.00001, "eval_rewards/accuracies": 0.5}
+    assert describe_change({**ties, "eval_rewards/margins": -0.0}, after) == (
+        "reward accuracy 0.0000 -> 0.5000, mean margin +0.0000 -> +0.0000, loss 0.6931 -> 0.6931, drift chosen "
+        "+0.0000 -> +0.0000, drift rejected +0.0000 -> +0.0000")
+    assert "-0.0000" not in describe_held_out(after, [-0.00001, 0.0, 0.00001])

@@ -425,3 +425,37 @@ def test_a_pair_whose_prompt_fills_max_length_is_counted_before_training_and_pai
     line = result.rounds[0]
     assert line["dropped"]["prompt_fills_max_length"] == 1
     assert line["pairs"] == len(result.trainer.train_dataset) == 4 - sum(line["dropped"].values())
+
+
+@pytest.mark.parametrize("killed_call, phase_file, calls_after", [
+    (2, "held_out-0.partial.jsonl", 1 + 3 + 2),  # the second held-out prompt before round 1
+    (4, "round-1/generated.partial.jsonl", 2 + 2),  # the second batch of round 1's samples
+], ids=["held-out greedy", "sampling"])
+def test_a_stop_inside_a_sampling_pass_keeps_its_finished_batches_and_the_rerun_is_the_same_run(
+        tmp_path, tokenizer, monkeypatch, killed_call, phase_file, calls_after):
+    """One prompt a batch (generation_batch_size 3 of num_generations 3): 2 held-out and 3 training prompts give
+    generate() calls 1-2 (held-out before round 1), 3-5 (round 1's samples), 6-7 (held-out after round 1)."""
+    config = {"rounds": 1, "generation_batch_size": 3}
+    whole = run_rounds(tiny_policy(), tokenizer, PROMPTS, letters, settings(tmp_path, "whole", **config))
+    original, calls = rounds_loop.sample, []
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == killed_call and not stopped:
+            raise KeyboardInterrupt
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(rounds_loop, "sample", counted)
+    stopped = False
+    with pytest.raises(KeyboardInterrupt):
+        run_rounds(tiny_policy(), tokenizer, PROMPTS, letters, settings(tmp_path, **config))
+    kept = [json.loads(line) for line in (tmp_path / "run" / phase_file).read_text().splitlines()]
+    assert [line["batch"] for line in kept] == [0]  # the batch finished before the stop
+    stopped, calls[:] = True, []
+    resumed = run_rounds(tiny_policy(), tokenizer, PROMPTS, letters, settings(tmp_path, **config))
+    assert len(calls) == calls_after  # the kept batch is not generated again
+    same_rounds(resumed.rounds, whole.rounds)
+    assert resumed.held_out == whole.held_out
+    assert (tmp_path / "run/round-1/generated.jsonl").read_text() == \
+        (tmp_path / "whole/round-1/generated.jsonl").read_text()
+    assert not list((tmp_path / "run").rglob("*.partial.jsonl"))  # each replaced by its phase's file

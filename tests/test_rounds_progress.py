@@ -67,9 +67,12 @@ def test_a_rounds_run_says_its_plan_shows_labelled_bars_and_counts_the_held_out_
     # 0.4 of 5 prompts held out, rounded up: 2; the other 3 sampled in the round.
     assert printed.out.splitlines()[0] == (f"model {tiny_model_dir} | 1 round of all of 3 training prompts, 3 samples "
                                            f"each | 2 held-out prompts | LoRA r=4 | output {out}")
-    for label in ("held-out before round 1: greedy", "round 1: sampling", "round 1: scoring",
-                  "held-out after round 1: greedy"):
+    for label in ("rendering the prompts", "the reward functions' identity (code, weights)",
+                  "the policy (LoRA adapter, reference)", "held-out before round 1: greedy", "round 1: sampling",
+                  "round 1: scoring", "held-out after round 1: greedy"):
         assert f"{label}: " in printed.err, label  # tqdm writes its label, a colon, then the bar
+    # A batch of prompts generates for minutes on busy cores: the bar moves at each of its new tokens.
+    assert "token 1/8" in printed.err and "token 8/8" in printed.err
     held_out = [json.loads(line) for line in (out / "held_out.jsonl").read_text().splitlines()]
     for line in held_out:
         right = sum(total == 1.0 for _, total in line["per_prompt"])

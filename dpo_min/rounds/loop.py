@@ -25,10 +25,11 @@ from dpo_min.tokenizing import (
     template_kwargs_of,
 )
 
-from . import held_out, pairs, schedule, store
+from . import held_out, kept, pairs, schedule, store
 from .config import RoundsConfig, RoundsError
+from .lines import no_pair_message, summary
 from .policy import Policy
-from .progress import RoundBar, phase_bar
+from .progress import RoundBar, TokenSteps, phase_bar
 from .prompts import fingerprint, prompt_rows, split_held_out
 from .rewards import RewardFunc, Rewards
 from .sampling import Completion, GenerateFn, GenerationSettings, sample
@@ -95,19 +96,27 @@ def _bar(run: _Run, label: str, total: int, unit: str) -> Any:
 
 
 def _sample_shared(run: _Run, model: Any, indices: list[int], settings: GenerationSettings,
-                   label: str = "sampling") -> list[list[Completion]]:
+                   label: str = "sampling", keep: Path | None = None) -> list[list[Completion]]:
     """The samples of each prompt in `indices`, in order: batches of prompts_per_batch prompts (generation_batch_size
     completions), batch b seeded settings.seed + b and dealt to the processes in turn, so a prompt's samples do not
-    depend on the process count. `label` names the progress bar."""
+    depend on the process count. `label` names the progress bar; `keep`, where the finished batches are kept (kept.py)
+    until the phase's own file replaces them."""
     size = run.config.prompts_per_batch
     batches = [(b, indices[start:start + size]) for b, start in enumerate(range(0, len(indices), size))]
+    keep = keep if run.state.num_processes == 1 else None
+    finished = kept.read(keep, batches)
 
     def work(mine: list[tuple[int, list[int]]]) -> list[list[list[Completion]]]:
         groups = []
         with _bar(run, label, sum(len(batch) for _, batch in mine), "prompt") as bar:
             for b, batch in mine:
-                groups.append(sample(model, run.tokenizer, [run.prompt_ids[i] for i in batch],
-                                     replace(settings, seed=settings.seed + b), size, run.generate_fn))
+                if b not in finished:
+                    finished[b] = sample(model, run.tokenizer, [run.prompt_ids[i] for i in batch],
+                                         replace(settings, seed=settings.seed + b), size, run.generate_fn,
+                                         streamer=TokenSteps(bar, settings.max_new_tokens))
+                    if keep is not None:
+                        kept.write(keep, finished, batches)
+                groups.append(finished[b])
                 bar.update(len(batch))
         return groups
     return [group for groups in _shared(batches, work, run.state) for group in groups]
@@ -121,7 +130,8 @@ def _generate(run: _Run, model: Any, round_index: int) -> list[dict[str, Any]]:
                                   schedule.round_temperature(config.temperature, round_index), config.top_p,
                                   seed=config.seed + 1000 * round_index)
     indices = schedule.round_prompts(run.train_rows, config.prompts_per_round, config.seed, round_index)
-    groups = _sample_shared(run, model, indices, settings, f"round {round_index}: sampling")
+    groups = _sample_shared(run, model, indices, settings, f"round {round_index}: sampling",
+                            kept.partial_of(run.folder.round_dir(round_index) / "generated.jsonl"))
     return [{"prompt_index": i, "sample": s, "completion": c.text, "completion_ids": c.ids, "truncated": c.truncated}
             for i, group in zip(indices, groups) for s, c in enumerate(group)]
 
@@ -172,8 +182,9 @@ def _evaluate(run: _Run, model: Any, round_index: int) -> None:
     if not run.held_rows or any(line["round"] == round_index for line in run.folder.held_out()):
         return
     when = "before round 1" if round_index == 0 else f"after round {round_index}"
+    keep = run.folder.root / f"held_out-{round_index}.partial.jsonl"
     greedy = _sample_shared(run, model, run.held_rows, GenerationSettings(1, run.config.max_completion_length, False),
-                            f"held-out {when}: greedy")
+                            f"held-out {when}: greedy", keep)
 
     def work(items: list[tuple[int, Completion]]) -> list[float | None]:
         if not items:
@@ -187,6 +198,7 @@ def _evaluate(run: _Run, model: Any, round_index: int) -> None:
             "unscorable": sum(t is None for t in totals), "per_prompt": [list(x) for x in zip(run.held_rows, totals)]}
     if run.state.is_main_process:
         run.folder.append("held_out.jsonl", line)
+        keep.unlink(missing_ok=True)
         with store.written_whole(run.folder.root / "held_out.png") as staging:
             held_out.plot(run.folder.held_out(), staging)
     run.state.wait_for_everyone()
@@ -206,6 +218,7 @@ def _phase(run: _Run, path: Path, times: dict[str, float], name: str, make: Call
     times[name] = round(time.perf_counter() - start, 3)
     if run.state.is_main_process:
         store.write_jsonl(path, rows)
+        kept.partial_of(path).unlink(missing_ok=True)  # its batches are in `path` now
     run.state.wait_for_everyone()
     return rows
 
@@ -289,15 +302,18 @@ def _round(run: _Run, policy: Policy, round_index: int, steps: int) -> tuple[dic
     return {**line, "status": "trained", "dpo": metrics, "seconds": times}, trainer
 
 
-def rendered_prompts(tokenizer: Any, rows: list[dict[str, Any]],
-                     chat_template_kwargs: dict[str, Any] | None) -> list[list[int]]:
-    """Each row's prompt ids, by the renderer the DPO pass tokenizes with (its tools and template kwargs too)."""
+def rendered_prompts(tokenizer: Any, rows: list[dict[str, Any]], chat_template_kwargs: dict[str, Any] | None,
+                     hidden: bool = True) -> list[list[int]]:
+    """Each row's prompt ids, by the renderer the DPO pass tokenizes with (its tools and template kwargs too); a
+    labelled bar unless `hidden` (thousands of prompts take minutes on busy cores)."""
     rendered = []
-    for index, row in enumerate(rows):
-        try:
-            rendered += render_prompts(tokenizer, [row["prompt"]], template_kwargs_of(row, chat_template_kwargs))
-        except ValueError as error:
-            raise RoundsError(f"row {index}: {error}") from None
+    with phase_bar("rendering the prompts", len(rows), "prompt", hidden) as bar:
+        for index, row in enumerate(rows):
+            try:
+                rendered += render_prompts(tokenizer, [row["prompt"]], template_kwargs_of(row, chat_template_kwargs))
+            except ValueError as error:
+                raise RoundsError(f"row {index}: {error}") from None
+            bar.update()
     return rendered
 
 
@@ -309,11 +325,15 @@ def _open(model: Any, tokenizer: Any, prompts: Any, reward_funcs: Any, config: R
     train_rows, held_rows = split_held_out(len(rows), config.held_out_share, config.seed)
     schedule.check_pool(train_rows, config.prompts_per_round)  # before the folder is claimed
     state = PartialState(cpu=several_on_cpu())  # several CPU processes join over gloo, as the trainer's
+    hidden = not state.is_main_process or bool(config.training.get("disable_tqdm"))
     run = _Run(config, tokenizer, rows, train_rows, held_rows, rewards,
-               rendered_prompts(tokenizer, rows, config.training.get("chat_template_kwargs")),
+               rendered_prompts(tokenizer, rows, config.training.get("chat_template_kwargs"), hidden),
                end_token_ids(model, tokenizer), store.RoundFiles(config.output_dir), generate_fn, state)
+    with phase_bar("the reward functions' identity (code, weights)", 1, "step", hidden) as bar:
+        identity = rewards.identity()
+        bar.update()
     settings = {**config.settings(), "prompts": fingerprint(rows), "reward_funcs": rewards.names,
-                "reward_identity": rewards.identity(),
+                "reward_identity": identity,
                 "processes": state.num_processes,
                 "model": store.model_record(model, tokenizer) if model_record is None else model_record}
     if state.is_main_process:
@@ -324,7 +344,9 @@ def _open(model: Any, tokenizer: Any, prompts: Any, reward_funcs: Any, config: R
     shared = held_out.also_training(run.prompt_ids, train_rows, held_rows)
     if shared:
         run.say(shared)
-    policy = Policy(model, config.peft_config, config.reference)
+    with phase_bar("the policy (LoRA adapter, reference)", 1, "step", hidden) as bar:
+        policy = Policy(model, config.peft_config, config.reference)
+        bar.update()
     done = run.folder.finished_rounds()
     checkpoint = run.folder.last_checkpoint()
     if checkpoint is not None:
@@ -348,8 +370,8 @@ def run_rounds(model: torch.nn.Module, tokenizer: Any, prompts: Any, reward_func
     input, a bad reward, a full disk, or a resume with other settings (another model, dtype or chat template too)."""
     run, policy, done = _open(model, tokenizer, prompts, reward_funcs, config, generate_fn, model_record)
     if done and done[-1]["status"] == "no pair: stop":
-        run.say(_no_pair_message(done[-1]))  # the same call again: said again, not a silent return
-        return RoundsResult(done, run.folder.held_out(), policy, stopped=_no_pair_message(done[-1]))
+        run.say(no_pair_message(done[-1]))  # the same call again: said again, not a silent return
+        return RoundsResult(done, run.folder.held_out(), policy, stopped=no_pair_message(done[-1]))
     with policy.current() as current:
         _evaluate(run, current, 0)
     trainer, steps = None, sum(line.get("dpo", {}).get("steps", 0) for line in done)
@@ -361,39 +383,9 @@ def run_rounds(model: torch.nn.Module, tokenizer: Any, prompts: Any, reward_func
             run.folder.append("rounds.jsonl", line)
         run.state.wait_for_everyone()
         done.append(line)
-        run.say(_summary(line))
+        run.say(summary(line))
         if line["status"] == "no pair: stop":
             break
     policy.hand_to(trainer)
-    stopped = _no_pair_message(done[-1]) if done[-1]["status"] == "no pair: stop" else None
+    stopped = no_pair_message(done[-1]) if done[-1]["status"] == "no pair: stop" else None
     return RoundsResult(done, run.folder.held_out(), policy, trainer, stopped=stopped)
-
-
-def _no_pair_message(line: dict[str, Any]) -> str:
-    # on_no_pairs is a setting a resume must share: the way on is another folder, not the same one with 'skip'.
-    reasons = ", ".join(f"{count} {reason}" for reason, count in line["dropped"].items() if count)
-    return (f"round {line['round']}: no prompt gave a pair ({reasons}); the run stopped there (on_no_pairs='stop') "
-            "and stops there again when resumed: to go on, start another output_dir with settings that give pairs "
-            "(more num_generations, a higher temperature, another reward, or on_no_pairs='skip')")
-
-
-def _summary(line: dict[str, Any]) -> str:
-    dropped = ", ".join(f"{count} {reason}" for reason, count in line["dropped"].items() if count) or "none"
-    text = f"round {line['round']}: {_count(line['samples'], 'sample')}, {_count(line['pairs'], 'pair')} " \
-           f"(dropped: {dropped}), {line['saturated']} of {line['prompts']} prompts saturated"
-    if line["reward_mean"] is not None:
-        text += f", reward mean {line['reward_mean']:.3f} (best {line['reward_best']:.3f}, worst " \
-                f"{line['reward_worst']:.3f})"
-    if line["status"] == "no pair: stop":
-        return f"{text}; {_no_pair_message(line)}"
-    if line["status"] != "trained":
-        return f"{text}; no pair, round skipped (on_no_pairs='skip')"
-    dpo = line["dpo"]
-    shown = (("loss", "loss", ".4f"), ("reward accuracy", "rewards/accuracies", ".2f"),
-             ("margin", "rewards/margins", "+.4f"))
-    figures = [f"{name} {dpo[key]:{form}}" for name, key, form in shown if key in dpo]
-    return f"{text}; DPO: {_count(dpo['steps'], 'step')}{', mean ' + ', '.join(figures) if figures else ''}"
-
-
-def _count(number: int, noun: str) -> str:
-    return f"{number} {noun}{'' if number == 1 else 's'}"

@@ -56,8 +56,10 @@ def _left_padded(prompt_ids: Sequence[list[int]], pad_id: int, device: torch.dev
 
 
 @torch.no_grad()
-def hf_generate(model: Any, prompt_ids: list[list[int]], settings: GenerationSettings, pad_id: int) -> list[list[int]]:
-    """The default generate_fn: `model.generate` on one left-padded batch, KV cache on, seeded."""
+def hf_generate(model: Any, prompt_ids: list[list[int]], settings: GenerationSettings, pad_id: int,
+                streamer: Any = None) -> list[list[int]]:
+    """The default generate_fn: `model.generate` on one left-padded batch, KV cache on, seeded; `streamer` is told
+    of each new token (progress.TokenSteps moves a bar by it)."""
     was_training = model.training
     model.eval()
     batch = _left_padded(prompt_ids, pad_id, next(model.parameters()).device)
@@ -67,7 +69,7 @@ def hf_generate(model: Any, prompt_ids: list[list[int]], settings: GenerationSet
     try:
         output = model.generate(**batch, do_sample=settings.do_sample, max_new_tokens=settings.max_new_tokens,
                                 num_return_sequences=settings.num_return_sequences, use_cache=True,
-                                pad_token_id=pad_id, **sampling)
+                                pad_token_id=pad_id, streamer=streamer, **sampling)
     finally:
         model.train(was_training)
     return output[:, batch["input_ids"].shape[1]:].tolist()
@@ -81,11 +83,11 @@ def _completion(ids: list[int], eos_ids: set[int], tokenizer: Any, max_new_token
 
 
 def sample(model: Any, tokenizer: Any, prompt_ids: Sequence[list[int]], settings: GenerationSettings,
-           batch_size: int, generate_fn: GenerateFn | None = None) -> list[list[Completion]]:
+           batch_size: int, generate_fn: GenerateFn | None = None, streamer: Any = None) -> list[list[Completion]]:
     """settings.num_return_sequences completions for each prompt (its ids, as rendered), in order; batch b is seeded
-    settings.seed + b."""
+    settings.seed + b. `streamer` goes to model.generate (a generate_fn has its own progress)."""
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    generate = generate_fn or (lambda m, ids, s: hf_generate(m, ids, s, pad_id))
+    generate = generate_fn or (lambda m, ids, s: hf_generate(m, ids, s, pad_id, streamer))
     eos_ids, n = end_token_ids(model, tokenizer), settings.num_return_sequences
     groups = []
     for b, start in enumerate(range(0, len(prompt_ids), batch_size)):

@@ -5,6 +5,8 @@
     rounds.jsonl             one line per finished round
     held_out.png             the held-out reward against the round, with its 95% interval
     round-K/generated.jsonl  the round's samples before scoring (a kill while scoring does not regenerate them)
+    round-K/generated.partial.jsonl, held_out-K.partial.jsonl
+                             the batches a stopped sampling or held-out pass finished (kept.py), until replaced
     round-K/samples.jsonl    every sample with its reward per function and the sum
     round-K/pairs.jsonl      the round's pairs, in the explicit-prompt layout the command reads back
     round-K/train/           the round's DPO run (its checkpoint-N folders: a half-trained round resumes there)

@@ -132,11 +132,26 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt as stop:  # Ctrl-C, or SIGTERM (`cli`): RunFolder.claimed has kept whole checkpoints
         number = getattr(stop, "signal_number", signal.SIGINT)
         if plan is None or plan.is_main:
-            staging = plan.folder.staging if plan is not None else None
-            kept = f"; checkpoints of the interrupted run kept in {staging}" if staging and staging.is_dir() else ""
-            print(f"{PROG}: stopped by {signal.Signals(number).name}{kept}", file=sys.stderr)
+            print(f"{PROG}: stopped by {signal.Signals(number).name}{_kept(plan, stop)}", file=sys.stderr)
         return 128 + number
     return 0
+
+
+def _kept(plan: Plan | None, stop: KeyboardInterrupt) -> str:
+    """What a stopped run keeps, and how the same command goes on from it."""
+    if plan is None:
+        return ""
+    if plan.rounds is not None:
+        return (f"; the finished rounds, phases and batches are kept in {plan.folder.named}: the same command goes on "
+                "from them")
+    kept = [getattr(stop, "kept_work", None)]
+    staging = plan.folder.staging
+    if staging.is_dir():
+        kept.append(f"checkpoints of the interrupted run kept in {staging} (add --resume_from_checkpoint latest to "
+                    "go on from the newest)")
+    elif kept[0]:
+        kept[0] += ": the same command starts after them"
+    return "".join(f"; {what}" for what in kept if what)
 
 
 def _checkpoint(plan: Plan) -> str | None:
@@ -212,9 +227,12 @@ def sample_reference(trainer: DPOMinTrainer, plan: Plan, held_out: Dataset | Non
         f"output {plan.folder.named}")
     if train_pairs is not None:
         say(describe_plan(plan.args, train_pairs))
+    hidden = plan.args.disable_tqdm
     texts = greedy_completions(model, trainer.processing_class, prompts, plan.data.max_new_tokens,
-                               plan.args.chat_template_kwargs) if plan.is_main else []
-    margins = logprob_margins(model, trainer.data_collator, pairs) if plan.is_main else []
+                               plan.args.chat_template_kwargs, "the reference's greedy completions of the samples",
+                               hidden) if plan.is_main else []
+    margins = logprob_margins(model, trainer.data_collator, pairs, "the reference's margins of the samples",
+                              hidden) if plan.is_main else []
     if held_out is not None and plan.ties_at_start:
         say(describe_ties(len(trainer.eval_dataset), plan.args.loss_type))
     completions = CompletionLogger(plan.folder.staging / "samples.jsonl", trainer.processing_class, prompts, texts,
@@ -277,7 +295,8 @@ def publish(trainer: DPOMinTrainer, plan: Plan, samples: Samples, results: Resul
         write_whole(staging / "metrics.json", json.dumps(metrics, indent=2, allow_nan=True) + "\n")
     with _writing(f"training_curves.png to {staging}"), staged(staging / "training_curves.png") as plot_file:
         plot_training(trainer.state.log_history, plot_file)
-    policy_margins = logprob_margins(results.model, trainer.data_collator, samples.pairs)
+    policy_margins = logprob_margins(results.model, trainer.data_collator, samples.pairs,
+                                     "the trained policy's margins of the samples", plan.args.disable_tqdm)
     shown = format_samples(samples.prompts, samples.reference_texts, samples.completions.latest,
                            list(zip(samples.reference_margins, policy_margins)))
     with _writing(f"README.md to {staging}"):

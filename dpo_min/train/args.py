@@ -162,8 +162,9 @@ class _TrainingArguments(DPOMinConfig):
 
 ARGUMENT_TYPES = (ModelArguments, DataArguments, RoundsArguments, _TrainingArguments)
 
-# Every run of the command: an output folder, the held-out figures before training to compare with, and DDP without
-# the unused-parameter search (every LoRA parameter gets a gradient).
+# Every run of the command: an output folder, the held-out figures before training to compare with (measured for a
+# loss without a reference; stated as ties for one with, command_line.parse_with_rounds), and DDP without the
+# unused-parameter search (every LoRA parameter gets a gradient).
 COMMAND_DEFAULTS = {
     "output_dir": "dpo_min_output",
     "eval_on_start": True,

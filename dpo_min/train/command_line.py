@@ -139,6 +139,10 @@ def parse_with_rounds(argv: list[str] | None = None) -> tuple[ModelArguments, Da
         flag = next((token for token in remaining if token.startswith("--")), "")
         raise UsageError(f"unknown argument(s): {shown_argv(remaining)}{did_you_mean(flag[2:].split('=')[0])}")
     _check_combinations(model_args, data_args, args, named, lambda name: f"--{name}" if name in flags else name)
+    if "eval_on_start" not in named and args.loss_settings.reads_reference:
+        # The policy starts as its reference: the figures before training are ties, stated (Plan.ties_at_start), not
+        # measured by a pass over every held-out pair. A loss without a reference is measured at step 0.
+        args.eval_on_start = False
     if without_rounds(rounds_args, named):
         raise UsageError(without_rounds(rounds_args, named))
     rounds_args.given = frozenset(named)

@@ -14,6 +14,7 @@ from transformers.trainer_utils import has_length
 from ..intervals import mean_interval, wilson_interval
 from ..logps import sequence_logps
 from ..losses import LossSettings
+from ..rounds.progress import TokenSteps, phase_bar
 from ..tokenizing import render_prompts, template_kwargs_of
 
 # The held-out figures the command prints and compares (TRL's names) and how they are shown.
@@ -108,8 +109,13 @@ def describe(metrics: dict[str, float]) -> str:
 
 def describe_change(before: dict[str, float], after: dict[str, float]) -> str:
     """'reward accuracy 0.0000 -> 0.6250, ...' from two evaluations."""
-    return ", ".join(f"{name} {before[key]:{style}} -> {after[key]:{style}}" for name, (key, style) in HEADLINE.items()
-                     if key in before and key in after)
+    return ", ".join(f"{name} {_shown(before[key]):{style}} -> {_shown(after[key]):{style}}"
+                     for name, (key, style) in HEADLINE.items() if key in before and key in after)
+
+
+def _shown(value: float) -> float:
+    """`value` as 4 decimals show it, with no negative zero: a mean of ties, or -0.00001, is never "-0.0000"."""
+    return round(value, 4) + 0.0
 
 
 def is_empty_completion(text: str) -> bool:
@@ -165,7 +171,8 @@ def describe_held_out(after: dict[str, float], margins: list[float]) -> str:
     lines = [f"held-out after training, {pairs} pairs:",  # never trained on, unless load_pairs warned
              f"  reward accuracy {wins}/{pairs} = {wins / pairs:.3f}, 95% interval [{low:.3f}, {high:.3f}] (Wilson): "
              f"{verdict}",
-             f"  mean margin {mean:+.4f}, 95% interval [{mean_low:+.4f}, {mean_high:+.4f}] over the {pairs} pairs "
+             f"  mean margin {_shown(mean):+.4f}, 95% interval [{_shown(mean_low):+.4f}, {_shown(mean_high):+.4f}] "
+             f"over the {pairs} pairs "
              "(reward of chosen minus reward of rejected, each beta x the summed log-ratio policy / reference)"]
     if "eval_loss" in after:
         lines.append(f"  loss {after['eval_loss']:.4f}" + "".join(
@@ -209,9 +216,11 @@ def plot_training(log_history: list[dict[str, Any]], path: Path) -> None:
 
 @torch.no_grad()
 def greedy_completions(model: torch.nn.Module, tokenizer: Any, prompts: list[Any], max_new_tokens: int,
-                       chat_template_kwargs: dict[str, Any] | None = None) -> list[str]:
+                       chat_template_kwargs: dict[str, Any] | None = None, label: str = "greedy completions",
+                       hidden: bool = True) -> list[str]:
     """Greedy completion of each prompt (strings, or messages), rendered as the DPO pass renders them, in one batch:
-    on a CPU each new token reads every weight once, so three prompts together take about the time of one."""
+    on a CPU each new token reads every weight once, so three prompts together take about the time of one. A bar
+    named `label` unless `hidden`, moving at each new token."""
     if not prompts:
         return []
     prompt_ids = render_prompts(tokenizer, prompts, template_kwargs_of({}, chat_template_kwargs))
@@ -221,8 +230,10 @@ def greedy_completions(model: torch.nn.Module, tokenizer: Any, prompts: list[Any
     inputs = tokenizer.pad([{"input_ids": ids} for ids in prompt_ids], padding=True, padding_side="left",
                            return_tensors="pt")
     inputs = {name: tensor.to(model.device) for name, tensor in inputs.items()}
-    output = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False,
-                            pad_token_id=tokenizer.pad_token_id)
+    with phase_bar(label, len(prompts), "prompt", hidden) as bar:  # one batch: the postfix counts its tokens
+        output = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False,
+                                pad_token_id=tokenizer.pad_token_id, streamer=TokenSteps(bar, max_new_tokens))
+        bar.update(len(prompts))
     model.train(was_training)
     return [text.strip() for text in tokenizer.batch_decode(output[:, inputs["input_ids"].shape[1]:],
                                                              skip_special_tokens=True)]
@@ -303,16 +314,19 @@ def format_samples(prompts: list[Any], reference: list[str], policy: list[str],
 
 
 @torch.no_grad()
-def logprob_margins(model: torch.nn.Module, collator: Any, pairs: list[dict[str, Any]]) -> list[float]:
+def logprob_margins(model: torch.nn.Module, collator: Any, pairs: list[dict[str, Any]],
+                    label: str = "log-prob margins", hidden: bool = True) -> list[float]:
     """log p(chosen | prompt) - log p(rejected | prompt) of each tokenized pair, summed over its completion tokens,
-    as the loss computes them (same tokens, same truncation, same layout)."""
+    as the loss computes them (same tokens, same truncation, same layout). A bar named `label` unless `hidden`."""
     if not pairs:
         return []
     was_training = model.training
     model.eval()
     batch = collator([{key: pair[key] for key in ("prompt_ids", "chosen_ids", "rejected_ids")} for pair in pairs])
     batch = {key: value.to(model.device) if isinstance(value, torch.Tensor) else value for key, value in batch.items()}
-    chosen_logps, rejected_logps = sequence_logps(model, batch).logps.chunk(2)
+    with phase_bar(label, len(pairs), "pair", hidden) as bar:
+        chosen_logps, rejected_logps = sequence_logps(model, batch).logps.chunk(2)
+        bar.update(len(pairs))
     model.train(was_training)
     return (chosen_logps.float() - rejected_logps.float()).tolist()
 
