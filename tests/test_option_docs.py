@@ -36,11 +36,14 @@ def test_every_trl_name_given_for_an_option_is_trls_field_and_means_that_option(
 def test_readme_names_every_default_of_the_command_itself(monkeypatch):
     # DPOMinConfig given only the defaults README names is the config the command makes (use_cpu was left out).
     monkeypatch.setattr(command_line, "_has_accelerator", lambda: False)
-    model_args, data_args, args = parse_args(["--dataset", "x.jsonl"])
+    # eval_on_start=True is the command's for a loss without a reference (README: one that reads it starts from ties).
+    model_args, data_args, args = parse_args(["--dataset", "x.jsonl", "--loss_type", "simpo"])
+    assert not parse_args(["--dataset", "x.jsonl"])[2].eval_on_start
     sentence = re.search(r"The only defaults of the command itself, for every run, are\s+(.*?)\.\s", README, re.S)
     named = dict(re.findall(r"`(\w+)=(\w+)`", sentence.group(1)))
     assert set(named) >= {"output_dir", "eval_on_start", "ddp_find_unused_parameters"}
-    library = DPOMinConfig(**{name: getattr(args, name) for name in named})
+    assert "for a loss without a reference" in " ".join(sentence.group(1).split())
+    library = DPOMinConfig(loss_type="simpo", **{name: getattr(args, name) for name in named})
     assert {option.name for option in dataclasses.fields(args) if getattr(args, option.name) != getattr(
         library, option.name)} == set()
     assert all(getattr(DPOMinConfig(), name) != getattr(args, name) for name in named)  # each is the command's own
