@@ -4,6 +4,7 @@ completion of a group runs once."""
 
 import itertools
 import random
+import re
 
 import pytest
 import torch
@@ -182,6 +183,33 @@ def test_the_commands_held_out_split_keeps_a_prompts_pairs_on_one_side(tmp_path)
             assert shared == set() and len(held_out) == 12  # 2 of the 10 prompts, with their 6 pairs each
         else:
             assert shared  # 12 of 60 pairs drawn alone: some prompts on both sides
+
+
+def test_a_listwise_run_with_held_out_prompts_trains_and_counts_its_epochs_in_groups(tmp_path, tiny_model_dir,
+                                                                                    capsys):
+    """plackett_luce with a held-out split: the sample margins collated the first --num_samples held-out pairs with
+    the collator that ranks groups, which cut a group of 6 pairs to 3 that give no single order, and the run died
+    before training; and the plan line counted the epochs in pairs where a batch counts groups."""
+    import json
+
+    from dpo_min.train import main
+
+    rows = [{"prompt": f"Question {n}?", "completions": ["Yes.", "No.", "Maybe.", "Later."], "scores": [3, 0, 2, 1]}
+            for n in range(10)]
+    path = tmp_path / "ranked.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    argv = ["--model", str(tiny_model_dir), "--dataset", str(path), "--eval_fraction", "0.2", "--group_by_prompt",
+            "--loss_type", "plackett_luce", "--per_device_train_batch_size", "2", "--max_steps", "4",
+            "--num_samples", "3", "--max_new_tokens", "2", "--save_strategy", "no", "--disable_tqdm", "true",
+            "--eval_on_start", "false", "--output_dir", str(tmp_path / "run")]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    # 8 training prompts of 6 pairs, 2 groups a batch: 4 steps are one epoch.
+    assert "training: 4 steps (1 epoch of 8 groups, 48 pairs), global batch 2 groups (2 per device" in out
+    shown = re.findall(r"log p\(chosen\) - log p\(rejected\): reference ([+-][\d.]+), policy ([+-][\d.]+)", out)
+    assert len(shown) == 3
+    state = json.loads((tmp_path / "run" / "trainer_state.json").read_text())
+    assert state["global_step"] == 4 and state["epoch"] == pytest.approx(1.0)
 
 
 def test_what_cannot_take_groups_is_refused_in_one_line(tmp_path, tokenizer):
