@@ -98,6 +98,36 @@ def test_prompt_groups_and_the_sampler_keep_a_prompts_pairs_together():
     assert len(epochs) > 1  # another order each epoch
 
 
+def test_each_seed_and_epoch_draws_its_own_group_order():
+    """Epoch e drew Random(seed + e): seed 48's first epoch was seed 47's second, silently."""
+    groups, orders = [[position] for position in range(30)], {}
+    for seed in range(40, 50):
+        sampler = GroupedSampler(groups, seed)
+        for epoch in range(10):
+            sampler.set_epoch(epoch)
+            orders[seed, epoch] = tuple(sampler)
+    assert len(set(orders.values())) == len(orders) == 100
+
+
+@pytest.mark.parametrize("loss_type", ["sigmoid", "plackett_luce"])
+def test_the_grouped_order_follows_data_seed_as_trainers_own_sampler_does(tmp_path, tokenizer, loss_type):
+    """The grouped sampler (and plackett_luce's whole-group batches) were seeded by --seed alone: --data_seed, which
+    Trainer's own sampler follows, was ignored."""
+    pairs = ranked_pairs((3, 2, 4, 2, 3, 2, 2, 3))
+
+    def batches(**seeds):
+        trainer = DPOMinTrainer(tiny_llama(vocab_size=64), ref_model=tiny_llama(1, 64),
+                                args=DPOMinConfig(**config(tmp_path, group_by_prompt=True, loss_type=loss_type,
+                                                           **seeds)),
+                                train_dataset=Dataset.from_list(pairs), processing_class=tokenizer)
+        return [batch["input_ids"].tolist() for batch in trainer.get_train_dataloader()]
+
+    order = batches(seed=1, data_seed=5)
+    assert batches(seed=2, data_seed=5) == order  # the model's seed apart, the data's order is data_seed's
+    assert batches(seed=5) == order  # data_seed falls back to seed
+    assert batches(seed=1, data_seed=6) != order
+
+
 def _trainer(tmp_path, tokenizer, pairs, grouped: bool, use_lora: bool, **options):
     # init_lora_weights=False: a non-zero adapter, so policy and reference (adapter off) differ.
     peft_config = LoraConfig(r=4, target_modules=["q_proj", "v_proj", "up_proj"], init_lora_weights=False)
