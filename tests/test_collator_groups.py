@@ -215,6 +215,39 @@ def test_the_commands_held_out_split_keeps_a_prompts_pairs_on_one_side(tmp_path)
             assert shared  # 12 of 60 pairs drawn alone: some prompts on both sides
 
 
+def test_the_held_out_split_keys_a_prompt_by_the_ids_the_trainer_groups(tmp_path, tiny_model_dir):
+    """A conversation with the template's default system message written out and the same one without it render the
+    same ids: the trainer groups them as one prompt, and the split, keying prompts by their JSON, put one on each
+    side of it, silently."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    from dpo_min.tokenizing import render_prompts
+    from dpo_min.train import load_pairs, resolve
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    rendered = tokenizer.apply_chat_template([{"role": "user", "content": "x"}], tokenize=False)
+    default_system = rendered.split("<|im_start|>system\n", 1)[1].split("<|im_end|>", 1)[0]  # SmolLM2's
+    rows = []
+    for n in range(10):
+        question = [{"role": "user", "content": f"Question {n}?"}]
+        for written, prompt in enumerate([question, [{"role": "system", "content": default_system}, *question]]):
+            rows.append({"prompt": prompt, "chosen": [{"role": "assistant", "content": f"Yes {written}."}],
+                         "rejected": [{"role": "assistant", "content": f"No {written}."}]})
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    train, held_out = load_pairs(resolve(["--model", str(tiny_model_dir), "--dataset", str(path), "--eval_fraction",
+                                          "0.2", "--group_by_prompt", "--output_dir", str(tmp_path / "out")]))
+
+    def prompts(pairs):
+        return {tuple(ids) for ids in render_prompts(tokenizer, list(pairs["prompt"]), {})}
+
+    assert len(prompts(train) | prompts(held_out)) == 10  # each question's two rows: one prompt to the trainer
+    assert not prompts(train) & prompts(held_out)
+    assert (len(train), len(held_out)) == (16, 4)  # 2 of the 10 prompts held out, each with both its rows
+
+
 def test_a_listwise_run_with_held_out_prompts_trains_and_counts_its_epochs_in_groups(tmp_path, tiny_model_dir,
                                                                                     capsys):
     """plackett_luce with a held-out split: the sample margins collated the first --num_samples held-out pairs with
