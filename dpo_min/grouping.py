@@ -71,9 +71,14 @@ def check_rankings(dataset: Any) -> None:
                              f"single ranking for loss_type plackett_luce: {order}")
 
 
+def data_seed(args: Any) -> int:
+    """The seed of the order the data is drawn in: `data_seed`, else `seed`, as Trainer's own sampler reads them."""
+    return args.data_seed if args.data_seed is not None else args.seed
+
+
 class GroupedSampler(Sampler[int]):
     """Pair positions, a prompt's pairs contiguous: the groups in a seeded random order (another each epoch), the
-    pairs of a group in dataset order."""
+    pairs of a group in dataset order. `seed`: the run's `data_seed`."""
 
     def __init__(self, groups: list[list[int]], seed: int, shuffle: bool = True):
         self.groups, self.seed, self.shuffle, self.epoch = groups, seed, shuffle, 0
@@ -84,7 +89,9 @@ class GroupedSampler(Sampler[int]):
     def ordered_groups(self) -> list[list[int]]:
         groups = list(self.groups)
         if self.shuffle:
-            random.Random(self.seed + self.epoch).shuffle(groups)
+            # One generator per (seed, epoch), seeded by both as text (hashed with SHA-512): seed + epoch made seed
+            # 48's first epoch seed 47's second.
+            random.Random(f"{self.seed} {self.epoch}").shuffle(groups)
         return groups
 
     def __iter__(self) -> Iterator[int]:
@@ -120,7 +127,7 @@ def dataset_groups(dataset: Any) -> list[list[int]]:
 def whole_group_loader(trainer: Any, dataset: Any, groups_per_batch: int, shuffle: bool) -> DataLoader:
     """A prepared loader whose batches are whole groups (`plackett_luce`), built as Trainer builds its own."""
     args = trainer.args
-    sampler = GroupBatchSampler(dataset_groups(dataset), groups_per_batch, args.seed, shuffle)
+    sampler = GroupBatchSampler(dataset_groups(dataset), groups_per_batch, data_seed(args), shuffle)
     loader = DataLoader(dataset, batch_sampler=sampler, collate_fn=trainer.data_collator,
                         num_workers=args.dataloader_num_workers, pin_memory=args.dataloader_pin_memory)
     return trainer.accelerator.prepare(loader)

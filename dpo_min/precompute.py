@@ -22,7 +22,7 @@ from tqdm.auto import tqdm
 from . import ref_cache
 from .collator import REFERENCE_COLUMNS
 from .compat import TRL_ITERABLE_REFUSAL
-from .grouping import GroupBatchSampler, GroupedSampler, dataset_groups
+from .grouping import GroupBatchSampler, GroupedSampler, data_seed, dataset_groups
 from .scale import zero
 
 
@@ -125,9 +125,9 @@ def _loader(trainer: Any, dataset: Dataset) -> tuple[DataLoader, list[int] | Non
         return DataLoader(dataset, batch_size=size, shuffle=False, collate_fn=collate,
                           num_workers=args.dataloader_num_workers), None
     if trainer.accelerator.num_processes == 1:
-        batches = GroupBatchSampler(dataset_groups(dataset), size, args.seed, shuffle=False)
+        batches = GroupBatchSampler(dataset_groups(dataset), size, data_seed(args), shuffle=False)
         return DataLoader(dataset, batch_sampler=batches, collate_fn=collate,
                           num_workers=args.dataloader_num_workers), [p for batch in batches for p in batch]
-    order = GroupedSampler(dataset_groups(dataset), args.seed, shuffle=False)
+    order = GroupedSampler(dataset_groups(dataset), data_seed(args), shuffle=False)
     return DataLoader(dataset, batch_size=size, sampler=order, collate_fn=collate,
                       num_workers=args.dataloader_num_workers), list(order)

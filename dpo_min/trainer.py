@@ -253,7 +253,7 @@ class DPOMinTrainer(TRLSurface, Trainer):
         dataset = self.train_dataset if train_dataset is None else train_dataset
         if self.args.group_by_prompt and isinstance(dataset, Dataset):
             shuffle = self.args.train_sampling_strategy == "random"
-            return grouping.GroupedSampler(grouping.dataset_groups(dataset), self.args.seed, shuffle)
+            return grouping.GroupedSampler(grouping.dataset_groups(dataset), grouping.data_seed(self.args), shuffle)
         return super()._get_train_sampler(train_dataset)
 
     def get_eval_dataloader(self, eval_dataset: Any = None) -> DataLoader:

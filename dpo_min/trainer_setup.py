@@ -25,7 +25,7 @@ from .grouping import check_rankings
 from .models import load_causal_lm, load_tokenizer, pad_with_eos
 from .scale import sharding, zero
 from .scale.attention import check_packed_model, packed_attention, use_packed_attention
-from .tokenizing import ROW_POSITION, end_token_ids, is_tokenized, tokenize_dataset
+from .tokenizing import ROW_POSITION, end_token_ids, is_tokenized, special_ids, tokenize_dataset
 
 logger = logging.getLogger(__name__)
 
@@ -192,11 +192,12 @@ def datasets_progress_bars(show: bool):
         (datasets.enable_progress_bars if were_shown else datasets.disable_progress_bars)()
 
 
-def tokenized(dataset: Any, tokenizer: Any, args: DPOMinConfig, model: Any = None) -> Any:
+def tokenized(dataset: Any, tokenizer: Any, args: DPOMinConfig, model: Any = None,
+              end_ids: set[int] | None = None) -> Any:
     """Raw rows -> tokenized pairs, with the config's truncation; None and tokenized data pass through. A pair's
-    given ids may close on a token that ends the model's samples (`end_token_ids`)."""
+    given ids may close on a token that ends the model's samples (`end_token_ids`; or `end_ids`, where given)."""
     if isinstance(dataset, dict):
-        return {name: tokenized(split, tokenizer, args, model) for name, split in dataset.items()}
+        return {name: tokenized(split, tokenizer, args, model, end_ids) for name, split in dataset.items()}
     if dataset is not None and not is_tokenized(dataset):
         # The main process tokenizes first; the others then read its datasets cache instead of tokenizing again.
         with args.main_process_first(desc="tokenizing the pairs"), \
@@ -204,20 +205,43 @@ def tokenized(dataset: Any, tokenizer: Any, args: DPOMinConfig, model: Any = Non
             dataset = tokenize_dataset(dataset, tokenizer, args.max_length, args.max_prompt_length,
                                        args.truncation_mode, num_proc=args.dataset_num_proc,
                                        chat_template_kwargs=args.chat_template_kwargs,
-                                       end_ids=end_token_ids(model, tokenizer))
+                                       end_ids=end_token_ids(model, tokenizer) if end_ids is None else end_ids)
     if args.group_by_prompt and args.listwise:  # each group's ranking, checked once, before anything trains
         check_rankings(dataset)
     return dataset
 
 
+@contextlib.contextmanager
+def _data_log_quiet():
+    """The data log's drop warnings held back: the trainer says them when it tokenizes these rows."""
+    data_log = logging.getLogger("dpo_min.data")
+    level = data_log.level
+    data_log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        data_log.setLevel(level)
+
+
+def _numbered(dataset: Dataset) -> Dataset:
+    return dataset.add_column(ROW_POSITION, list(range(len(dataset))))
+
+
 def kept_rows(dataset: Dataset, tokenizer: Any, args: DPOMinConfig, model: Any = None) -> list[int]:
     """The positions in `dataset` of the pairs `tokenized` keeps, in order: it drops those truncation leaves
     unusable, so the n-th tokenized pair need not be the n-th row (the command shows each row beside its pair)."""
-    numbered = dataset.add_column(ROW_POSITION, list(range(len(dataset))))
-    data_log = logging.getLogger("dpo_min.data")
-    level = data_log.level
-    data_log.setLevel(logging.ERROR)  # its drops were said when the trainer tokenized these rows
-    try:
-        return tokenized(numbered, tokenizer, args, model)[ROW_POSITION]
-    finally:
-        data_log.setLevel(level)
+    with _data_log_quiet():
+        return tokenized(_numbered(dataset), tokenizer, args, model)[ROW_POSITION]
+
+
+def grouped_prompts(dataset: Dataset, tokenizer: Any, args: DPOMinConfig) -> list[tuple[int, ...] | None]:
+    """Each row's prompt ids as the trainer groups them (`prompt_groups` of the ids `tokenized` gives: rendered,
+    trimmed at the seam, truncated), None for a row it drops. Before the model loads, so a pair's given ids may
+    close on any special token here: the trainer checks them against the model's own end ids."""
+    ends = special_ids(tokenizer) | end_token_ids(None, tokenizer)
+    with _data_log_quiet():
+        pairs = tokenized(_numbered(dataset), tokenizer, args, end_ids=ends)
+    prompts: list[tuple[int, ...] | None] = [None] * len(dataset)
+    for position, ids in zip(pairs[ROW_POSITION], pairs["prompt_ids"]):
+        prompts[position] = tuple(ids)
+    return prompts

@@ -4,6 +4,7 @@ completion of a group runs once."""
 
 import itertools
 import random
+import re
 
 import pytest
 import torch
@@ -97,6 +98,36 @@ def test_prompt_groups_and_the_sampler_keep_a_prompts_pairs_together():
     assert len(epochs) > 1  # another order each epoch
 
 
+def test_each_seed_and_epoch_draws_its_own_group_order():
+    """Epoch e drew Random(seed + e): seed 48's first epoch was seed 47's second, silently."""
+    groups, orders = [[position] for position in range(30)], {}
+    for seed in range(40, 50):
+        sampler = GroupedSampler(groups, seed)
+        for epoch in range(10):
+            sampler.set_epoch(epoch)
+            orders[seed, epoch] = tuple(sampler)
+    assert len(set(orders.values())) == len(orders) == 100
+
+
+@pytest.mark.parametrize("loss_type", ["sigmoid", "plackett_luce"])
+def test_the_grouped_order_follows_data_seed_as_trainers_own_sampler_does(tmp_path, tokenizer, loss_type):
+    """The grouped sampler (and plackett_luce's whole-group batches) were seeded by --seed alone: --data_seed, which
+    Trainer's own sampler follows, was ignored."""
+    pairs = ranked_pairs((3, 2, 4, 2, 3, 2, 2, 3))
+
+    def batches(**seeds):
+        trainer = DPOMinTrainer(tiny_llama(vocab_size=64), ref_model=tiny_llama(1, 64),
+                                args=DPOMinConfig(**config(tmp_path, group_by_prompt=True, loss_type=loss_type,
+                                                           **seeds)),
+                                train_dataset=Dataset.from_list(pairs), processing_class=tokenizer)
+        return [batch["input_ids"].tolist() for batch in trainer.get_train_dataloader()]
+
+    order = batches(seed=1, data_seed=5)
+    assert batches(seed=2, data_seed=5) == order  # the model's seed apart, the data's order is data_seed's
+    assert batches(seed=5) == order  # data_seed falls back to seed
+    assert batches(seed=1, data_seed=6) != order
+
+
 def _trainer(tmp_path, tokenizer, pairs, grouped: bool, use_lora: bool, **options):
     # init_lora_weights=False: a non-zero adapter, so policy and reference (adapter off) differ.
     peft_config = LoraConfig(r=4, target_modules=["q_proj", "v_proj", "up_proj"], init_lora_weights=False)
@@ -182,6 +213,66 @@ def test_the_commands_held_out_split_keeps_a_prompts_pairs_on_one_side(tmp_path)
             assert shared == set() and len(held_out) == 12  # 2 of the 10 prompts, with their 6 pairs each
         else:
             assert shared  # 12 of 60 pairs drawn alone: some prompts on both sides
+
+
+def test_the_held_out_split_keys_a_prompt_by_the_ids_the_trainer_groups(tmp_path, tiny_model_dir):
+    """A conversation with the template's default system message written out and the same one without it render the
+    same ids: the trainer groups them as one prompt, and the split, keying prompts by their JSON, put one on each
+    side of it, silently."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    from dpo_min.tokenizing import render_prompts
+    from dpo_min.train import load_pairs, resolve
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    rendered = tokenizer.apply_chat_template([{"role": "user", "content": "x"}], tokenize=False)
+    default_system = rendered.split("<|im_start|>system\n", 1)[1].split("<|im_end|>", 1)[0]  # SmolLM2's
+    rows = []
+    for n in range(10):
+        question = [{"role": "user", "content": f"Question {n}?"}]
+        for written, prompt in enumerate([question, [{"role": "system", "content": default_system}, *question]]):
+            rows.append({"prompt": prompt, "chosen": [{"role": "assistant", "content": f"Yes {written}."}],
+                         "rejected": [{"role": "assistant", "content": f"No {written}."}]})
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    train, held_out = load_pairs(resolve(["--model", str(tiny_model_dir), "--dataset", str(path), "--eval_fraction",
+                                          "0.2", "--group_by_prompt", "--output_dir", str(tmp_path / "out")]))
+
+    def prompts(pairs):
+        return {tuple(ids) for ids in render_prompts(tokenizer, list(pairs["prompt"]), {})}
+
+    assert len(prompts(train) | prompts(held_out)) == 10  # each question's two rows: one prompt to the trainer
+    assert not prompts(train) & prompts(held_out)
+    assert (len(train), len(held_out)) == (16, 4)  # 2 of the 10 prompts held out, each with both its rows
+
+
+def test_a_listwise_run_with_held_out_prompts_trains_and_counts_its_epochs_in_groups(tmp_path, tiny_model_dir,
+                                                                                    capsys):
+    """plackett_luce with a held-out split: the sample margins collated the first --num_samples held-out pairs with
+    the collator that ranks groups, which cut a group of 6 pairs to 3 that give no single order, and the run died
+    before training; and the plan line counted the epochs in pairs where a batch counts groups."""
+    import json
+
+    from dpo_min.train import main
+
+    rows = [{"prompt": f"Question {n}?", "completions": ["Yes.", "No.", "Maybe.", "Later."], "scores": [3, 0, 2, 1]}
+            for n in range(10)]
+    path = tmp_path / "ranked.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    argv = ["--model", str(tiny_model_dir), "--dataset", str(path), "--eval_fraction", "0.2", "--group_by_prompt",
+            "--loss_type", "plackett_luce", "--per_device_train_batch_size", "2", "--max_steps", "4",
+            "--num_samples", "3", "--max_new_tokens", "2", "--save_strategy", "no", "--disable_tqdm", "true",
+            "--eval_on_start", "false", "--output_dir", str(tmp_path / "run")]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    # 8 training prompts of 6 pairs, 2 groups a batch: 4 steps are one epoch.
+    assert "training: 4 steps (1 epoch of 8 groups, 48 pairs), global batch 2 groups (2 per device" in out
+    shown = re.findall(r"log p\(chosen\) - log p\(rejected\): reference ([+-][\d.]+), policy ([+-][\d.]+)", out)
+    assert len(shown) == 3
+    state = json.loads((tmp_path / "run" / "trainer_state.json").read_text())
+    assert state["global_step"] == 4 and state["epoch"] == pytest.approx(1.0)
 
 
 def test_what_cannot_take_groups_is_refused_in_one_line(tmp_path, tokenizer):

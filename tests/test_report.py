@@ -169,6 +169,26 @@ def test_the_samples_shown_are_the_kept_held_out_pairs_each_beside_its_own_margi
     assert out.count("dropped 2 of 4 pairs") == 1  # said once, when the trainer tokenized them
 
 
+def test_no_samples_asked_tokenizes_no_held_out_row_and_the_run_trains(tmp_path, tiny_model_dir, capsys):
+    """--num_samples 0 with the held-out split's first rows cut by --max_length: finding the sampled rows tokenized
+    those rows alone and died on "no pair left" (a traceback), though most pairs fit and no sample was asked."""
+    _, held = held_out_split(16, 0.25, 42)
+    long = {held[0], held[1]}  # the first rows of the split, as many as truncation drops
+    rows = [{"prompt": "Tell me a long story about the sea. " * 40 if i in long else f"What is {i} plus {i}?",
+             "chosen": f"It is {2 * i}.", "rejected": f"It is {2 * i + 1}."} for i in range(16)]
+    data_file = tmp_path / "pairs.jsonl"
+    data_file.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    args = tiny_run_args(tiny_model_dir, data_file, tmp_path / "run", "--max_length", "64", "--max_eval_samples",
+                         "4", "--seed", "42", "--eval_on_start", "false", "--max_steps", "1")
+    args[args.index("--num_samples") + 1] = "0"
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "train pairs, 2 held-out" in out and "greedy completions" not in out
+    metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    assert metrics["held_out_pairs"] == 2 and metrics["train"]["epoch"] > 0
+    assert not (tmp_path / "run" / "samples.jsonl").exists() or not (tmp_path / "run" / "samples.jsonl").read_text()
+
+
 @pytest.mark.parametrize("conversational", [True, False])
 def test_greedy_completions_in_one_batch_equal_those_of_one_prompt_at_a_time(tokenizer, conversational):
     """The prompts are generated together, left-padded; each must get the text it gets alone."""

@@ -27,6 +27,7 @@ from transformers import ProgressCallback
 from .. import trainer_setup
 from ..devices import deepspeed_on_cpu
 from ..files import staged, write_failure, write_whole
+from ..grouping import dataset_groups
 from ..models import cache_dir
 from ..trainer import DPOMinTrainer
 from . import rounds
@@ -225,8 +226,9 @@ def sample_reference(trainer: DPOMinTrainer, plan: Plan, held_out: Dataset | Non
         f"{0 if held_out is None else len(trainer.eval_dataset)} held-out | "
         f"{'LoRA r=' + str(plan.model.lora_r) if plan.trains_adapter else 'full fine-tuning'} | "
         f"output {plan.folder.named}")
-    if train_pairs is not None:
-        say(describe_plan(plan.args, train_pairs))
+    if train_pairs is not None:  # plackett_luce's batches are whole groups: its epochs are counted in them
+        groups = len(dataset_groups(trainer.train_dataset)) if plan.args.listwise else None
+        say(describe_plan(plan.args, train_pairs, groups))
     hidden = plan.args.disable_tqdm
     texts = greedy_completions(model, trainer.processing_class, prompts, plan.data.max_new_tokens,
                                plan.args.chat_template_kwargs, "the reference's greedy completions of the samples",
@@ -244,8 +246,10 @@ def sample_reference(trainer: DPOMinTrainer, plan: Plan, held_out: Dataset | Non
 
 def _sampled_rows(trainer: DPOMinTrainer, held_out: Dataset | None, count: int) -> list[int]:
     """The held-out rows of the trainer's first `count` held-out pairs. Tokenizing drops the pairs that truncation
-    leaves unusable, so a row is found by asking it which it kept, over the rows that can hold the first `count`."""
-    if held_out is None:
+    leaves unusable, so a row is found by asking it which it kept, over the rows that can hold the first `count`:
+    those hold at least min(count, kept) kept pairs. No samples asked, no row is tokenized (the first rows may all be
+    cut: tokenizing only those would find no pair left)."""
+    if held_out is None or count <= 0:
         return []
     dropped = len(held_out) - len(trainer.eval_dataset)
     if not dropped:

