@@ -24,10 +24,8 @@ import datasets
 from datasets import Dataset
 from transformers import ProgressCallback
 
-from .. import trainer_setup
 from ..devices import deepspeed_on_cpu
 from ..files import staged, write_failure, write_whole
-from ..grouping import dataset_groups
 from ..models import cache_dir
 from ..trainer import DPOMinTrainer
 from . import rounds
@@ -54,23 +52,20 @@ from .pairs import (
 )
 from .plan import Plan, decide, resolve  # noqa: F401  (decide: a library caller's options -> their plan)
 from .report import (
-    CompletionLogger,
     HeldOutPrinter,
     LiveLossBar,
     all_finite,
     collapse_warnings,
     describe_change,
     describe_held_out,
-    describe_plan,
-    describe_ties,
     format_samples,
-    greedy_completions,
     logprob_margins,
     plot_training,
     tie_figures,
 )
 from .resume import PAIRS_DIGEST, check_same_run, pairs_digest, resolve_checkpoint
 from .run_dir import MANIFEST, OutputDirError
+from .samples import Samples, sample_reference
 
 
 @contextmanager
@@ -201,62 +196,6 @@ def _trainer_args(plan: Plan, has_held_out: bool) -> Any:
     args.model_init_kwargs = None
     args.eval_on_start = plan.args.eval_on_start and has_held_out
     return args
-
-
-@dataclass
-class Samples:
-    """The first num_samples held-out pairs (in the seeded split's order, fixed before any output is seen) and the
-    reference's greedy completions and log-prob margins of them; `completions` logs the policy's at each evaluation."""
-
-    prompts: list[Any]
-    pairs: list[dict[str, Any]]
-    reference_texts: list[str]
-    reference_margins: list[float]
-    completions: CompletionLogger
-
-
-def sample_reference(trainer: DPOMinTrainer, plan: Plan, held_out: Dataset | None) -> Samples:
-    """Say what the run is, then sample: the policy starts as the reference, so these are the reference's."""
-    say, model = _say(plan), trainer.model
-    rows = _sampled_rows(trainer, held_out, plan.data.num_samples)
-    prompts = [held_out[row]["prompt"] for row in rows]
-    pairs = [trainer.eval_dataset[i] for i in range(len(rows))]  # the pairs of those rows, as the trainer kept them
-    train_pairs = pair_count(trainer.train_dataset)
-    say(f"model {plan.model_name} | {'streamed' if train_pairs is None else train_pairs} train pairs, "
-        f"{0 if held_out is None else len(trainer.eval_dataset)} held-out | "
-        f"{'LoRA r=' + str(plan.model.lora_r) if plan.trains_adapter else 'full fine-tuning'} | "
-        f"output {plan.folder.named}")
-    if train_pairs is not None:  # plackett_luce's batches are whole groups: its epochs are counted in them
-        groups = len(dataset_groups(trainer.train_dataset)) if plan.args.listwise else None
-        say(describe_plan(plan.args, train_pairs, groups))
-    hidden = plan.args.disable_tqdm
-    texts = greedy_completions(model, trainer.processing_class, prompts, plan.data.max_new_tokens,
-                               plan.args.chat_template_kwargs, "the reference's greedy completions of the samples",
-                               hidden) if plan.is_main else []
-    margins = logprob_margins(model, trainer.data_collator, pairs, "the reference's margins of the samples",
-                              hidden) if plan.is_main else []
-    if held_out is not None and plan.ties_at_start:
-        say(describe_ties(len(trainer.eval_dataset), plan.args.loss_type))
-    completions = CompletionLogger(plan.folder.staging / "samples.jsonl", trainer.processing_class, prompts, texts,
-                                   plan.data.max_new_tokens, trainer.callback_handler.callbacks,
-                                   plan.args.chat_template_kwargs)
-    trainer.add_callback(completions)
-    return Samples(prompts, pairs, texts, margins, completions)
-
-
-def _sampled_rows(trainer: DPOMinTrainer, held_out: Dataset | None, count: int) -> list[int]:
-    """The held-out rows of the trainer's first `count` held-out pairs. Tokenizing drops the pairs that truncation
-    leaves unusable, so a row is found by asking it which it kept, over the rows that can hold the first `count`:
-    those hold at least min(count, kept) kept pairs. No samples asked, no row is tokenized (the first rows may all be
-    cut: tokenizing only those would find no pair left)."""
-    if held_out is None or count <= 0:
-        return []
-    dropped = len(held_out) - len(trainer.eval_dataset)
-    if not dropped:
-        return list(range(min(count, len(held_out))))
-    reach = held_out.select(range(min(len(held_out), count + dropped)))
-    tokenizer = getattr(trainer.processing_class, "tokenizer", trainer.processing_class)
-    return trainer_setup.kept_rows(reach, tokenizer, trainer.args, trainer.model)[:count]
 
 
 @dataclass
