@@ -162,15 +162,15 @@ class DPOMinTrainer(TRLSurface, Trainer):
                 chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, settings,
                 chosen_lengths=chosen_lengths, rejected_lengths=rejected_lengths, chosen_nll=-policy.logps.chunk(2)[0],
                 pair_weights=policy.wpo_weights() if settings.use_weighting else None, groups=groups)
+        if policy.aux_loss is not None:  # each pair's (group's) loss carries its forward's router term
+            losses = losses + self.router_aux_loss_coef * policy.aux_loss
         loss = losses.mean()
-        if policy.aux_loss is not None:
-            loss = loss + self.router_aux_loss_coef * policy.aux_loss
         if not torch.isfinite(loss):
             _raise_non_finite(self.state.global_step, loss, chosen_logps, rejected_logps, ref_chosen_logps,
                               ref_rejected_logps)
         self.step_metrics.record(self.accelerator, self.state, "train" if self.model.training else "eval", policy,
                                  (chosen_logps, rejected_logps), (chosen_rewards, rejected_rewards),
-                                 (ref_chosen_logps, ref_rejected_logps), inputs)
+                                 (ref_chosen_logps, ref_rejected_logps), inputs, losses)
         if return_outputs:
             return loss, {"chosen_rewards": chosen_rewards, "rejected_rewards": rejected_rewards}
         return loss
@@ -214,6 +214,24 @@ class DPOMinTrainer(TRLSurface, Trainer):
             model_inputs = {name: value for name, value in inputs.items() if name not in NON_MODEL_KEYS}
             logits = model(**model_inputs, use_cache=False).logits
         return loss, logits, inputs["input_ids"]
+
+    def evaluation_loop(self, dataloader, description, prediction_loss_only=None, ignore_keys=None,
+                        metric_key_prefix="eval"):
+        # Trainer's loss repeats each batch's mean eval_batch_size times: a mean of batch means once a batch is short
+        # (whole groups; a process's last batch, padded with another's pairs). Ours: the mean over every pair (group).
+        output = super().evaluation_loop(dataloader, description, prediction_loss_only, ignore_keys,
+                                         metric_key_prefix)
+        loss = self.step_metrics.pop_mean("eval", "loss")
+        if loss is not None:
+            output.metrics[f"{metric_key_prefix}_loss"] = loss
+        return output
+
+    def predict(self, test_dataset, ignore_keys=None, metric_key_prefix="test"):
+        # The pairs' metrics join the loss, as evaluate() logs them; left pending, the next evaluation would count them.
+        output = super().predict(test_dataset, ignore_keys, metric_key_prefix)
+        output.metrics.update({f"{metric_key_prefix}_{key}": value
+                               for key, value in self.step_metrics.averages("eval", margins=False).items()})
+        return output
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         # Every micro-batch since the last log counts, not only the last one. In place: Trainer.evaluate returns logs.
@@ -272,7 +290,10 @@ class DPOMinTrainer(TRLSurface, Trainer):
     def get_test_dataloader(self, test_dataset: Any) -> DataLoader:
         # predict() reads its pairs as evaluate() does; Trainer's would give raw rows to the collator, and precomputed
         # ones no reference log-probs (the policy then scored against itself: ln 2 after any training).
-        return super().get_test_dataloader(self._passed(test_dataset, "predict"))
+        test_dataset = self._passed(test_dataset, "predict")
+        if self.args.group_by_prompt and self.args.listwise:  # whole groups, as evaluate() reads them
+            return grouping.whole_group_loader(self, test_dataset, self.args.per_device_eval_batch_size, False)
+        return super().get_test_dataloader(test_dataset)
 
     def _passed(self, dataset: Any, method: str) -> Any:
         """A dataset passed to `evaluate()` or `predict()`: tokenized as the constructor tokenizes its own, and under
