@@ -103,12 +103,6 @@ class StepMetrics:
             # model that collapses can still rank pairs "right"; this shows how far it went to do so.
             self.add(mode, f"drift/{half}", pairs[f"{half}_drift"].sum().item(), tokens[half])
 
-    def pop_mean(self, mode: str, key: str) -> float | None:
-        """One metric's mean since the last log, then forgotten; None if none was recorded."""
-        self.by_mode[mode].pop(key, None)
-        total, count = self.totals[mode].pop(key, (0.0, 0.0))
-        return total / count if count else None
-
     def averages(self, mode: str, margins: bool = True) -> dict[str, float]:
         """Each metric's mean since the last log (then forgotten); at an evaluation, its margins become
         `eval_margins` (`margins=False`, predict's: they are dropped)."""

@@ -44,7 +44,8 @@ class DPOMinTrainer(TRLSurface, Trainer):
     `precompute_ref_log_probs=True` computes its log-probs once, up front (cached on disk).
 
     The `Trainer` methods it overrides, all in this body: `compute_loss` and `prediction_step` (the loss of a batch,
-    training and evaluating), `log` (the metrics of every micro-batch since the last log), `train`,
+    training and evaluating), `evaluation_loop` and `log` (the metrics, means over every pair since the last log or
+    over an evaluation's pairs), `train`,
     `get_train_dataloader`, `get_eval_dataloader` and `get_test_dataloader` (a dataset passed to `evaluate` or
     `predict` tokenized; the precompute pass, when asked for; plackett_luce's batches of whole groups),
     `_get_train_sampler` (group_by_prompt's order, grouping.py), `_clip_grad_norm` and
@@ -217,24 +218,20 @@ class DPOMinTrainer(TRLSurface, Trainer):
 
     def evaluation_loop(self, dataloader, description, prediction_loss_only=None, ignore_keys=None,
                         metric_key_prefix="eval"):
-        # Trainer's loss repeats each batch's mean eval_batch_size times: a mean of batch means once a batch is short
-        # (whole groups; a process's last batch, padded with another's pairs). Ours: the mean over every pair (group).
-        output = super().evaluation_loop(dataloader, description, prediction_loss_only, ignore_keys,
-                                         metric_key_prefix)
-        loss = self.step_metrics.pop_mean("eval", "loss")
-        if loss is not None:
-            output.metrics[f"{metric_key_prefix}_loss"] = loss
-        return output
-
-    def predict(self, test_dataset, ignore_keys=None, metric_key_prefix="test"):
-        # The pairs' metrics join the loss, as evaluate() logs them; left pending, the next evaluation would count them.
-        output = super().predict(test_dataset, ignore_keys, metric_key_prefix)
-        output.metrics.update({f"{metric_key_prefix}_{key}": value
-                               for key, value in self.step_metrics.averages("eval", margins=False).items()})
+        # The loss is ours, the mean over pairs (groups): Trainer's repeats each batch's mean eval_batch_size times, a
+        # mean of batch means once a batch is short (whole groups; a process's last batch, padded with another's).
+        output = super().evaluation_loop(dataloader, description, prediction_loss_only, ignore_keys, metric_key_prefix)
+        metrics = self.step_metrics.averages("eval", margins=description == "Evaluation")
+        if "loss" in metrics:
+            output.metrics[f"{metric_key_prefix}_loss"] = metrics.pop("loss")
+        # The others under TRL's names (eval_rewards/..., whichever held-out set); predict()'s, which logs none, too.
+        prefix = "eval" if description == "Evaluation" else metric_key_prefix
+        output.metrics.update({f"{prefix}_{key}": value for key, value in metrics.items()})
         return output
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        # Every micro-batch since the last log counts, not only the last one. In place: Trainer.evaluate returns logs.
+        # Every pair since the last log counts, not only the last batch's (an evaluation's come with its loop's output,
+        # `evaluation_loop`). In place: Trainer.evaluate returns logs.
         mode = "train" if self.model.training else "eval"
         prefix = "eval_" if mode == "eval" else ""
         logs.update({f"{prefix}{key}": value for key, value in self.step_metrics.averages(mode).items()})

@@ -84,3 +84,4 @@ def test_predict_reads_whole_groups_and_keeps_its_pairs_out_of_the_next_evaluati
     again = _figures(trainer.evaluate())
     for key, value in expected.items():
         assert again[key] == pytest.approx(value, rel=1e-6, abs=1e-6), key
+
