@@ -207,6 +207,8 @@ class DPOMinConfig(TrainingArguments):
                              f"train_sampling_strategy={self.train_sampling_strategy!r}")
         if self.router_aux_loss_coef is not None and self.router_aux_loss_coef < 0:
             raise ValueError(f"router_aux_loss_coef must be >= 0 or None, got {self.router_aux_loss_coef}")
+        if self.packed:
+            self._undispatched()
 
     def __getstate__(self) -> dict[str, Any]:
         # Trainer pickles the whole config into training_args.bin, in the output folder and every checkpoint, and a
@@ -237,6 +239,18 @@ class DPOMinConfig(TrainingArguments):
         logger.warning("use_liger_kernel: dpo_min's own log-probs already hold no [2B, T, V] logits (what Liger's "
                        "fused loss saves); the model keeps its own kernels, and use_liger_kernel is set to False")
         self.use_liger_kernel = False
+
+    def _undispatched(self) -> None:
+        # accelerate's dispatcher (its default for a stream) cuts every tensor of a collated batch to the rows of the
+        # first: a packed batch's per-sequence ones (completion_index, segment bounds) hold more, and the step fails.
+        # Undispatched, each process reads the stream and collates its own share of the pairs.
+        accelerator = self.accelerator_config
+        if getattr(accelerator, "dispatch_batches", None):
+            layout = next(name for name in ("padding_free", "share_prompt", "group_by_prompt") if getattr(self, name))
+            raise ValueError(f"accelerator_config dispatch_batches=True cuts a collated batch to the rows of its first "
+                             f"tensor, which {layout}'s packed batches do not keep: drop dispatch_batches")
+        if accelerator is not None:
+            accelerator.dispatch_batches = False
 
     def _check_training_numbers(self) -> None:
         # Trainer takes any max_steps <= 0 as "use num_train_epochs", and trains zero steps for 0 epochs: both hide

@@ -56,9 +56,18 @@ def group_ids(example: dict[str, Any]) -> tuple[tuple[int, ...], tuple[int, ...]
     return tuple(example["chosen_ids"]), tuple(example["rejected_ids"])
 
 
-def check_rankings(dataset: Any) -> None:
+def _cut_answers(pairs: list[tuple[tuple[int, ...], ...]], prompt_length: int, max_length: int | None) -> str:
+    """Where truncation may be to blame rather than the data: answers cut at max_length, of which two cut to the
+    same ids are one answer to the ranking (a tie or a cycle the data does not hold)."""
+    if max_length is None or all(prompt_length + len(ids) < max_length for pair in pairs for ids in pair):
+        return ""
+    return (f"; max_length={max_length} cut some of its answers, and answers cut to the same ids count as one: "
+            "raise max_length")
+
+
+def check_rankings(dataset: Any, max_length: int | None = None) -> None:
     """Every group of a tokenized dataset gives one strict order (what `plackett_luce` reads); else a one-line
-    ValueError naming the group by its first pair's row."""
+    ValueError naming the group by its first pair's row, and `max_length` where it cut some of the group's answers."""
     if dataset is None:
         return
     columns = dataset.select_columns(["prompt_ids", "chosen_ids", "rejected_ids"])[:]
@@ -68,7 +77,8 @@ def check_rankings(dataset: Any) -> None:
         order = strict_order(pairs)
         if isinstance(order, str):
             raise ValueError(f"row {rows[positions[0]]}: the group of its prompt ({len(positions)} pairs) gives no "
-                             f"single ranking for loss_type plackett_luce: {order}")
+                             f"single ranking for loss_type plackett_luce: {order}"
+                             f"{_cut_answers(pairs, len(columns['prompt_ids'][positions[0]]), max_length)}")
 
 
 def data_seed(args: Any) -> int:

@@ -28,59 +28,89 @@ def metric_halves(policy: SequenceLogps) -> dict[str, torch.Tensor]:
 
 
 class StepMetrics:
-    """Every micro-batch's metrics since the last log (`by_mode`, the trainer's `_metrics`) and each held-out pair's
-    reward margin at the latest evaluation (`eval_margins`, in order). The running count of training tokens lives in
-    the trainer state, which every checkpoint saves and a resume loads, so a resumed run counts on."""
+    """Every micro-batch's metrics since the last log, and each held-out pair's reward margin at the latest evaluation
+    (`eval_margins`, in order). A logged figure is a mean over every pair since the last log (over every completion
+    token for the per-token ones, over groups for plackett_luce's loss): `totals` keeps each metric's sum and count
+    and `averages` divides once, so that no figure depends on how the pairs were cut into batches or processes.
+    `by_mode` (the trainer's `_metrics`, TRL's name) keeps each micro-batch's own figure, as TRL records them. The
+    running count of training tokens lives in the trainer state, which every checkpoint saves and a resume loads, so
+    a resumed run counts on."""
 
     def __init__(self) -> None:
         self.by_mode: dict[str, dict[str, list[float]]] = {"train": defaultdict(list), "eval": defaultdict(list)}
+        self.totals: dict[str, dict[str, list[float]]] = {mode: defaultdict(lambda: [0.0, 0.0])
+                                                          for mode in self.by_mode}
         self.eval_margins: list[float] = []
         self._pending_margins: list[torch.Tensor] = []  # gathered batch by batch until the evaluation logs
 
+    def add(self, mode: str, key: str, total: float, count: float) -> None:
+        """A micro-batch's `total` of a metric over its `count` pairs (tokens, groups), every process's."""
+        self.by_mode[mode][key].append(total / count)
+        sums = self.totals[mode][key]
+        sums[0] += total
+        sums[1] += count
+
     def record(self, accelerator: Any, state: Any, mode: str, policy: SequenceLogps, logps: tuple, rewards: tuple,
-               reference: tuple, inputs: dict[str, torch.Tensor]) -> None:
-        """`logps`, `rewards`, `reference`: (chosen, rejected) [B] halves; the reference's are None without one."""
+               reference: tuple, inputs: dict[str, torch.Tensor], losses: torch.Tensor) -> None:
+        """`logps`, `rewards`, `reference`: (chosen, rejected) [B] halves; the reference's are None without one.
+        `losses`: [B] each pair's loss ([G] each group's, plackett_luce), which makes the evaluation's loss (training
+        logs Trainer's, the mean of its steps' losses)."""
         chosen_logps, rejected_logps = logps[0].detach(), logps[1].detach()
         per_pair = {"chosen_rewards": rewards[0], "rejected_rewards": rewards[1], "chosen_logps": chosen_logps,
                     "rejected_logps": rejected_logps, **metric_halves(policy)}
         if reference[0] is not None:
             per_pair |= {"chosen_drift": chosen_logps - reference[0], "rejected_drift": rejected_logps - reference[1]}
-        # Only per-pair [B] tensors go through gather_for_metrics: it trims the last batch to the dataset's length.
-        pairs = accelerator.gather_for_metrics(per_pair)
-        metrics = self.by_mode[mode]
-        tokens = pairs["chosen_lengths"].sum() + pairs["rejected_lengths"].sum()
-        # TRL's definitions: entropy over every completion token; token accuracy (argmax = label) over the chosen
-        # ones; num_tokens the running count of training tokens computed, padding excluded.
-        metrics["entropy"].append(((pairs["chosen_entropy"].sum() + pairs["rejected_entropy"].sum()) / tokens).item())
-        metrics["mean_token_accuracy"].append((pairs["chosen_top1"].sum() / pairs["chosen_lengths"].sum()).item())
+        # Only per-pair [B] tensors go through gather_for_metrics: it trims the last batch to the dataset's length,
+        # where a process padded it with pairs of another. Summed in float64: they are added over many batches.
+        pairs = {name: value.double() for name, value in accelerator.gather_for_metrics(per_pair).items()}
+        tokens = self._token_metrics(mode, pairs)
         # TRL's GRPO uses state.num_input_tokens_seen, which Trainer itself adds to under include_num_input_tokens_seen.
         count = state.stateful_callbacks.setdefault("dpo_min", {"num_tokens": 0})
         if mode == "train":
             count["num_tokens"] += int(accelerator.gather(computed_tokens(inputs)).sum())
-        metrics["num_tokens"] = [count["num_tokens"]]
-        if policy.aux_loss is not None:
-            metrics["aux_loss"].append(accelerator.gather_for_metrics(policy.aux_loss.detach()).mean().item())
-        chosen, rejected = pairs["chosen_rewards"], pairs["rejected_rewards"]
+        self.by_mode[mode]["num_tokens"] = [count["num_tokens"]]
+        self.totals[mode]["num_tokens"] = [count["num_tokens"], 1]  # a running count, not a mean
+        if policy.aux_loss is not None:  # one value per forward, not per pair
+            self.add(mode, "aux_loss", accelerator.gather_for_metrics(policy.aux_loss.detach()).mean().item(), 1)
         if mode == "eval":
-            self._pending_margins.append((chosen - rejected).float().cpu())
-        metrics["rewards/chosen"].append(chosen.mean().item())
-        metrics["rewards/rejected"].append(rejected.mean().item())
-        metrics["rewards/accuracies"].append((chosen > rejected).float().mean().item())
-        metrics["rewards/margins"].append((chosen - rejected).mean().item())
+            self._pending_margins.append((pairs["chosen_rewards"] - pairs["rejected_rewards"]).cpu())
+            every = accelerator.gather_for_metrics(losses.detach()).double()
+            self.add(mode, "loss", every.sum().item(), len(every))
+        self._pair_metrics(mode, pairs, tokens)
+
+    def _token_metrics(self, mode: str, pairs: dict[str, torch.Tensor]) -> dict[str, float]:
+        """TRL's definitions: entropy over every completion token; token accuracy (argmax = label) over the chosen
+        ones. Returns the completion tokens of each half."""
+        tokens = {half: pairs[f"{half}_lengths"].sum().item() for half in ("chosen", "rejected")}
+        entropy = pairs["chosen_entropy"].sum() + pairs["rejected_entropy"].sum()
+        self.add(mode, "entropy", entropy.item(), tokens["chosen"] + tokens["rejected"])
+        self.add(mode, "mean_token_accuracy", pairs["chosen_top1"].sum().item(), tokens["chosen"])
+        return tokens
+
+    def _pair_metrics(self, mode: str, pairs: dict[str, torch.Tensor], tokens: dict[str, float]) -> None:
+        chosen, rejected = pairs["chosen_rewards"], pairs["rejected_rewards"]
+        count = len(chosen)
+        self.add(mode, "rewards/chosen", chosen.sum().item(), count)
+        self.add(mode, "rewards/rejected", rejected.sum().item(), count)
+        self.add(mode, "rewards/accuracies", (chosen > rejected).sum().item(), count)
+        self.add(mode, "rewards/margins", (chosen - rejected).sum().item(), count)
         for half in ("chosen", "rejected"):
-            metrics[f"logps/{half}"].append(pairs[f"{half}_logps"].mean().item())
-        for half in ("chosen", "rejected"):  # mean logit over completion tokens, token-weighted across the batch (TRL)
-            metrics[f"logits/{half}"].append((pairs[f"{half}_logits"].sum() / pairs[f"{half}_lengths"].sum()).item())
-        for half in ("chosen", "rejected") if reference[0] is not None else ():
+            self.add(mode, f"logps/{half}", pairs[f"{half}_logps"].sum().item(), count)
+        for half in ("chosen", "rejected"):  # mean logit over completion tokens, token-weighted (TRL)
+            self.add(mode, f"logits/{half}", pairs[f"{half}_logits"].sum().item(), tokens[half])
+        for half in ("chosen", "rejected") if "chosen_drift" in pairs else ():
             # Drift from the reference: mean policy - reference log-ratio per completion token, token-weighted. A
             # model that collapses can still rank pairs "right"; this shows how far it went to do so.
-            metrics[f"drift/{half}"].append((pairs[f"{half}_drift"].sum() / pairs[f"{half}_lengths"].sum()).item())
+            self.add(mode, f"drift/{half}", pairs[f"{half}_drift"].sum().item(), tokens[half])
 
-    def averages(self, mode: str) -> dict[str, float]:
-        """The mean of each metric over every micro-batch since the last log (then forgotten); at an evaluation, its
-        margins become `eval_margins`."""
-        logs = {key: sum(values) / len(values) for key, values in self.by_mode[mode].items() if values}
+    def averages(self, mode: str, margins: bool = True) -> dict[str, float]:
+        """Each metric's mean since the last log (then forgotten); at an evaluation, its margins become
+        `eval_margins` (`margins=False`, predict's: they are dropped)."""
+        logs = {key: total / count for key, (total, count) in self.totals[mode].items() if count}
         self.by_mode[mode].clear()
-        if mode == "eval" and self._pending_margins:
-            self.eval_margins, self._pending_margins = torch.cat(self._pending_margins).tolist(), []
+        self.totals[mode].clear()
+        if mode == "eval":
+            if margins and self._pending_margins:
+                self.eval_margins = torch.cat(self._pending_margins).tolist()
+            self._pending_margins = []
         return logs

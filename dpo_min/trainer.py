@@ -44,7 +44,8 @@ class DPOMinTrainer(TRLSurface, Trainer):
     `precompute_ref_log_probs=True` computes its log-probs once, up front (cached on disk).
 
     The `Trainer` methods it overrides, all in this body: `compute_loss` and `prediction_step` (the loss of a batch,
-    training and evaluating), `log` (the metrics of every micro-batch since the last log), `train`,
+    training and evaluating), `evaluation_loop` and `log` (the metrics, means over every pair since the last log or
+    over an evaluation's pairs), `train`,
     `get_train_dataloader`, `get_eval_dataloader` and `get_test_dataloader` (a dataset passed to `evaluate` or
     `predict` tokenized; the precompute pass, when asked for; plackett_luce's batches of whole groups),
     `_get_train_sampler` (group_by_prompt's order, grouping.py), `_clip_grad_norm` and
@@ -162,15 +163,15 @@ class DPOMinTrainer(TRLSurface, Trainer):
                 chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, settings,
                 chosen_lengths=chosen_lengths, rejected_lengths=rejected_lengths, chosen_nll=-policy.logps.chunk(2)[0],
                 pair_weights=policy.wpo_weights() if settings.use_weighting else None, groups=groups)
+        if policy.aux_loss is not None:  # each pair's (group's) loss carries its forward's router term
+            losses = losses + self.router_aux_loss_coef * policy.aux_loss
         loss = losses.mean()
-        if policy.aux_loss is not None:
-            loss = loss + self.router_aux_loss_coef * policy.aux_loss
         if not torch.isfinite(loss):
             _raise_non_finite(self.state.global_step, loss, chosen_logps, rejected_logps, ref_chosen_logps,
                               ref_rejected_logps)
         self.step_metrics.record(self.accelerator, self.state, "train" if self.model.training else "eval", policy,
                                  (chosen_logps, rejected_logps), (chosen_rewards, rejected_rewards),
-                                 (ref_chosen_logps, ref_rejected_logps), inputs)
+                                 (ref_chosen_logps, ref_rejected_logps), inputs, losses)
         if return_outputs:
             return loss, {"chosen_rewards": chosen_rewards, "rejected_rewards": rejected_rewards}
         return loss
@@ -215,8 +216,22 @@ class DPOMinTrainer(TRLSurface, Trainer):
             logits = model(**model_inputs, use_cache=False).logits
         return loss, logits, inputs["input_ids"]
 
+    def evaluation_loop(self, dataloader, description, prediction_loss_only=None, ignore_keys=None,
+                        metric_key_prefix="eval"):
+        # The loss is ours, the mean over pairs (groups): Trainer's repeats each batch's mean eval_batch_size times, a
+        # mean of batch means once a batch is short (whole groups; a process's last batch, padded with another's).
+        output = super().evaluation_loop(dataloader, description, prediction_loss_only, ignore_keys, metric_key_prefix)
+        metrics = self.step_metrics.averages("eval", margins=description == "Evaluation")
+        if "loss" in metrics:
+            output.metrics[f"{metric_key_prefix}_loss"] = metrics.pop("loss")
+        # The others under TRL's names (eval_rewards/..., whichever held-out set); predict()'s, which logs none, too.
+        prefix = "eval" if description == "Evaluation" else metric_key_prefix
+        output.metrics.update({f"{prefix}_{key}": value for key, value in metrics.items()})
+        return output
+
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        # Every micro-batch since the last log counts, not only the last one. In place: Trainer.evaluate returns logs.
+        # Every pair since the last log counts, not only the last batch's (an evaluation's come with its loop's output,
+        # `evaluation_loop`). In place: Trainer.evaluate returns logs.
         mode = "train" if self.model.training else "eval"
         prefix = "eval_" if mode == "eval" else ""
         logs.update({f"{prefix}{key}": value for key, value in self.step_metrics.averages(mode).items()})
@@ -272,7 +287,10 @@ class DPOMinTrainer(TRLSurface, Trainer):
     def get_test_dataloader(self, test_dataset: Any) -> DataLoader:
         # predict() reads its pairs as evaluate() does; Trainer's would give raw rows to the collator, and precomputed
         # ones no reference log-probs (the policy then scored against itself: ln 2 after any training).
-        return super().get_test_dataloader(self._passed(test_dataset, "predict"))
+        test_dataset = self._passed(test_dataset, "predict")
+        if self.args.group_by_prompt and self.args.listwise:  # whole groups, as evaluate() reads them
+            return grouping.whole_group_loader(self, test_dataset, self.args.per_device_eval_batch_size, False)
+        return super().get_test_dataloader(test_dataset)
 
     def _passed(self, dataset: Any, method: str) -> Any:
         """A dataset passed to `evaluate()` or `predict()`: tokenized as the constructor tokenizes its own, and under

@@ -207,7 +207,7 @@ def tokenized(dataset: Any, tokenizer: Any, args: DPOMinConfig, model: Any = Non
                                        chat_template_kwargs=args.chat_template_kwargs,
                                        end_ids=end_token_ids(model, tokenizer) if end_ids is None else end_ids)
     if args.group_by_prompt and args.listwise:  # each group's ranking, checked once, before anything trains
-        check_rankings(dataset)
+        check_rankings(dataset, args.max_length)
     return dataset
 
 

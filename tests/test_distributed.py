@@ -13,10 +13,11 @@ from dpo_min.train import main
 
 STEP_KEYS = ("loss", "grad_norm", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
              "logps/chosen", "logps/rejected")
-# eval_loss is left out after training: Trainer's own eval_loss (not dpo_min's metrics) differs by 0.4% between one
-# and two processes once the last evaluation batch is uneven; at step 0 every pair's loss is ln 2, so it is compared.
-EVAL_KEYS = ("eval_rewards/accuracies", "eval_rewards/chosen", "eval_rewards/rejected", "eval_rewards/margins",
-             "eval_logps/chosen", "eval_logps/rejected", "eval_logits/chosen", "eval_logits/rejected")
+# eval_loss too: Trainer's own moved by 0.4% between one and two processes once the last evaluation batch is uneven
+# (each batch's mean repeated, a process's last batch padded with another's pairs); dpo_min's is the mean over pairs.
+EVAL_KEYS = ("eval_loss", "eval_rewards/accuracies", "eval_rewards/chosen", "eval_rewards/rejected",
+             "eval_rewards/margins", "eval_logps/chosen", "eval_logps/rejected", "eval_logits/chosen",
+             "eval_logits/rejected")
 
 
 def command(model_dir, data_file, output_dir, batch_size):

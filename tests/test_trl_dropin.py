@@ -107,7 +107,10 @@ def eval_with_compute_metrics(DPOTrainer, DPOConfig, model_id, dataset, output_d
 
 def multiple_eval_datasets(DPOTrainer, DPOConfig, model_id, dataset, output_dir):
     eval_dataset = {"first": dataset.select(range(4)), "second": dataset.select(range(4, 8))}
-    training_args = DPOConfig(output_dir=output_dir, eval_strategy="steps", eval_steps=2, **NEUTRAL)
+    # One evaluation batch a set: TRL averages its batches' means, dpo_min means over every pair and token (the
+    # token-weighted metrics differ across batches of unequal tokens; docs/trl.md, "Metrics").
+    training_args = DPOConfig(output_dir=output_dir, eval_strategy="steps", eval_steps=2,
+                              **{**NEUTRAL, "per_device_eval_batch_size": 4})
     trainer = DPOTrainer(model=model_id, args=training_args, train_dataset=dataset, eval_dataset=eval_dataset)
     trainer.train()
     trainer.evaluate()

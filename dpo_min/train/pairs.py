@@ -64,7 +64,7 @@ def load_pairs(plan: Plan) -> tuple[Dataset, Dataset | None]:
     if held_out is None and plan.eval_fraction > 0:
         train, held_out = _split(train, plan)
     if held_out is not None and data_args.max_eval_samples is not None:
-        held_out = held_out.select(range(min(data_args.max_eval_samples, len(held_out))))
+        held_out = _capped(held_out, data_args.max_eval_samples, plan.args.listwise)
     if plan.reach is not None and len(train) > plan.reach and not plan.args.group_by_prompt:  # a cut would cut groups
         # Only the pairs the run will reach are tokenized (and, with precompute_ref_log_probs, scored).
         train = train.shuffle(seed=plan.seed).select(range(plan.reach))
@@ -329,3 +329,28 @@ def local_data(data_args: DataArguments) -> list[tuple[str, str]]:
 def _mapping_or_list(value: Any, name: str) -> Any:
     """A recipe's value as it is; JSON text (a library caller's DataArguments) read as the flag's is."""
     return _parse_json(value, f"--{name}") if isinstance(value, str) else value
+
+
+def _capped(held_out: Dataset, count: int, whole_groups: bool) -> Dataset:
+    """The first `count` held-out pairs (--max_eval_samples). plackett_luce ranks whole groups: a cap that cuts one
+    is refused, naming it (what is left of a group may no longer order its answers, a tie the data does not hold)."""
+    capped = held_out.select(range(min(count, len(held_out))))
+    if not whole_groups or len(capped) == len(held_out):
+        return capped
+    groups = prompt_groups([json.dumps(prompt, sort_keys=True) for prompt in held_out["prompt"]])
+    cut = next((group for group in groups if group[0] < count <= group[-1]), None)
+    if cut is None:
+        return capped
+    whole = " or ".join(str(n) for n in (_whole_cut(groups, count, min), _whole_cut(groups, count, max)) if n)
+    rows = held_out["source_row"] if "source_row" in held_out.column_names else range(len(held_out))
+    kept = sum(position < count for position in cut)
+    raise UsageError(f"--max_eval_samples {count} cuts the held-out group of row {rows[cut[0]]} ({kept} of its "
+                     f"prompt's {len(cut)} pairs kept), and loss_type plackett_luce ranks whole groups: give "
+                     f"--max_eval_samples {whole}")
+
+
+def _whole_cut(groups: list[list[int]], count: int, nearest: Any) -> int:
+    """The nearest count of first pairs below (`min`) or above (`max`) `count` that cuts no group."""
+    while straddled := [group for group in groups if group[0] < count <= group[-1]]:
+        count = nearest(group[0] if nearest is min else group[-1] + 1 for group in straddled)
+    return count
