@@ -24,7 +24,7 @@ def test_a_held_out_cap_that_cuts_a_group_names_the_option(tmp_path, capsys, mon
     # Half of the 4 prompts held out: 2 groups of 3 pairs. The first 5 keep 2 of the second group's 3 pairs, (a, b)
     # and (a, c), which order b and c no longer: the ranking check would blame a tie on the data.
     argv = ["--dataset", str(data), "--group_by_prompt", "--loss_type", "plackett_luce", "--eval_fraction", "0.5",
-            "--max_eval_samples", "5"]
+            "--max_eval_samples", "5", "--disable_tqdm", "true"]  # no bar of the split's tokenizing beside the line
     line = _one_line_error(argv, tmp_path, capsys, monkeypatch)
     match = re.search(r"--max_eval_samples 5 cuts the held-out group of row (\d+) \(2 of its prompt's 3 pairs kept\), "
                       r"and loss_type plackett_luce ranks whole groups: give --max_eval_samples 3 or 6$", line)
