@@ -240,14 +240,14 @@ def test_the_trainer_handed_back_saves_the_trained_adapter(lora_run, tmp_path):
     assert all(torch.equal(saved[name], trained[name]) for name in trained)
 
 
-@pytest.mark.parametrize("where", ["round-1/generated.jsonl", "round-1/checkpoint"])
+@pytest.mark.parametrize("where", ["round-1/generated.jsonl", "round-1/generated.partial.jsonl", "round-1/checkpoint"])
 def test_a_full_disk_is_one_line_naming_the_file(tmp_path, tokenizer, monkeypatch, where):
     full = OSError(errno.ENOSPC, "No space left on device")
     if where.endswith(".jsonl"):
         write_text = Path.write_text
 
         def fill(path, *args, **kwargs):
-            if path.name.startswith(".generated"):
+            if path.name == f".{Path(where).name}.writing":  # the file staged, dpo_min.files.staging_path
                 raise full
             return write_text(path, *args, **kwargs)
         monkeypatch.setattr(Path, "write_text", fill)
