@@ -67,21 +67,23 @@ def plot(rounds: list[dict[str, Any]], held: list[dict[str, Any]], path: Path) -
     held_out.draw(left, held)
     x = [line["round"] for line in shown]
     bottom = [0.0] * len(shown)
-    for name in OUTCOMES:
+    for name in ("mixed", *(name for name in OUTCOMES if name != "mixed")):  # what trains, at the foot of the bar
         per_prompt = [line["samples"] / line["prompts"] if line["prompts"] else 0 for line in shown]
         heights = [line["draw"][name] * each for line, each in zip(shown, per_prompt)]
         if any(heights):
             right.bar(x, heights, bottom=bottom, label=_SHOWN[name])
             bottom = [b + h for b, h in zip(bottom, heights)]
     for position, height, line in zip(x, bottom, shown):
-        right.annotate(f"{line['pairs']} pairs\n{line.get('dpo', {}).get('steps', 0)} steps", (position, height),
-                       ha="center", va="bottom", fontsize=7)
+        steps = line.get("dpo", {}).get("steps", 0)
+        right.annotate(f"{line['pairs']} pair{'s' * (line['pairs'] != 1)}\n{steps} step{'s' * (steps != 1)}",
+                       (position, height), ha="center", va="bottom", fontsize=7)
     right.set_xlabel("round")
-    right.set_ylabel("completions sampled, by the prompt's outcome")
+    right.set_ylabel("completions sampled")
     right.set_xticks(x)
     right.margins(y=0.25)
     if shown:
-        right.legend(fontsize=7)
+        right.legend(title="the prompt's samples", fontsize=7, title_fontsize=7, loc="upper left",
+                     bbox_to_anchor=(1, 1))  # beside the bars, clear of their labels
     figure.tight_layout()
     figure.savefig(path, dpi=100, format="png")  # `path` may be a staging name (dpo_min.files)
     pyplot.close(figure)

@@ -69,7 +69,8 @@ class RoundsArguments:
                 "completion sampled counts in the round's samples. Needs --prompts_per_round."})
     max_num_gen_batches: int = field(default=_DEFAULT["max_num_gen_batches"], metadata={
         "help": "With --dynamic_sampling: the most generate() calls (of --generation_batch_size completions) a round "
-                "makes, its first draw's included (verl's name; 0: no cap but the training prompts)."})
+                "makes, its first draw's included (verl's name; 0: no cap but the training prompts, which a policy "
+                "whose samples all tie would sample whole)."})
     skip_saturated: int = field(default=_DEFAULT["skip_saturated"], metadata={
         "help": "GRESO's pre-sampling skip: a training prompt whose last N draws in a row gave no pair is skipped "
                 "with probability 1 - 2^-(streak - N + 1) (1/2, then 3/4, ...), seeded; the round draws another in "
