@@ -206,5 +206,9 @@ def test_a_rounds_line_and_rounds_jsonl_say_how_many_prompts_were_saturated(tmp_
     line = run_rounds(tiny_policy(), tokenizer, PROMPTS, constant, config).rounds[0]
     assert line["saturated"] == line["dropped"]["all_tied"] == line["prompts"] == 3
     assert read_jsonl(tmp_path / "run/rounds.jsonl")[0]["saturated"] == 3
-    assert "round 1: 9 samples, 0 pairs (dropped: 3 all_tied), 3 of 3 prompts saturated, reward mean 1.000 " \
+    # Where the samples went (issue 56 item 3), a plain draw too: every prompt all right, one generate() call.
+    assert line["draw"] == {"all_right": 3, "all_wrong": 0, "all_alike": 0, "mixed": 0, "unscorable": 0, "skipped": 0,
+                            "refills": 0, "gen_batches": 1}
+    assert (tmp_path / "run/rounds.png").is_file()
+    assert "round 1: 9 samples, 0 pairs (dropped: 3 all_tied); 3 prompts: 3 all right, 0 mixed, reward mean 1.000 " \
         "(best 1.000, worst 1.000); no pair, round skipped" in capsys.readouterr().out

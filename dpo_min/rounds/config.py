@@ -14,7 +14,8 @@ DEFAULT_PROMPTS_PER_BATCH = 8
 # 0.002, 0.0002), docs/rounds.md. inf and 1e30 would sample noise and pair it.
 MAX_TEMPERATURE = 10.0
 # Options that came after runs were recorded: at these values settings.json leaves them out, as it did before.
-RECIPE_DEFAULTS = {"prompts_per_round": None, "pairs_per_prompt": 1, "pair_rule": "best"}
+RECIPE_DEFAULTS = {"prompts_per_round": None, "pairs_per_prompt": 1, "pair_rule": "best", "dynamic_sampling": False,
+                   "max_num_gen_batches": 0, "skip_saturated": 0}
 PAIR_RULES = ("best", "every")  # pairs.py: the best against the k worst, or every better against every worse
 
 
@@ -41,6 +42,12 @@ class RoundsConfig:
     prompts_per_round: int | None = None  # None: every training prompt each round; else a fresh draw (schedule.py)
     pairs_per_prompt: int = 1  # the best sample against each of this many worst (pairs.py); with "every", the cap
     pair_rule: str = "best"  # or "every": every sample against every lower-scored one, pairs_per_prompt at most
+    # Where a round's samples go (draws.py): DAPO's dynamic sampling, a round drawing more prompts until
+    # prompts_per_round of them gave a pair, at most max_num_gen_batches generate() calls (verl's name; 0: no cap but
+    # the pool); GRESO's skipping, a prompt whose last skip_saturated draws gave no pair drawn less (0: off).
+    dynamic_sampling: bool = False
+    max_num_gen_batches: int = 0
+    skip_saturated: int = 0
     reference: str = "initial"
     on_no_pairs: str = "stop"
     held_out_share: float = 0.0
@@ -78,6 +85,7 @@ class RoundsConfig:
             raise RoundsError(f"min_margin must be a finite number >= 0, got {self.min_margin}")
         if self.pair_rule not in PAIR_RULES:
             raise RoundsError(f"pair_rule must be one of {PAIR_RULES}, got {self.pair_rule!r}")
+        self._check_draws()
         if self.reference not in REFERENCES:
             raise RoundsError(f"reference must be one of {REFERENCES}, got {self.reference!r}")
         if self.on_no_pairs not in NO_PAIR_CHOICES:
@@ -97,6 +105,22 @@ class RoundsConfig:
         if self.generation_batch_size is None:
             return DEFAULT_PROMPTS_PER_BATCH
         return self.generation_batch_size // self.num_generations
+
+    def _check_draws(self) -> None:
+        for name in ("max_num_gen_batches", "skip_saturated"):
+            if getattr(self, name) < 0:
+                raise RoundsError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.dynamic_sampling and self.prompts_per_round is None:
+            raise RoundsError("dynamic_sampling draws more prompts until prompts_per_round of them gave a pair: set "
+                              "prompts_per_round (unset, every prompt is sampled each round and none is left to draw)")
+        if self.max_num_gen_batches and not self.dynamic_sampling:
+            raise RoundsError("max_num_gen_batches caps the generate() calls of dynamic sampling: add "
+                              "dynamic_sampling, or drop it")
+        first = -(-(self.prompts_per_round or 0) // self.prompts_per_batch)  # the round's first draw, in batches
+        if self.max_num_gen_batches and self.max_num_gen_batches < first:
+            raise RoundsError(f"max_num_gen_batches {self.max_num_gen_batches} is less than the {first} generate() "
+                              f"call(s) of prompts_per_round {self.prompts_per_round} ({self.prompts_per_batch} "
+                              "prompts a call): raise it, or leave it 0 for no cap")
 
     def _check_temperature(self) -> None:
         """One value for every round, or exactly one per round; a list of one is that value (the command's

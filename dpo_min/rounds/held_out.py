@@ -75,6 +75,17 @@ def plot(lines: list[dict[str, Any]], path: Path) -> None:
     matplotlib.use("Agg")  # files only: no display here
     from matplotlib import pyplot
 
+    if not any(line["mean"] is not None for line in lines):
+        return
+    figure, axes = pyplot.subplots(figsize=(5, 3.2))
+    draw(axes, lines)
+    figure.tight_layout()
+    figure.savefig(path, dpi=100, format="png")  # `path` may be a staging name (dpo_min.files)
+    pyplot.close(figure)
+
+
+def draw(axes: Any, lines: list[dict[str, Any]]) -> None:
+    """The held-out curve on matplotlib `axes` (held_out.png's; rounds.png's left panel)."""
     shown = [line for line in lines if line["mean"] is not None]
     if not shown:
         return
@@ -85,11 +96,7 @@ def plot(lines: list[dict[str, Any]], path: Path) -> None:
     means = [line["mean"] / unit for line in shown]
     low = [mean - (line["low"] / unit if line["low"] is not None else mean) for mean, line in zip(means, shown)]
     high = [(line["high"] / unit if line["high"] is not None else mean) - mean for mean, line in zip(means, shown)]
-    figure, axes = pyplot.subplots(figsize=(5, 3.2))
     axes.errorbar([line["round"] for line in shown], means, yerr=[low, high], marker="o", capsize=3)
     axes.set_xlabel("round (0: before round 1)")
     axes.set_ylabel("held-out mean reward (greedy)" + (f", x 1e{exponent}" if exponent else ""))
     axes.set_xticks([line["round"] for line in shown])
-    figure.tight_layout()
-    figure.savefig(path, dpi=100, format="png")  # `path` may be a staging name (dpo_min.files)
-    pyplot.close(figure)

@@ -22,23 +22,36 @@ def partial_of(path: Path) -> Path:
 
 def read(path: Path | None, batches: list[tuple[int, list[int]]]) -> dict[int, list[list[Completion]]]:
     """The kept batches that are batches of this pass (the same index, the same prompts), by index."""
-    if path is None or not path.exists():
+    if path is None:
         return {}
     wanted = {index: prompts for index, prompts in batches}
     kept = {}
-    for line in path.read_text().splitlines():
-        try:
-            entry = json.loads(line)
-        except json.JSONDecodeError:  # written whole, so never cut; a file edited by hand is read as far as it goes
-            break
+    for entry in _entries(path):  # written whole, so never cut; a file edited by hand is read as far as it goes
         if wanted.get(entry.get("batch")) == entry.get("prompts"):
             kept[entry["batch"]] = [[Completion(**one) for one in group] for group in entry["completions"]]
     return kept
 
 
 def write(path: Path, kept: dict[int, list[list[Completion]]], batches: list[tuple[int, list[int]]]) -> None:
+    """The pass's finished batches, beside the kept batches of its other calls (dynamic sampling's earlier waves,
+    draws.py: batches numbered on across the round's calls)."""
     prompts = dict(batches)
-    store.write_jsonl(path, [_line(index, prompts[index], groups) for index, groups in sorted(kept.items())])
+    others = [entry for entry in _entries(path)
+              if isinstance(entry.get("batch"), int) and entry["batch"] not in prompts]
+    lines = others + [_line(index, prompts[index], groups) for index, groups in kept.items()]
+    store.write_jsonl(path, sorted(lines, key=lambda line: line["batch"]))
+
+
+def _entries(path: Path) -> list[dict[str, Any]]:
+    entries = []
+    for line in path.read_text().splitlines() if path.exists() else []:
+        try:
+            entry = json.loads(line)
+        except json.JSONDecodeError:  # as read() does: as far as it goes
+            break
+        if isinstance(entry, dict):
+            entries.append(entry)
+    return entries
 
 
 def _line(index: int, prompts: list[int], groups: list[list[Completion]]) -> dict[str, Any]:

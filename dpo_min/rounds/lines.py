@@ -1,6 +1,9 @@
-"""A round in one line, as the run prints it after the round (rounds.jsonl keeps the figures)."""
+"""A round in one line, as the run prints it after the round (rounds.jsonl keeps the figures): its samples (what it
+spent), its pairs, where the samples went, its reward, its DPO pass."""
 
 from typing import Any
+
+from .spend import describe
 
 
 def no_pair_message(line: dict[str, Any]) -> str:
@@ -13,8 +16,9 @@ def no_pair_message(line: dict[str, Any]) -> str:
 
 def summary(line: dict[str, Any]) -> str:
     dropped = ", ".join(f"{count} {reason}" for reason, count in line["dropped"].items() if count) or "none"
+    # Where the samples went (spend.py): the round's prompts by outcome, those skipped and drawn to refill.
     text = f"round {line['round']}: {_count(line['samples'], 'sample')}, {_count(line['pairs'], 'pair')} " \
-           f"(dropped: {dropped}), {line['saturated']} of {line['prompts']} prompts saturated"
+           f"(dropped: {dropped}); {describe(line)}"
     if line["reward_mean"] is not None:
         text += f", reward mean {line['reward_mean']:.3f} (best {line['reward_best']:.3f}, worst " \
                 f"{line['reward_worst']:.3f})"

@@ -21,16 +21,14 @@ from dpo_min.tokenizing import (
     GIVEN_COLUMNS,
     end_token_ids,
     made_by,
-    render_prompts,
-    template_kwargs_of,
 )
 
-from . import held_out, kept, pairs, schedule, store
+from . import draws, held_out, history, kept, pairs, schedule, spend, store
 from .config import RoundsConfig, RoundsError
 from .lines import no_pair_message, summary
 from .policy import Policy
 from .progress import RoundBar, TokenSteps, phase_bar
-from .prompts import fingerprint, prompt_rows, split_held_out
+from .prompts import fingerprint, prompt_rows, rendered_prompts, split_held_out
 from .rewards import RewardFunc, Rewards
 from .sampling import Completion, GenerateFn, GenerationSettings, sample
 
@@ -96,13 +94,13 @@ def _bar(run: _Run, label: str, total: int, unit: str) -> Any:
 
 
 def _sample_shared(run: _Run, model: Any, indices: list[int], settings: GenerationSettings,
-                   label: str = "sampling", keep: Path | None = None) -> list[list[Completion]]:
+                   label: str = "sampling", keep: Path | None = None, first_batch: int = 0) -> list[list[Completion]]:
     """The samples of each prompt in `indices`, in order: batches of prompts_per_batch prompts (generation_batch_size
-    completions), batch b seeded settings.seed + b and dealt to the processes in turn, so a prompt's samples do not
-    depend on the process count. `label` names the progress bar; `keep`, where the finished batches are kept (kept.py)
-    until the phase's own file replaces them."""
+    completions), batch b (numbered from first_batch) seeded settings.seed + b and dealt to the processes in turn, so
+    a prompt's samples do not depend on the process count. `label` names the progress bar; `keep`, where the finished
+    batches are kept (kept.py) until the phase's own file replaces them."""
     size = run.config.prompts_per_batch
-    batches = [(b, indices[start:start + size]) for b, start in enumerate(range(0, len(indices), size))]
+    batches = [(first_batch + b, indices[start:start + size]) for b, start in enumerate(range(0, len(indices), size))]
     keep = keep if run.state.num_processes == 1 else None
     finished = kept.read(keep, batches)
 
@@ -122,18 +120,24 @@ def _sample_shared(run: _Run, model: Any, indices: list[int], settings: Generati
     return [group for groups in _shared(batches, work, run.state) for group in groups]
 
 
-def _generate(run: _Run, model: Any, round_index: int) -> list[dict[str, Any]]:
+def _generate(run: _Run, model: Any, round_index: int, steps: int) -> list[dict[str, Any]]:
     """round-K/generated.jsonl: num_generations samples of each of the round's training prompts (every one, or its
-    draw of prompts_per_round), by the current policy at the round's temperature."""
-    config = run.config
+    draw of prompts_per_round; draws.py: less those skipped, more to refill), by the current policy at the round's
+    temperature. With dynamic_sampling each sample is scored as it comes (its next draw reads the scores)."""
+    config, folder = run.config, run.folder.round_dir(round_index)
     settings = GenerationSettings(config.num_generations, config.max_completion_length, True,
                                   schedule.round_temperature(config.temperature, round_index), config.top_p,
                                   seed=config.seed + 1000 * round_index)
-    indices = schedule.round_prompts(run.train_rows, config.prompts_per_round, config.seed, round_index)
-    groups = _sample_shared(run, model, indices, settings, f"round {round_index}: sampling",
-                            kept.partial_of(run.folder.round_dir(round_index) / "generated.jsonl"))
-    return [{"prompt_index": i, "sample": s, "completion": c.text, "completion_ids": c.ids, "truncated": c.truncated}
-            for i, group in zip(indices, groups) for s, c in enumerate(group)]
+    past = history.draws([run.folder.round_dir(k) / "samples.jsonl" for k in range(1, round_index)],
+                         config.min_margin, config.pair_rule) if config.skip_saturated else {}
+    rows, drawn = draws.sample_round(
+        config, run.train_rows, past, round_index,
+        lambda indices, first: _sample_shared(run, model, indices, settings, f"round {round_index}: sampling",
+                                              kept.partial_of(folder / "generated.jsonl"), first),
+        lambda new: _scored(run, new, round_index, steps))
+    if draws.uses_draws(config) and run.state.is_main_process:  # before generated.jsonl: with it, it is there
+        store.write_json(folder / "draw.json", drawn)
+    return rows
 
 
 def _sampled(rows: list[dict[str, Any]]) -> list[int]:
@@ -142,8 +146,17 @@ def _sampled(rows: list[dict[str, Any]]) -> list[int]:
 
 
 def _score(run: _Run, generated: list[dict[str, Any]], round_index: int, steps: int) -> list[dict[str, Any]]:
-    """round-K/samples.jsonl: every sample with its reward per function and the weighted sum. Each process scores
-    its share of the prompts, all their samples in one call to each function, as TRL's batches."""
+    """round-K/samples.jsonl: every sample with its reward per function and the weighted sum (scored while sampled,
+    with dynamic_sampling)."""
+    scored = generated if generated and "total" in generated[0] else _scored(run, generated, round_index, steps)
+    return [{**{key: value for key, value in row.items() if key not in ("rewards", "total")},
+             "prompt": run.rows[row["prompt_index"]]["prompt"], "rewards": row["rewards"], "total": row["total"]}
+            for row in scored]
+
+
+def _scored(run: _Run, generated: list[dict[str, Any]], round_index: int, steps: int) -> list[dict[str, Any]]:
+    """The rows with their reward per function and the weighted sum. Each process scores its share of the prompts,
+    all their samples in one call to each function, as TRL's batches."""
     def work(groups: list[list[dict[str, Any]]]) -> list[list[tuple[dict, float | None]]]:
         rows = [row for group in groups for row in group]
         if not rows:
@@ -158,7 +171,7 @@ def _score(run: _Run, generated: list[dict[str, Any]], round_index: int, steps: 
         return [results[sum(map(len, groups[:g])):][:len(group)] for g, group in enumerate(groups)]
     by_prompt = [[row for row in generated if row["prompt_index"] == i] for i in _sampled(generated)]
     scored = _shared(by_prompt, work, run.state)
-    return [{**row, "prompt": run.rows[row["prompt_index"]]["prompt"], "rewards": per_function, "total": total}
+    return [{**row, "rewards": per_function, "total": total}
             for group, results in zip(by_prompt, scored) for row, (per_function, total) in zip(group, results)]
 
 
@@ -168,7 +181,7 @@ def _pairs(run: _Run, samples: list[dict[str, Any]], args: DPOMinConfig) -> tupl
     groups = [{"prompt_index": i, "prompt": run.rows[i]["prompt"], "prompt_ids": run.prompt_ids[i],
                "samples": [row for row in samples if row["prompt_index"] == i]} for i in _sampled(samples)]
     made, dropped = pairs.make_pairs(groups, run.config.min_margin, run.config.pairs_per_prompt,
-                                     run.config.pair_rule)
+                                     run.config.pair_rule, ranked=args.listwise)  # a listwise loss: one ranking
     # What made the ids, and the row's own template arguments: the DPO pass checks the ids by them (given_ids.py).
     made = [{**pair, **made_by(run.tokenizer, pair["prompt"]),
              **{name: run.rows[pair["prompt_index"]][name] for name in CARRIED_COLUMNS
@@ -270,7 +283,7 @@ def _round(run: _Run, policy: Policy, round_index: int, steps: int) -> tuple[dic
     times = json.loads(times_path.read_text()) if times_path.exists() else {}
     with policy.current() as model:
         generated = _phase(run, folder / "generated.jsonl", times, "sampling",
-                           lambda: _generate(run, model, round_index))
+                           lambda: _generate(run, model, round_index, steps))
     samples = _phase(run, folder / "samples.jsonl", times, "scoring",
                      lambda: _score(run, generated, round_index, steps))
     args = _training_args(run, folder, round_index, policy)
@@ -280,7 +293,9 @@ def _round(run: _Run, policy: Policy, round_index: int, steps: int) -> tuple[dic
         store.write_json(times_path, times)
     totals = [row["total"] for row in samples if row["total"] is not None]
     line = {"round": round_index, "prompts": len(_sampled(samples)), "samples": len(samples), "pairs": len(made),
-            "dropped": dropped, "saturated": saturated, "unscorable_samples": len(samples) - len(totals),
+            "dropped": dropped, "saturated": saturated,
+            "draw": spend.record(samples, draws.recorded(run.config, folder, len(_sampled(samples)))),
+            "unscorable_samples": len(samples) - len(totals),
             "reward_mean": held_out.mean_with_interval(totals)["mean"],  # finite where a sum of 1e308s is not
             "reward_best": max(totals, default=None), "reward_worst": min(totals, default=None)}
     if not made:
@@ -300,21 +315,6 @@ def _round(run: _Run, policy: Policy, round_index: int, steps: int) -> tuple[dic
     with policy.current() as model:
         _evaluate(run, model, round_index)
     return {**line, "status": "trained", "dpo": metrics, "seconds": times}, trainer
-
-
-def rendered_prompts(tokenizer: Any, rows: list[dict[str, Any]], chat_template_kwargs: dict[str, Any] | None,
-                     hidden: bool = True) -> list[list[int]]:
-    """Each row's prompt ids, by the renderer the DPO pass tokenizes with (its tools and template kwargs too); a
-    labelled bar unless `hidden` (thousands of prompts take minutes on busy cores)."""
-    rendered = []
-    with phase_bar("rendering the prompts", len(rows), "prompt", hidden) as bar:
-        for index, row in enumerate(rows):
-            try:
-                rendered += render_prompts(tokenizer, [row["prompt"]], template_kwargs_of(row, chat_template_kwargs))
-            except ValueError as error:
-                raise RoundsError(f"row {index}: {error}") from None
-            bar.update()
-    return rendered
 
 
 def _open(model: Any, tokenizer: Any, prompts: Any, reward_funcs: Any, config: RoundsConfig,
@@ -381,6 +381,8 @@ def run_rounds(model: torch.nn.Module, tokenizer: Any, prompts: Any, reward_func
         steps += line.get("dpo", {}).get("steps", 0)
         if run.state.is_main_process:
             run.folder.append("rounds.jsonl", line)
+            with store.written_whole(run.folder.root / "rounds.png") as staging:
+                spend.plot(run.folder.finished_rounds(), run.folder.held_out(), staging)
         run.state.wait_for_everyone()
         done.append(line)
         run.say(summary(line))

@@ -4,11 +4,14 @@ the k worst: GroupDPO, arXiv 2604.15602, takes more than one pair of a prompt's 
 one), up to `pairs_per_prompt` pairs a prompt. A prompt gives no pair when
 fewer than two of its samples are scorable, when all its scores tie or its best and worst are the same text, or when
 best - worst < min_margin; a pair the DPO pass would drop (`keep_trainable`) is left out before it. Each is counted
-under its reason, never dropped silently."""
+under its reason, never dropped silently.
+
+For a listwise loss (plackett_luce, which reads one strict order of a prompt's answers and refuses ties), "every"
+pairs one ranking instead (`ranked_chain`): one text per distinct score, each against the next lower one."""
 
 from collections import Counter
 from collections.abc import Collection, Sequence
-from itertools import groupby
+from itertools import groupby, pairwise
 from typing import Any
 
 from dpo_min.tokenizing import (
@@ -133,27 +136,57 @@ def _spread(candidates: list[tuple[float, int, int, int, int]], cap: int) -> lis
     return chosen
 
 
+def ranked_chain(samples: Sequence[dict[str, Any]], min_margin: float, cap: int) -> list[tuple[int, int]] | str:
+    """The (better, worse) index pairs of one ranking of a prompt's samples, for plackett_luce: from the best down,
+    one sample per score (the first of equals), each text once, each scored under the last one taken by min_margin
+    or more (and by more than 0); each taken sample against the next, so the pairs order the taken answers in one way
+    only (grouping.strict_order) and two answers that tie are never both in it. `cap` pairs at most: the best
+    cap + 1 answers. Or the reason there is no pair, as best_and_worst gives it ("all_tied": one text)."""
+    reason = best_and_worst([sample["total"] for sample in samples], min_margin)
+    if isinstance(reason, str):
+        return reason
+    scored = sorted((i for i, sample in enumerate(samples) if sample["total"] is not None),
+                    key=lambda i: (-samples[i]["total"], i))
+    taken, texts = [scored[0]], {samples[scored[0]]["completion"]}
+    for i in scored[1:]:
+        margin = samples[taken[-1]]["total"] - samples[i]["total"]
+        if len(taken) > cap or samples[i]["completion"] in texts or margin <= 0 or margin < min_margin:
+            continue
+        taken.append(i)
+        texts.add(samples[i]["completion"])
+    return list(pairwise(taken)) or "all_tied"
+
+
+def gives_pair(samples: Sequence[dict[str, Any]], min_margin: float, rule: str) -> bool:
+    """Whether one prompt's samples give a pair by the rule (before the DPO pass's own checks): what dynamic sampling
+    keeps and what a prompt's history counts (draws.py, history.py)."""
+    return not isinstance(_pair_indices(samples, min_margin, 1, rule), str)
+
+
 def _pair_indices(samples: Sequence[dict[str, Any]], min_margin: float, cap: int,
-                  rule: str) -> list[tuple[int, int]] | str:
+                  rule: str, ranked: bool = False) -> list[tuple[int, int]] | str:
     if rule == "every":
+        if ranked:
+            return ranked_chain(samples, min_margin, cap)
         return every_better_against_worse(samples, min_margin, cap)
     chosen = best_and_k_worst(samples, min_margin, cap)
     return chosen if isinstance(chosen, str) else [(chosen[0], worst) for worst in chosen[1]]
 
 
 def make_pairs(groups: Sequence[dict[str, Any]], min_margin: float, pairs_per_prompt: int = 1,
-               rule: str = "best") -> tuple[list[dict[str, Any]], Counter]:
+               rule: str = "best", ranked: bool = False) -> tuple[list[dict[str, Any]], Counter]:
     """`groups`: one per prompt, {"prompt_index", "prompt", "prompt_ids", "samples": [{"completion",
     "completion_ids", "total", ...}]}.
 
     Returns the pairs in explicit-prompt layout (prompt, chosen, rejected; a conversational prompt's completions
     as one assistant message) with the ids that were sampled (prompt_ids, chosen_ids, rejected_ids), which
     load_preference_dataset reads back and the DPO pass trains on as given, and the drop counts by reason: a count
-    of prompts that gave no pair."""
+    of prompts that gave no pair. `ranked` (a listwise loss): with rule "every", each prompt's pairs are one ranking
+    (ranked_chain)."""
     pairs, dropped = [], Counter(dict.fromkeys(PAIR_RULE_REASONS, 0))
     for group in groups:
         samples = group["samples"]
-        chosen = _pair_indices(samples, min_margin, pairs_per_prompt, rule)
+        chosen = _pair_indices(samples, min_margin, pairs_per_prompt, rule, ranked)
         if isinstance(chosen, str):
             dropped[chosen] += 1
             continue

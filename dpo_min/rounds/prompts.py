@@ -13,6 +13,7 @@ from ..config import DPOMinConfig
 from ..split import held_out_split
 from ..tokenizing import check_prompt, render_prompts, template_kwargs_of, truncate_pair
 from .config import RoundsError
+from .progress import phase_bar
 
 
 def _prompt_kind(prompt: Any, index: int) -> str:
@@ -96,3 +97,18 @@ def check_room(rows: list[dict[str, Any]], train_rows: Sequence[int], tokenizer:
         lengths.append(len(ids))
     raise RoundsError(f"every training prompt fills max_length={cut['max_length']} (the shortest has {min(lengths)} "
                       "tokens): a round's DPO pass would drop every pair; raise max_length")
+
+
+def rendered_prompts(tokenizer: Any, rows: list[dict[str, Any]], chat_template_kwargs: dict[str, Any] | None,
+                     hidden: bool = True) -> list[list[int]]:
+    """Each row's prompt ids, by the renderer the DPO pass tokenizes with (its tools and template kwargs too); a
+    labelled bar unless `hidden` (thousands of prompts take minutes on busy cores)."""
+    rendered = []
+    with phase_bar("rendering the prompts", len(rows), "prompt", hidden) as bar:
+        for index, row in enumerate(rows):
+            try:
+                rendered += render_prompts(tokenizer, [row["prompt"]], template_kwargs_of(row, chat_template_kwargs))
+            except ValueError as error:
+                raise RoundsError(f"row {index}: {error}") from None
+            bar.update()
+    return rendered

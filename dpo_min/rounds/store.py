@@ -4,6 +4,9 @@
     held_out.jsonl           the held-out greedy reward: round 0 (pi_0), then after each round
     rounds.jsonl             one line per finished round
     held_out.png             the held-out reward against the round, with its 95% interval
+    rounds.png               that, beside each round's completions by their prompt's outcome (spend.py)
+    round-K/draw.json        with dynamic_sampling or skip_saturated: the prompts skipped, the refills, the generate()
+                             calls (draws.py); written before generated.jsonl
     round-K/generated.jsonl  the round's samples before scoring (a kill while scoring does not regenerate them)
     round-K/generated.partial.jsonl, held_out-K.partial.jsonl
                              the batches a stopped sampling or held-out pass finished (kept.py), until replaced

@@ -62,6 +62,19 @@ class RoundsArguments:
                 "every lower-scored one (a 0/1 reward: every right answer against every wrong one), each pair of "
                 "texts once, widest margins first, spread over the samples, --pairs_per_prompt at most a prompt.",
         "choices": list(PAIR_RULES)})
+    dynamic_sampling: bool = field(default=_DEFAULT["dynamic_sampling"], metadata={
+        "help": "DAPO's dynamic sampling (verl's filter_groups): a round sets aside the prompts whose samples give no "
+                "pair (all alike) and draws further training prompts, seeded, never held-out, never twice in a "
+                "round, until --prompts_per_round prompts gave a pair or --max_num_gen_batches is spent. Every "
+                "completion sampled counts in the round's samples. Needs --prompts_per_round."})
+    max_num_gen_batches: int = field(default=_DEFAULT["max_num_gen_batches"], metadata={
+        "help": "With --dynamic_sampling: the most generate() calls (of --generation_batch_size completions) a round "
+                "makes, its first draw's included (verl's name; 0: no cap but the training prompts, which a policy "
+                "whose samples all tie would sample whole)."})
+    skip_saturated: int = field(default=_DEFAULT["skip_saturated"], metadata={
+        "help": "GRESO's pre-sampling skip: a training prompt whose last N draws in a row gave no pair is skipped "
+                "with probability 1 - 2^-(streak - N + 1) (1/2, then 3/4, ...), seeded; the round draws another in "
+                "its place. Read from the rounds' samples.jsonl, so a resume skips alike. 0: off."})
     on_no_pairs: str = field(default=_DEFAULT["on_no_pairs"], metadata={
         "help": "A round where every prompt's samples tie: stop there, or skip to the next round.",
         "choices": list(NO_PAIR_CHOICES)})
