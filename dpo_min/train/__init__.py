@@ -41,6 +41,7 @@ from .args import (  # noqa: F401  (COMMAND_DEFAULTS, DEMO_DEFAULTS, DataArgumen
 )
 from .card import check_hub_access, model_card, push_to_hub
 from .command_line import parse_args  # noqa: F401  (re-exported for scripts, tests)
+from .group_tokens import describe_train_groups
 from .model_setup import load_model
 from .pairs import (
     StreamCountsLogger,
@@ -210,6 +211,8 @@ def sample_reference(trainer: DPOMinTrainer, plan: Plan, held_out: Dataset | Non
         f"{0 if held_out is None else len(trainer.eval_dataset)} held-out | "
         f"{'LoRA r=' + str(plan.model.lora_r) if plan.trains_adapter else 'full fine-tuning'} | "
         f"output {plan.folder.named}")
+    if plan.is_main and plan.args.group_by_prompt and train_pairs is not None:  # what groups save, before the plan
+        say(describe_train_groups(trainer))
     if train_pairs is not None:
         say(describe_plan(plan.args, train_pairs))
     texts = greedy_completions(model, trainer.processing_class, prompts, plan.data.max_new_tokens,
