@@ -121,3 +121,22 @@ def test_the_rows_data_md_counts_from_0_are_the_rows_errors_name(tmp_path):
         path.write_text("\n".join(lines[kind]) + "\n")
         with pytest.raises(ValueError, match=rf"pairs\.{kind}: row {row}: field 'rejected' is identical"):
             load_preference_dataset(str(path), strict_pairs=True)
+
+
+def test_the_groups_line_groups_md_quotes_is_what_the_command_prints_for_its_counts():
+    # docs/groups.md's measured run: its groups line as describe_groups writes it for the counts the line gives, of
+    # the train pairs its model line names, which with the held-out ones are the bundled file's pairs.
+    from dpo_min.data.loading import load_preference_dataset
+    from dpo_min.train.group_tokens import describe_groups
+
+    page = (ROOT / "docs" / "groups.md").read_text()
+    [line] = [line for line in page.splitlines() if line.startswith("groups: ") and "arithmetic" not in line]
+    found = re.fullmatch(r"groups: (\d+) prompts, (\d+) pairs .* batches of (\d+) pairs compute (\d+) tokens in groups "
+                         r".*, (\d+) with share_prompt .* and (\d+) as two sequences a pair .*", line)
+    prompts, pairs, batch, groups, shared, apart = map(int, found.groups())
+    tokens = {"groups": groups, "share_prompt": shared, "two sequences": apart}
+    assert line == describe_groups(prompts, pairs, batch, tokens)
+    train, held_out = map(int, re.search(r"\| (\d+) train pairs, (\d+) held-out \|", page).groups())
+    assert train == pairs and train + held_out == len(load_preference_dataset(str(ROOT / "data" /
+                                                                                   "arithmetic-groups.jsonl")))
+    assert f"--per_device_train_batch_size {batch} " in " ".join(page.split())

@@ -10,6 +10,7 @@ from datasets import Dataset
 from .. import trainer_setup
 from ..grouping import dataset_groups
 from ..trainer import DPOMinTrainer
+from .group_tokens import describe_train_groups
 from .pairs import pair_count
 from .plan import Plan
 from .report import CompletionLogger, describe_plan, describe_ties, greedy_completions, logprob_margins
@@ -39,6 +40,8 @@ def sample_reference(trainer: DPOMinTrainer, plan: Plan, held_out: Dataset | Non
         f"{0 if held_out is None else len(trainer.eval_dataset)} held-out | "
         f"{'LoRA r=' + str(plan.model.lora_r) if plan.trains_adapter else 'full fine-tuning'} | "
         f"output {plan.folder.named}")
+    if plan.is_main and plan.args.group_by_prompt and train_pairs is not None:  # what groups save, before the plan
+        say(describe_train_groups(trainer))
     if train_pairs is not None:  # plackett_luce's batches are whole groups: its epochs are counted in them
         groups = len(dataset_groups(trainer.train_dataset)) if plan.args.listwise else None
         say(describe_plan(plan.args, train_pairs, groups))
