@@ -29,7 +29,8 @@ def command(model_dir, data_file, output_dir, batch_size):
             "--eval_fraction", "0.25", "--max_steps", "3", "--per_device_train_batch_size", str(batch_size),
             "--per_device_eval_batch_size", str(batch_size), "--learning_rate", "5e-3", "--warmup_steps", "0",
             "--num_samples", "1", "--max_new_tokens", "2", "--precompute_ref_log_probs", "true", "--logging_steps", "1",
-            "--save_strategy", "no", "--disable_tqdm", "true", "--use_peft"]
+            "--save_strategy", "no", "--disable_tqdm", "true", "--use_peft",
+            "--eval_on_start", "true"]  # the step-0 pass too (stated as ties by default), compared across processes
 
 
 def free_port() -> int:

@@ -132,6 +132,7 @@ FROM_PRETRAINED_KWARGS = (
     "key_mapping", "max_memory", "offload_buffers", "offload_folder", "output_loading_info", "proxies",
     "quantization_config", "subfolder", "torch_dtype", "tp_plan", "tp_size", "trust_remote_code", "use_kernels",
     "variant",
+    "kernels_mode",  # transformers 5.25: the kernels' mode beside use_kernels (5.24 has none)
     "from_flax", "from_tf", "low_cpu_mem_usage", "mirror", "offload_state_dict",
 )
 
