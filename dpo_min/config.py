@@ -27,7 +27,9 @@ class DPOMinConfig(TrainingArguments):
 
     Defaults follow TRL's `DPOConfig` where both have the option, so that the same numbers come out. Every other
     field of TRL's `DPOConfig` is accepted too (the TRL-only ones first below, checked against `compat.TRL_FIELDS`),
-    and TRL's `--no_<name>` flags (`compat.TRL_NEGATIONS`).
+    and TRL's `--no_<name>` flags (`compat.TRL_NEGATIONS`). `loss_settings`, what the loss reads of these fields, is
+    read from them once, in `__post_init__` (a config whose loss fields change afterwards is refused by the trainer:
+    build another, `dataclasses.replace`).
     """
 
     # Fields whose JSON string (from the command line) TrainingArguments parses into a dict. Not annotated: a
@@ -287,16 +289,12 @@ class DPOMinConfig(TrainingArguments):
         """Pairs per optimizer step, over every process."""
         return self.per_device_train_batch_size * self.gradient_accumulation_steps * self.world_size
 
-    @property
-    def loss_settings(self) -> LossSettings:
-        """What `dpo_loss` reads of this config (validated in __post_init__)."""
-        return LossSettings.from_config(self)
-
     def _check_losses(self) -> None:
         # From Python a string, from the CLI a list whose items may hold commas: both become a list of names.
         names = [self.loss_type] if isinstance(self.loss_type, str) else list(self.loss_type)
         self.loss_type = [part.strip() for name in names for part in name.split(",") if part.strip()] or names
-        self.loss_settings.validate()
+        # Read from the fields once, here, and validated: every reader (the trainer, the command) reads this value.
+        self.loss_settings: LossSettings = LossSettings.from_config(self).validate()
 
     def _check_reference(self) -> None:
         if self.reference_mode is not None and self.reference_mode not in REFERENCE_MODES:

@@ -4,7 +4,7 @@ Only positions whose next token is a completion token need the output layer, so 
 logits alone (`logits_to_keep` as a boolean mask: a [K, V] tensor, K = completion tokens in the batch). The
 log-prob of each label is its logit minus the logsumexp of its row, in float32 (`LabelLogProbs`, at the end: its
 forward takes each chunk's logsumexp and its backward recomputes the softmax chunk by chunk, so that no float32 [K, V]
-log-softmax is ever held).
+log-softmax is ever held). The grouped layout's gather of its distinct completions into the pairs: logps_groups.py.
 """
 
 from dataclasses import dataclass
@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from . import logps_groups
 from .collator import IGNORE_INDEX, NON_MODEL_KEYS
 from .scale.attention import packed_forward_kwargs
 
@@ -69,31 +70,6 @@ class SequenceLogps:
         return chosen * rejected
 
 
-    def of_pairs(self, completion_index: torch.Tensor) -> "SequenceLogps":
-        """The log-probs of C distinct completions (the grouped layout) as those of the 2B sequences of the pairs:
-        sequence s is completion `completion_index[s]` ([2B]). Per-token values are repeated for each sequence a
-        completion is, so that what reads tokens per pair (LD-DPO, WPO) reads them as in the padded layout."""
-        counts = self.lengths.long()
-        order = torch.argsort(self.token_sequence, stable=True)  # the tokens completion by completion, in order
-        starts = torch.cumsum(counts, 0) - counts
-        per_pair = counts[completion_index]
-        token_sequence = torch.repeat_interleave(torch.arange(len(completion_index), device=counts.device), per_pair)
-        offsets = torch.arange(len(token_sequence), device=counts.device) - (torch.cumsum(per_pair, 0) - per_pair)[
-            token_sequence]
-        tokens = order[starts[completion_index][token_sequence] + offsets]
-
-        def gathered(values: torch.Tensor | None, index: torch.Tensor) -> torch.Tensor | None:
-            return None if values is None else values[index]
-
-        return SequenceLogps(
-            logps=self.logps[completion_index], lengths=self.lengths[completion_index],
-            logits_sums=self.logits_sums[completion_index], token_logps=self.token_logps[tokens],
-            token_sequence=token_sequence, token_positions=self.token_positions[tokens],
-            token_log_sum_sq_probs=gathered(self.token_log_sum_sq_probs, tokens),
-            entropy_sums=gathered(self.entropy_sums, completion_index),
-            top1_counts=gathered(self.top1_counts, completion_index), aux_loss=self.aux_loss)
-
-
 def sequence_logps(model: torch.nn.Module, batch: dict[str, torch.Tensor],
                    with_sum_sq_probs: bool = False, with_aux_loss: bool = False) -> SequenceLogps:
     """One forward of `model` over a collated batch -> log-probs of each of its sequences.
@@ -139,7 +115,7 @@ def sequence_logps(model: torch.nn.Module, batch: dict[str, torch.Tensor],
         top1_counts=per_sequence(is_top1),
         aux_loss=outputs.aux_loss if with_aux_loss else None,
     )
-    return computed if pairs_of is None else computed.of_pairs(pairs_of)
+    return computed if pairs_of is None else logps_groups.pairs_of_completions(computed, pairs_of)
 
 
 def _positions_in_sequence(token_sequence: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:

@@ -50,8 +50,8 @@ class DPOMinTrainer(TRLSurface, Trainer):
     `predict` tokenized; the precompute pass, when asked for; plackett_luce's batches of whole groups),
     `_get_train_sampler` (group_by_prompt's order, grouping.py), `_clip_grad_norm` and
     `_get_grad_norm` (a non-finite gradient stops the run), `_save_checkpoint` and `_save` (each checkpoint staged,
-    then renamed; a sharded model saved whole), and `__setattr__` (the loss reads its settings when the trainer
-    is given a config, `args`). A default run also calls methods it inherits as they are: `training_step`,
+    then renamed; a sharded model saved whole); and `args`, where the loss's settings are read when the trainer is
+    given a config. A default run also calls methods it inherits as they are: `training_step`,
     `evaluate`, `save_model` and the rest of Trainer's loop. Its base `TRLSurface` (trl_surface.py) overrides two
     more that a default run never calls: `_set_signature_columns_if_needed` (`remove_unused_columns=True`) and
     `create_model_card` (a push)."""
@@ -103,19 +103,24 @@ class DPOMinTrainer(TRLSurface, Trainer):
         if args.sync_ref_model:
             self.add_callback(SyncReferenceCallback(self.sync_reference))
 
-    def __setattr__(self, name: str, value: Any) -> None:
-        super().__setattr__(name, value)
-        if name == "args":  # Trainer.__init__, or a script: the loss reads a config when the trainer is given it
-            self._read_loss_settings(value)
+    @property
+    def args(self) -> DPOMinConfig:
+        """The config, as Trainer keeps it (`vars(trainer)` lists it, as TRL's)."""
+        return self.__dict__["args"]
 
-    def _read_loss_settings(self, args: DPOMinConfig) -> None:
-        """The loss's settings, validated, read once per config, as TRL's trainer reads its attributes once (a script
-        changes the loss by assigning another config to `args`, not by editing this one); and what a step asks of them,
-        as plain values: whether it runs the reference, and whether the loss is DPO's alone (the default), which
-        `compute_loss` writes out."""
-        self.loss_settings: LossSettings = args.loss_settings.validate()
-        self.reads_reference = self.loss_settings.reads_reference
-        self.dpo_alone = self.loss_settings.dpo_alone
+    @args.setter
+    def args(self, args: DPOMinConfig) -> None:
+        # Given by Trainer.__init__, or by a script that assigns another config (TRL's trainer reads its attributes
+        # once; a script changes the loss by giving another config): the loss's settings, and what a step asks of
+        # them as plain values, set here. (Trainer's hyperparameter search, which edits `args` in place, needs a
+        # `model_init`, which this constructor does not take.)
+        if LossSettings.from_config(args) != args.loss_settings:
+            raise ValueError("a loss field of args changed after the config was built (its loss_settings are read "
+                             "once, there): build the config with it, e.g. dataclasses.replace(args, beta=...)")
+        self.__dict__["args"] = args
+        self.loss_settings: LossSettings = args.loss_settings
+        self.reads_reference = self.loss_settings.reads_reference  # whether a step runs the reference
+        self.dpo_alone = self.loss_settings.dpo_alone  # whether the loss is DPO's alone (the default), written out
 
     @property
     def aux_loss_enabled(self) -> bool:
