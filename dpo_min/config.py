@@ -28,8 +28,8 @@ class DPOMinConfig(TrainingArguments):
     Defaults follow TRL's `DPOConfig` where both have the option, so that the same numbers come out. Every other
     field of TRL's `DPOConfig` is accepted too (the TRL-only ones first below, checked against `compat.TRL_FIELDS`),
     and TRL's `--no_<name>` flags (`compat.TRL_NEGATIONS`). `loss_settings`, what the loss reads of these fields, is
-    read from them once, in `__post_init__` (a config whose loss fields change afterwards is refused by the trainer:
-    build another, `dataclasses.replace`).
+    read from them once, in `__post_init__`, and again by the trainer it is given to if a loss field was set since (as
+    a TRL script may set `args.beta` before building the trainer).
     """
 
     # Fields whose JSON string (from the command line) TrainingArguments parses into a dict. Not annotated: a
@@ -288,6 +288,13 @@ class DPOMinConfig(TrainingArguments):
     def global_batch_size(self) -> int:
         """Pairs per optimizer step, over every process."""
         return self.per_device_train_batch_size * self.gradient_accumulation_steps * self.world_size
+
+    def read_loss_settings(self) -> LossSettings:
+        """`loss_settings`, read again from the fields where one was set since the config was built (a TRL script may
+        set `args.beta` before it builds the trainer): the trainer asks where it is built and where it is given args."""
+        if LossSettings.from_config(self) != self.loss_settings:
+            self.loss_settings = LossSettings.from_config(self).validate()
+        return self.loss_settings
 
     def _check_losses(self) -> None:
         # From Python a string, from the CLI a list whose items may hold commas: both become a list of names.

@@ -74,6 +74,7 @@ class DPOMinTrainer(TRLSurface, Trainer):
         # TRL 1.16's signature, positional order included. `model` and `ref_model` may be hub ids or paths.
         args = trainer_setup.validated_args(model, ref_model, args, train_dataset, eval_dataset, compute_metrics,
                                             quantization_config)
+        args.read_loss_settings()  # before the reference is chosen by them
         # The adapter's random init (and any weight a checkpoint lacks) must depend on the seed alone, as in TRL.
         set_seed(args.seed)
         model, ref_model, processing_class = trainer_setup.load_models_and_tokenizer(
@@ -114,11 +115,8 @@ class DPOMinTrainer(TRLSurface, Trainer):
         # once; a script changes the loss by giving another config): the loss's settings, and what a step asks of
         # them as plain values, set here. (Trainer's hyperparameter search, which edits `args` in place, needs a
         # `model_init`, which this constructor does not take.)
-        if LossSettings.from_config(args) != args.loss_settings:
-            raise ValueError("a loss field of args changed after the config was built (its loss_settings are read "
-                             "once, there): build the config with it, e.g. dataclasses.replace(args, beta=...)")
         self.__dict__["args"] = args
-        self.loss_settings: LossSettings = args.loss_settings
+        self.loss_settings: LossSettings = args.read_loss_settings()
         self.reads_reference = self.loss_settings.reads_reference  # whether a step runs the reference
         self.dpo_alone = self.loss_settings.dpo_alone  # whether the loss is DPO's alone (the default), written out
 

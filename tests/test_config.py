@@ -108,3 +108,21 @@ def test_use_liger_kernel_is_accepted_with_one_log_line(tmp_path, caplog):
     [record] = caplog.records
     assert "already hold no [2B, T, V] logits" in record.getMessage()
     assert args.use_liger_kernel is False  # so that Trainer does not patch Liger's kernels into the model
+
+
+def test_a_loss_field_set_after_the_config_was_built_is_what_the_trainer_reads(tmp_path, tokenizer, hh_pairs):
+    """TRL scripts set `args.beta` (or the loss type) on a config before building the trainer: the trainer reads
+    the fields as they are then, where it is built (the reference chosen by them) and where it is given args."""
+    from conftest import tiny_llama
+
+    from dpo_min import DPOMinTrainer
+
+    args = DPOMinConfig(output_dir=str(tmp_path), report_to="none", use_cpu=True, max_length=64)
+    args.beta, args.loss_type = 0.25, ["simpo"]
+    trainer = DPOMinTrainer(tiny_llama(), args=args, train_dataset=hh_pairs.select(range(2)),
+                            processing_class=tokenizer)
+    assert trainer.loss_settings.beta == 0.25 and trainer.loss_settings.loss_types == ("simpo",)
+    assert not trainer.reads_reference and trainer.reference.kind == "none"  # simpo reads no reference
+    replaced = DPOMinConfig(output_dir=str(tmp_path), report_to="none", use_cpu=True, beta=0.5)
+    trainer.args = replaced
+    assert trainer.loss_settings.beta == 0.5 and trainer.dpo_alone
