@@ -41,6 +41,14 @@ def pytest_sessionstart(session):
     session.config.stash[ROOT_BEFORE] = root_entries()
 
 
+COLLECTED = []  # every test this process collected, before -m/-k deselect any (tests/test_docs.py reads it)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(session, config, items):
+    COLLECTED[:] = [item.nodeid for item in items]
+
+
 def pytest_sessionfinish(session, exitstatus):
     """Fails the session (with xdist, the controller's: its workers share the folder) if a test left an entry at the
     repository's root."""

@@ -140,3 +140,25 @@ def test_the_groups_line_groups_md_quotes_is_what_the_command_prints_for_its_cou
     assert train == pairs and train + held_out == len(load_preference_dataset(str(ROOT / "data" /
                                                                                    "arithmetic-groups.jsonl")))
     assert f"--per_device_train_batch_size {batch} " in " ".join(page.split())
+
+
+def collected_count() -> int:
+    """How many tests the suite collects: this session's count where it collected every test file (README's test
+    command), else a collection of its own (a run of one file collects part of the suite)."""
+    import subprocess
+    import sys
+
+    import conftest
+
+    files = {node.split("::")[0] for node in conftest.COLLECTED}
+    if files >= {f"tests/{path.name}" for path in (ROOT / "tests").glob("test_*.py")}:
+        return len(conftest.COLLECTED)
+    result = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                             "tests"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    return int(re.search(r"(\d+) tests? collected", result.stdout)[1])
+
+
+def test_the_test_counts_readme_quotes_are_what_the_suite_collects():
+    section = (ROOT / "README.md").read_text().split("\n## Test\n", 1)[1].split("\n## ", 1)[0]
+    quoted = {int(count.replace(",", "")) for count in re.findall(r"(\d[\d,]*) tests\b", section)}
+    assert quoted == {collected_count()}, "README's Test section quotes another count than the suite collects"
