@@ -1,7 +1,6 @@
 """The groups protocol (issue 51, item 6): fixed before its seeds run, on new seeds, with options the command takes;
 its table's paired tests at the prompt and the seed level, counted by hand."""
 
-import hashlib
 import json
 import subprocess
 import sys
@@ -9,6 +8,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from conftest import committed_table, protocol_digest
 from conftest import load_benchmark as load
 
 from dpo_min.train.plan import resolve
@@ -17,14 +17,6 @@ from dpo_min.train.rounds import rounds_config
 ROOT = Path(__file__).resolve().parent.parent
 PROTOCOL = ROOT / "benchmarks" / "protocols" / "groups-2026-12-05.json"
 RESULTS = ROOT / "benchmarks" / "results" / "groups-2026-12-05"
-
-
-def digest_of(protocol: dict) -> str:
-    """The protocol's digest as the design states it, computed here apart from benchmarks/seed_files.py: sha256 of
-    its canonical JSON (sorted keys, no spaces) without the seed list."""
-    fixed = {key: value for key, value in protocol.items() if key != "seeds"}
-    canonical = json.dumps(fixed, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
-    return hashlib.sha256(canonical.encode()).hexdigest()
 
 
 def seed_figures(seed: int, outcomes: dict, pairs=(3, 9), steps=(3, 9)) -> dict:
@@ -105,7 +97,7 @@ def test_a_seed_file_records_the_digest_and_a_relative_dataset_and_the_table_rea
     monkeypatch.setattr(compare, "rounds_arm", lambda argv: one_round(argv, [5]))
     protocol = json.loads(PROTOCOL.read_text())
     figures = compare.run_seed(protocol, 47, tmp_path / "out")
-    assert figures["protocol_digest"] == digest_of(protocol)
+    assert figures["protocol_digest"] == protocol_digest(protocol)
     for arm, argv in figures["argv"].items():
         assert argv[argv.index("--dataset") + 1] == "data/arithmetic-pool.jsonl"
         assert argv[argv.index("--output_dir") + 1] == str(tmp_path / "out" / arm)
@@ -137,16 +129,7 @@ def test_the_table_gives_the_pooled_counts_and_the_paired_tests_at_both_levels(t
 def test_the_committed_seed_files_carry_the_protocols_digest_and_print_the_table_docs_groups_quotes(capsys):
     """Migrated once (issue 54 item 6): the digest of the protocol they ran under, --dataset relative to the
     repository; the table over them is the one docs/groups.md quotes, line for line."""
-    protocol = json.loads(PROTOCOL.read_text())
-    files = sorted(RESULTS.glob("seed-*.json"))
-    assert [json.loads(path.read_text())["seed"] for path in files] == protocol["seeds"]
-    for path in files:
-        figures = json.loads(path.read_text())
-        assert figures["protocol_digest"] == digest_of(protocol)
-        for argv in figures["argv"].values():
-            assert argv[argv.index("--dataset") + 1] == "data/arithmetic-pool.jsonl"
-    load("compare_groups").print_table([str(path) for path in files])
-    printed = capsys.readouterr().out.splitlines()
+    printed = committed_table("compare_groups", PROTOCOL, RESULTS, capsys)
     doc = (ROOT / "docs" / "groups.md").read_text().splitlines()
     start = doc.index("protocol groups-2026-12-05, 8 seed(s)")
     assert doc[start:start + len(printed)] == printed and len(printed) == 24  # every line, the tests included
@@ -169,7 +152,8 @@ def test_a_seed_file_not_run_under_the_protocol_is_refused_in_one_line_and_no_ta
         "unlisted": "seed 42 is not one of the protocol's [47, 53, 59, 61, 67, 71, 73, 79]: a protocol's seeds are "
                     "fixed",
         "other_digest": f"its protocol digest 000000000000 is not benchmarks/protocols/groups-2026-12-05.json's "
-                        f"({digest_of(json.loads(PROTOCOL.read_text()))[:12]}): it ran under another version of the "
+                        f"({protocol_digest(json.loads(PROTOCOL.read_text()))[:12]}): it ran under another version "
+                        "of the "
                         "protocol"}
     for name, figures in (("edited", edited), ("unlisted", unlisted), ("other_digest", other_digest)):
         path = tmp_path / f"{name}.json"

@@ -1,7 +1,6 @@
 """The evidence of DPO in rounds (issue 45): the pair rule that raises a round's signal, the paired tests the
 comparison reports, and the protocol fixed before its seeds ran."""
 
-import hashlib
 import json
 import math
 import random
@@ -12,6 +11,7 @@ from fractions import Fraction
 from pathlib import Path
 
 import pytest
+from conftest import committed_table, protocol_digest
 from conftest import load_benchmark as load
 
 from dpo_min.rounds import RoundsConfig, RoundsError, make_pairs
@@ -23,14 +23,6 @@ ROOT = Path(__file__).resolve().parent.parent
 PROTOCOL = ROOT / "benchmarks" / "protocols" / "rounds-2026-12-05.json"
 RESULTS = ROOT / "benchmarks" / "results" / "rounds-2026-12-05"
 SEEDS_ALREADY_SEEN = {42, 7, 1, 3, 11}  # the seeds of the published arms and of the replication that broke them
-
-
-def digest_of(protocol: dict) -> str:
-    """The protocol's digest as the design states it, computed here apart from benchmarks/seed_files.py: sha256 of
-    its canonical JSON (sorted keys, no spaces) without the seed list."""
-    fixed = {key: value for key, value in protocol.items() if key != "seeds"}
-    canonical = json.dumps(fixed, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
-    return hashlib.sha256(canonical.encode()).hexdigest()
 
 
 
@@ -296,15 +288,7 @@ def test_the_table_gives_each_seed_the_pooled_counts_and_the_paired_tests(tmp_pa
 def test_the_committed_seed_files_carry_the_protocols_digest_and_print_the_table_docs_rounds_quotes(capsys):
     """Migrated once (issue 54 item 6): the digest of the protocol they ran under, --dataset relative to the
     repository; the table over them is the one docs/rounds.md quotes, line for line."""
-    protocol = json.loads(PROTOCOL.read_text())
-    files = sorted(RESULTS.glob("seed-*.json"))
-    assert [json.loads(path.read_text())["seed"] for path in files] == protocol["seeds"]
-    for path in files:
-        figures = json.loads(path.read_text())
-        assert figures["protocol_digest"] == digest_of(protocol)
-        assert figures["argv"][figures["argv"].index("--dataset") + 1] == "data/arithmetic-pool.jsonl"
-    load("compare_rounds").print_table([str(path) for path in files])
-    printed = capsys.readouterr().out.splitlines()
+    printed = committed_table("compare_rounds", PROTOCOL, RESULTS, capsys)
     doc = (ROOT / "docs" / "rounds.md").read_text().splitlines()
     start = doc.index("protocol rounds-2026-12-05, 8 seed(s)")
     assert doc[start:start + len(printed)] == printed and len(printed) == 27  # every line, the tests included
@@ -322,7 +306,8 @@ def test_a_seed_file_not_run_under_the_protocol_is_refused_in_one_line_and_no_ta
         "unlisted": "seed 42 is not one of the protocol's [13, 17, 19, 23, 29, 31, 37, 43]: a protocol's seeds are "
                     "fixed",
         "other_digest": "its protocol digest 000000000000 is not benchmarks/protocols/rounds-2026-12-05.json's "
-                        f"({digest_of(json.loads(PROTOCOL.read_text()))[:12]}): it ran under another version of the "
+                        f"({protocol_digest(json.loads(PROTOCOL.read_text()))[:12]}): it ran under another version "
+                        "of the "
                         "protocol"}
     for name, figures in (("edited", edited), ("unlisted", unlisted),
                           ("other_digest", {**committed, "protocol_digest": "0" * 64})):
@@ -364,7 +349,7 @@ def test_a_seed_file_records_the_digest_and_a_relative_dataset_and_the_table_rea
                                                           for name in ("offline_samples", "offline_matched")}})
     protocol = json.loads(PROTOCOL.read_text())
     figures = compare.run_seed(protocol, 13, tmp_path / "out")
-    assert figures["protocol_digest"] == digest_of(protocol)
+    assert figures["protocol_digest"] == protocol_digest(protocol)
     assert figures["argv"][figures["argv"].index("--dataset") + 1] == "data/arithmetic-pool.jsonl"
     (tmp_path / "13.json").write_text(json.dumps(figures))
     compare.print_table([str(tmp_path / "13.json")])
