@@ -232,3 +232,14 @@ def test_the_notebook_extra_installs_what_building_and_opening_the_notebook_need
     assert packages >= {"nbformat", "nbclient", "ipykernel", "jupyterlab"}
     section = (ROOT / "README.md").read_text().split("\n## Notebook\n", 1)[1].split("\n## ", 1)[0]
     assert 'pip install -e ".[notebook]"' in section and "jupyter lab notebooks/quickstart.ipynb" in section
+
+
+def test_the_committed_outputs_hold_no_machine_path_and_no_warning_that_says_nothing():
+    """The outputs are a reader's first look: no path of the machine that built them, no TqdmWarning (ipywidgets is
+    in the notebook extra), no DeepSpeed line about picking the CPU (the notebook names it on a CPU)."""
+    notebook = nbformat.read(NOTEBOOK, as_version=4)
+    shown = "".join(json.dumps(output) for cell in notebook.cells if cell.cell_type == "code"
+                    for output in cell.get("outputs", []))
+    assert shown, "the committed notebook has outputs"
+    for said in ("TqdmWarning", "Setting accelerator", "site-packages", str(ROOT), os.path.expanduser("~") + "/"):
+        assert said not in shown, said
