@@ -87,10 +87,11 @@ def _reference_pass(trainer: Any, dataset: Dataset, key: str) -> tuple[torch.Ten
     bar = tqdm(total=len(loader), desc="reference log-probs", unit="batch", leave=False, initial=len(chosen),
                disable=args.disable_tqdm or not trainer.is_local_process_zero())
     kept, finished_before = time.monotonic(), len(chosen)
+    # The batches the stopped pass computed (the same batches, the same weights) are skipped unread, as Trainer skips
+    # a resumed epoch's.
+    remaining = accelerator.skip_first_batches(loader, finished_before) if finished_before else loader
     try:
-        for index, batch in enumerate(loader):
-            if index < finished_before:  # computed by the pass that stopped: the same batch, the same weights
-                continue
+        for batch in remaining:
             ref = accelerator.gather_for_metrics(trainer.reference_logps(batch).summed_logps(args.ld_alpha).chunk(2))
             chosen.append(ref[0].float().cpu())
             rejected.append(ref[1].float().cpu())
