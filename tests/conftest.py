@@ -246,3 +246,18 @@ def committed_table(script: str, protocol_path: Path, results: Path, capsys) -> 
     load_benchmark(script).print_table([str(path) for path in files])
     return capsys.readouterr().out.splitlines()
 
+
+def stopping_reference(batch: int, stop: type[BaseException] = KeyboardInterrupt):
+    """DPOMinTrainer.reference_logps, raising `stop` at its `batch`-th call (0: never), to patch in; and the list
+    that counts its calls (one reference forward a batch)."""
+    from dpo_min import DPOMinTrainer
+
+    original, calls = DPOMinTrainer.reference_logps, []
+
+    def counted(self, inputs):
+        calls.append(1)
+        if len(calls) == batch:
+            raise stop("stopped")
+        return original(self, inputs)
+    return counted, calls
+

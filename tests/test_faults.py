@@ -9,7 +9,7 @@ import time
 
 import pytest
 import torch
-from conftest import ROOT, tiny_llama, write_hh_rows
+from conftest import ROOT, stopping_reference, tiny_llama, write_hh_rows
 from test_trainer import config, lora, step_logs
 from transformers.trainer_utils import get_last_checkpoint
 
@@ -152,23 +152,14 @@ def test_ctrl_c_in_the_reference_pass_keeps_its_finished_batches_and_says_the_sa
             "--num_train_epochs", "1", "--per_device_train_batch_size", "2", "--per_device_eval_batch_size", "2",
             "--eval_fraction", "0", "--num_samples", "0", "--precompute_ref_log_probs", "true",
             "--disable_tqdm", "true"]  # 12 pairs: 6 batches of 2
-    reference_logps, calls = DPOMinTrainer.reference_logps, []
-
-    def stops_at_the_fourth_batch(self, inputs):
-        calls.append(1)
-        if len(calls) == 4:
-            raise KeyboardInterrupt
-        return reference_logps(self, inputs)
-
     with monkeypatch.context() as patch:
-        patch.setattr(DPOMinTrainer, "reference_logps", stops_at_the_fourth_batch)
+        patch.setattr(DPOMinTrainer, "reference_logps", stopping_reference(4)[0])
         assert main(argv) == 130
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
         "python -m dpo_min.train: stopped by SIGINT; the reference log-probs of 3 of 6 batches cached: the same "
         "command starts after them")
-    calls.clear()
+    counted, calls = stopping_reference(0)  # counts, stops never
     with monkeypatch.context() as patch:
-        patch.setattr(DPOMinTrainer, "reference_logps", stops_at_the_fourth_batch)  # counts, stops no more
-        calls.extend([None] * 10)
+        patch.setattr(DPOMinTrainer, "reference_logps", counted)
         assert main(argv) == 0
-    assert len(calls) - 10 == 3  # the batches the stopped pass had not finished
+    assert len(calls) == 3  # the batches the stopped pass had not finished

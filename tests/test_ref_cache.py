@@ -6,7 +6,7 @@ import logging
 import datasets
 import pytest
 import torch
-from conftest import tiny_llama
+from conftest import stopping_reference, tiny_llama
 from peft import LoraConfig
 
 import dpo_min.trainer_setup
@@ -125,16 +125,8 @@ def test_a_stopped_reference_pass_keeps_its_finished_batches_and_the_rerun_compu
     _, uninterrupted = precompute(rows=range(8))  # 4 batches of 2
     for entry in (tmp_path / "cache" / "ref_logps").glob("*.pt"):
         entry.unlink()
-    reference_logps, calls = DPOMinTrainer.reference_logps, []
-
-    def stops_at_the_third_batch(self, inputs):
-        calls.append(1)
-        if len(calls) == 3:
-            raise stop("stopped")
-        return reference_logps(self, inputs)
-
     with monkeypatch.context() as patch:
-        patch.setattr(DPOMinTrainer, "reference_logps", stops_at_the_third_batch)
+        patch.setattr(DPOMinTrainer, "reference_logps", stopping_reference(3, stop)[0])
         with pytest.raises(stop):
             precompute(rows=range(8))
     (partial,) = (tmp_path / "cache" / "ref_logps").glob("*.partial.pt")
@@ -147,16 +139,8 @@ def test_a_stopped_reference_pass_keeps_its_finished_batches_and_the_rerun_compu
 
 
 def test_a_partial_entry_of_other_data_is_not_read(precompute, tmp_path, monkeypatch):
-    reference_logps, calls = DPOMinTrainer.reference_logps, []
-
-    def stops_at_the_second_batch(self, inputs):
-        calls.append(1)
-        if len(calls) == 2:
-            raise KeyboardInterrupt
-        return reference_logps(self, inputs)
-
     with monkeypatch.context() as patch:
-        patch.setattr(DPOMinTrainer, "reference_logps", stops_at_the_second_batch)
+        patch.setattr(DPOMinTrainer, "reference_logps", stopping_reference(2)[0])
         with pytest.raises(KeyboardInterrupt):
             precompute(rows=range(4))
     passes, _ = precompute(rows=range(1, 5))  # other pairs: another key, the whole pass
