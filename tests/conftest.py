@@ -207,7 +207,7 @@ def _one_line_error(argv: list[str], tmp_path, capsys, monkeypatch) -> str:
     import dpo_min.train
     from dpo_min.train import main
 
-    monkeypatch.setattr(dpo_min.train, "load_model", lambda *a: pytest.fail("the model was loaded"))
+    monkeypatch.setattr(dpo_min.train.model_setup, "load_model", lambda *a: pytest.fail("the model was loaded"))
     assert main([*argv, "--output_dir", str(tmp_path / "run")]) == 2
     [line] = capsys.readouterr().err.strip().splitlines()
     assert not (tmp_path / "run").exists()

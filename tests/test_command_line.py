@@ -212,7 +212,7 @@ def test_do_eval_false_trains_every_pair_of_a_mixture_and_refuses_a_test_split_s
 
 # ---- issue 30: no option silently outvoted, no secret printed, one line where a traceback was -------------------
 def test_a_dtype_flag_beats_the_recipes_model_init_kwargs_and_two_in_one_place_are_refused(tmp_path, tiny_model_dir):
-    from dpo_min.train import load_model
+    from dpo_min.train.model_setup import load_model
 
     recipe = _recipe(tmp_path, f"model_name_or_path: {tiny_model_dir}\ndataset_name: x.jsonl\n"
                                "model_init_kwargs: {torch_dtype: bfloat16}\n")

@@ -54,7 +54,7 @@ def test_bad_nested_options_are_one_line_before_the_model_loads(tmp_path, tiny_m
 
     path = tmp_path / "recipe.yaml"
     path.write_text(yaml.safe_dump({"model_name_or_path": str(tiny_model_dir), "dataset_name": "x.jsonl", **recipe}))
-    monkeypatch.setattr(dpo_min.train, "load_model", lambda *a: pytest.fail("the model was loaded"))
+    monkeypatch.setattr(dpo_min.train.model_setup, "load_model", lambda *a: pytest.fail("the model was loaded"))
     assert main(["--config", str(path), "--output_dir", str(tmp_path / "run")]) == 2
     [line] = capsys.readouterr().err.strip().splitlines()
     assert message in line, line
@@ -80,8 +80,8 @@ def test_from_pretrained_keywords_it_drops_are_accepted_and_the_list_holds_every
 
     from transformers import PreTrainedModel
 
-    from dpo_min.train import load_model
     from dpo_min.train.kwargs_checks import FROM_PRETRAINED_KWARGS
+    from dpo_min.train.model_setup import load_model
 
     # Every keyword from_pretrained takes from **kwargs, read off transformers' own source; a recipe cannot give
     # objects (a state_dict of tensors, a tqdm class).

@@ -19,10 +19,10 @@ from dpo_min.files import staging_path
 from dpo_min.rounds import rewards as rounds_rewards
 from dpo_min.split import held_out_split
 from dpo_min.train import main
-from dpo_min.train import rounds as rounds_cmd
 from dpo_min.train.args import EVAL_FRACTION, ROUNDS_DEMO_DEFAULTS, ROUNDS_DEMO_PROMPT_SETTINGS
 from dpo_min.train.plan import resolve
 from dpo_min.train.rounds import EMBEDDED_PROMPTS, load_prompts, rounds_config
+from dpo_min.train.rounds import runner as rounds_cmd
 from dpo_min.train.rounds_args import RoundsArguments
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -10,7 +10,7 @@ from test_rounds import settings, tiny_policy
 from dpo_min.rounds import make_pairs, run_rounds
 from dpo_min.rounds.arithmetic import arithmetic_distance
 from dpo_min.rounds.pairs import ranked_chain
-from dpo_min.train.rounds import _imported
+from dpo_min.train.rounds.runner import _imported
 
 # What the policy answers to "What is 40 + 45?" (85): two right answers (a tie), two one off (a tie), one with no
 # number. Every pair of these has ties: plackett_luce would refuse the prompt's group.

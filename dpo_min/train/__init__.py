@@ -28,7 +28,7 @@ from ..devices import deepspeed_on_cpu
 from ..files import staged, write_failure, write_whole
 from ..models import cache_dir
 from ..trainer import DPOMinTrainer
-from . import rounds
+from . import model_setup, rounds
 from .args import (  # noqa: F401  (COMMAND_DEFAULTS, DEMO_DEFAULTS, DataArguments, ...: re-exported for scripts, tests)
     COMMAND_DEFAULTS,
     DEMO_DEFAULTS,
@@ -40,7 +40,6 @@ from .args import (  # noqa: F401  (COMMAND_DEFAULTS, DEMO_DEFAULTS, DataArgumen
 )
 from .card import check_hub_access, model_card, push_to_hub
 from .command_line import parse_args  # noqa: F401  (re-exported for scripts, tests)
-from .model_setup import load_model
 from .pairs import (
     StreamCountsLogger,
     dropped_rows,
@@ -108,10 +107,10 @@ def main(argv: list[str] | None = None) -> int:
     plan = None
     try:
         plan = resolve(argv)
-        plan.folder.check_apart_from(local_data(plan.data))  # before the lock: a refusal writes nothing
-        if plan.rounds is not None:  # DPO in rounds: its own phases (train/rounds.py)
-            rounds.run(plan, load_model)
+        if plan.rounds is not None:  # DPO in rounds leaves here, for its own runner (train/rounds/)
+            rounds.run(plan)
             return 0
+        plan.folder.check_apart_from(local_data(plan.data))  # before the lock: a refusal writes nothing
         with plan.folder.claimed(plan.is_main, plan.resumes_here):
             checkpoint = _checkpoint(plan)
             train_pairs, held_out = load_pairs(plan)  # before the model: a bad file fails in a second
@@ -174,7 +173,7 @@ def _begin(plan: Plan, checkpoint: str | None, train_pairs: Any, held_out: Any) 
 
 def build_trainer(plan: Plan, train_pairs: Any, held_out: Dataset | None) -> DPOMinTrainer:
     """The model loaded and the trainer built on it, with the command's callbacks."""
-    model, tokenizer, peft_config, reference = load_model(plan)
+    model, tokenizer, peft_config, reference = model_setup.load_model(plan)
     try:  # tokenization happens here: a pair the tokenizer cannot render is an input error
         trainer = DPOMinTrainer(model, reference, args=_trainer_args(plan, held_out is not None),
                                 train_dataset=train_pairs, eval_dataset=held_out, processing_class=tokenizer,
@@ -191,7 +190,8 @@ def build_trainer(plan: Plan, train_pairs: Any, held_out: Dataset | None) -> DPO
 
 def _trainer_args(plan: Plan, has_held_out: bool) -> Any:
     """The trainer's own copy of the plan's training options (the trainer writes to its args; the plan stays as
-    resolved): model_init_kwargs used up by `load_model`, and no step-0 evaluation without held-out pairs."""
+    resolved): model_init_kwargs used up by `model_setup.load_model`, and no step-0 evaluation without held-out
+    pairs."""
     args = copy.copy(plan.args)
     args.model_init_kwargs = None
     args.eval_on_start = plan.args.eval_on_start and has_held_out

@@ -64,7 +64,7 @@ class Plan:
     resumes_here: bool
     # What a resumed run must share with the interrupted one (resume.resume_keys), fixed as `decide` decides it.
     resume_settings: dict[str, Any] = field(default_factory=dict)
-    rounds: RoundsArguments | None = None  # --rounds N: DPO in rounds (train/rounds.py) instead of one offline run
+    rounds: RoundsArguments | None = None  # --rounds N: DPO in rounds (train/rounds/) instead of one offline run
 
     @property
     def is_main(self) -> bool:
@@ -113,7 +113,7 @@ def decide(model_args: ModelArguments, data_args: DataArguments, args: DPOMinCon
            rounds: RoundsArguments | None = None) -> Plan:
     """The Plan of parsed options (a library caller's too). The plan holds its own copies: the caller's three
     objects are left as they were given. A rounds run (`rounds`) refuses the offline data options itself
-    (train/rounds.py)."""
+    (train/rounds/)."""
     model_args, data_args, args = copy.deepcopy(model_args), copy.deepcopy(data_args), copy.deepcopy(args)
     mixture = _mixture_form(data_args, is_main=args.process_index == 0)
     if rounds is None:
@@ -135,7 +135,7 @@ def decide(model_args: ModelArguments, data_args: DataArguments, args: DPOMinCon
         folder=folder, repo_id=hub_repo_id(folder.named, args.hub_model_id), push=push, resuming=resuming,
         resumes_here=checkpoint == "latest" or (
             resuming and Path(checkpoint).resolve().is_relative_to(folder.staging.resolve())), rounds=rounds)
-    if rounds is None:  # a rounds run refuses --reference_mode itself (train/rounds.py)
+    if rounds is None:  # a rounds run refuses --reference_mode itself (train/rounds/)
         _check_reference_mode(plan)
     return replace(plan, resume_settings=resume_settings(model_args, data_args, args, decided=plan.decided_settings))
 

@@ -1,4 +1,4 @@
-"""The options of `python -m dpo_min.train --rounds N` (DPO in rounds, train/rounds.py runs it), a group of the
+"""The options of `python -m dpo_min.train --rounds N` (DPO in rounds, train/rounds/ runs it), a group of the
 command's parser. The sampling options keep TRL GRPOConfig's names; the defaults are RoundsConfig's, read from it.
 Each round's DPO pass takes the command's training options (learning_rate, loss_type, beta, LoRA, ...)."""
 

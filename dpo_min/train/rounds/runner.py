@@ -1,6 +1,7 @@
-"""The command's DPO in rounds (`python -m dpo_min.train --rounds N`): the plan's options -> a RoundsConfig, the
-prompts from --dataset (without one, the embedded arithmetic pool), the reward functions from --reward_funcs,
-the model as the command loads it; then `dpo_min.rounds.run_rounds` into --output_dir, locked for the run.
+"""The runner of the command's DPO in rounds (`python -m dpo_min.train --rounds N`): the plan's options -> a
+RoundsConfig, the prompts from --dataset (without one, the embedded arithmetic pool), the reward functions from
+--reward_funcs, the model as the command loads it; then `dpo_min.rounds.run_rounds` into --output_dir, locked for
+the run.
 
 The output folder is the command's RunFolder for the checks and the lock (`<output_dir>.lock`, held by the main
 process), not for its staging and publish: a rounds run writes each phase in place and resumes from what is there
@@ -16,24 +17,25 @@ from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any
 
-from ..config import DPOMinConfig
-from ..data.columns import check_no_clash
-from ..data.loading import load_rows
-from ..files import staging_path
-from ..models import is_repo_id
-from ..rounds import RewardModel, RoundsConfig, RoundsError, run_rounds
-from ..rounds.held_out import describe
-from ..rounds.prompts import check_room, prompt_rows, split_held_out
-from ..rounds.rewards import load_reward_model
-from ..rounds.schedule import check_pool
-from .args import ROUNDS_DEMO_DEFAULTS, InputError, UsageError
-from .pairs import DATA_SUFFIXES
-from .plan import Plan
-from .report import describe_rounds_plan
-from .rounds_args import LOAD_BEST_WITH_ROUNDS
-from .run_dir import OutputDirError, RunFolder
+from ...config import DPOMinConfig
+from ...data.columns import check_no_clash
+from ...data.loading import load_rows
+from ...files import staging_path
+from ...models import is_repo_id
+from ...rounds import RewardModel, RoundsConfig, RoundsError, run_rounds
+from ...rounds.held_out import describe
+from ...rounds.prompts import check_room, prompt_rows, split_held_out
+from ...rounds.rewards import load_reward_model
+from ...rounds.schedule import check_pool
+from .. import model_setup
+from ..args import ROUNDS_DEMO_DEFAULTS, InputError, UsageError
+from ..pairs import DATA_SUFFIXES, local_data
+from ..plan import Plan
+from ..report import describe_rounds_plan
+from ..rounds_args import LOAD_BEST_WITH_ROUNDS
+from ..run_dir import OutputDirError, RunFolder
 
-EMBEDDED_PROMPTS = Path(__file__).resolve().parents[2] / "data" / "arithmetic-pool.jsonl"  # the demo's prompts
+EMBEDDED_PROMPTS = Path(__file__).resolve().parents[3] / "data" / "arithmetic-pool.jsonl"  # the demo's prompts
 DEMO_REWARD = "dpo_min.rounds.arithmetic:last_integer_reward"
 SETTINGS_FILE = "settings.json"  # what dpo_min.rounds.store writes first into a rounds run's folder
 # Options of the offline run that a rounds run would not honour: refused when given, with what to do instead.
@@ -60,10 +62,11 @@ NOT_PER_ROUND = {"output_dir", "seed", "eval_on_start", "push_to_hub", "resume_f
                  "model_init_kwargs", "reference_mode"}
 
 
-def run(plan: Plan, load_model: Callable[[Plan], tuple]) -> None:
-    """The rounds run of `plan` (plan.rounds set). `load_model` is the command's (train/__init__.py, which imports
-    this module). Raises UsageError, InputError or OutputDirError, each one line."""
+def run(plan: Plan) -> None:
+    """The rounds run of `plan` (plan.rounds set), from the folder's checks to the last round. Raises UsageError,
+    InputError or OutputDirError, each one line."""
     started = time.perf_counter()
+    plan.folder.check_apart_from(local_data(plan.data))  # before the lock: a refusal writes nothing
     _refuse_unsupported(plan)
     specs = plan.rounds.reward_funcs or ([DEMO_REWARD] if plan.data.dataset is None else None)
     if specs is None:
@@ -85,7 +88,7 @@ def run(plan: Plan, load_model: Callable[[Plan], tuple]) -> None:
             print(describe_rounds_plan(plan, config, len(train_rows), len(prompts) - len(train_rows)), flush=True)
         trust = plan.load.kwargs.get("trust_remote_code", False)  # --trust_remote_code, as the policy loads
         reward_funcs = [_reward_model(func, trust) if isinstance(func, str) else func for func in reward_funcs]
-        model, tokenizer, peft_config, _ = load_model(plan)
+        model, tokenizer, peft_config, _ = model_setup.load_model(plan)
         try:
             check_room(prompts, train_rows, tokenizer, config.training)  # before the first sample
         except RoundsError as error:
