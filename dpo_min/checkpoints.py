@@ -20,6 +20,7 @@ from transformers.trainer import TRAINER_STATE_NAME
 from transformers.trainer_callback import ExportableState
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy, rotate_checkpoints
 
+from .files import writing
 from .scale import sharding
 
 # sha256 of `inspect.getsource(Trainer._save_checkpoint)` in the transformers releases whose steps `save_whole` takes
@@ -49,7 +50,8 @@ def save_whole(trainer: Any) -> None:
         shutil.rmtree(staging, ignore_errors=True)
     trainer.accelerator.wait_for_everyone()
     try:
-        _write(trainer, staging, final)
+        with writing(f"{name} to {run_dir}"):
+            _write(trainer, staging, final)
     except Exception:
         shutil.rmtree(staging, ignore_errors=True)
         raise

@@ -17,8 +17,8 @@ import errno
 import os
 import re
 import shutil
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 # A full disk or quota: the errors the command and the rounds name in one line ("no space left on device writing X").
@@ -26,6 +26,7 @@ NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 # Writes the machine refuses: a full disk or quota, a file system read-only (or remounted so after an error), a
 # failing disk, a file over the system's size limit.
 WRITE_FAULTS = (*NO_SPACE, errno.EROFS, errno.EIO, errno.EFBIG)
+_WRITING = "dpo_min_writing"  # the attribute `writing` puts on an error: what the failed writer was writing
 
 
 def write_fault(error: BaseException) -> int | None:
@@ -39,9 +40,9 @@ def write_fault(error: BaseException) -> int | None:
     return next((number for number in NO_SPACE if os.strerror(number) in text), None)
 
 
-def write_failure(error: BaseException, where: str | Callable[[BaseException], str]) -> str | None:
-    """The one line that names a write the machine refused (`where`: "what to where", or `where(error)` says it),
-    or None when `error` is no such failure. The command's offline phases and the rounds both ask here, so a full disk
+def write_failure(error: BaseException, where: str) -> str | None:
+    """The one line that names a write the machine refused (`where`: "what to where"), or None when `error` is no
+    such failure. The command's offline phases and the rounds both ask here, so a full disk
     reads alike in either."""
     text = str(error)
     fault = write_fault(error)
@@ -49,12 +50,31 @@ def write_failure(error: BaseException, where: str | Callable[[BaseException], s
     short_write = "PytorchStreamWriter" in text or "unexpected pos" in text
     if fault is None and not short_write:
         return None
-    where = where(error) if callable(where) else where
     if fault in NO_SPACE:
         return f"no space left on device writing {where}"
     if fault is not None:
         return f"could not write {where}: {os.strerror(fault)}"
     return f"could not write {where} ({text.strip().splitlines()[0]}): is the disk full?"
+
+
+@contextmanager
+def writing(what: str) -> Iterator[None]:
+    """The writer names itself: an error raised inside the block carries `what` it was writing ("what to where"),
+    for the caller that turns a write fault into one line (`write_failure`, `named_write`) to say, rather than guess
+    it from the functions the error passed. A writer inside another keeps its own name: the innermost is the one that
+    failed."""
+    try:
+        yield
+    except Exception as error:
+        if named_write(error) is None:
+            with suppress(AttributeError, TypeError):  # an exception type that takes no attributes stays unnamed
+                setattr(error, _WRITING, what)
+        raise
+
+
+def named_write(error: BaseException) -> str | None:
+    """What the writer that raised `error` was writing (`writing`), or None where no writer named itself."""
+    return getattr(error, _WRITING, None)
 
 
 def staging_path(path: str | os.PathLike) -> Path:

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from datasets import Dataset
 
-from .files import staged
+from .files import staged, writing
 from .models import cache_dir
 
 logger = logging.getLogger(__name__)
@@ -137,6 +137,7 @@ def load_partial(key: str) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
 
 
 def _write(path: Path, content: dict[str, Any]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with staged(path) as staging, open(staging, "wb") as file:
-        torch.save(content, file)
+    with writing(f"the reference log-probs to their cache ({path.parent})"):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with staged(path) as staging, open(staging, "wb") as file:
+            torch.save(content, file)

@@ -65,3 +65,43 @@ def test_the_scan_finds_a_write_and_trusts_a_staged_one():
               "def b(path):\n    with staged(path) as staging:\n        staging.write_text('x')\n"
               "def c(path):\n    os.replace(path, path + '.bad')\n    open(path).read()\n")
     assert unstaged_writes(source) == [3, 4, 9]
+
+
+# ---- a write that fails names itself (issue 57): the writer says what it was writing, nothing reads a traceback ----
+def test_a_failed_write_carries_the_name_its_innermost_writer_gave():
+    import errno
+    import os
+
+    from dpo_min.files import named_write, write_failure, writing
+
+    try:
+        with writing("the run to its folder"), writing("metrics.json to its folder"):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    except OSError as error:
+        assert named_write(error) == "metrics.json to its folder"  # the inner writer is the one that failed
+        assert write_failure(error, named_write(error)) == "no space left on device writing metrics.json to its folder"
+    try:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    except OSError as error:
+        assert named_write(error) is None  # no writer named it: the caller's own words apply
+
+
+def test_the_reference_cache_names_its_write_when_the_disk_fails(tmp_path, monkeypatch):
+    import torch
+
+    from dpo_min import ref_cache
+    from dpo_min.files import named_write
+
+    monkeypatch.setenv("DPO_MIN_CACHE", str(tmp_path))
+
+    def short_write(*args, **kwargs):  # torch's zip writer on a full disk says no more than this
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 576 vs 534")
+
+    monkeypatch.setattr(torch, "save", short_write)
+    try:
+        ref_cache.save("key", torch.zeros(2), torch.zeros(2))
+    except RuntimeError as error:
+        assert named_write(error) == f"the reference log-probs to their cache ({tmp_path / 'ref_logps'})"
+    else:
+        raise AssertionError("the failing write did not raise")
+    assert list((tmp_path / "ref_logps").iterdir()) == []  # nothing half-written is left behind

@@ -12,7 +12,6 @@ import json
 import signal
 import sys
 import time
-import traceback
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -25,8 +24,7 @@ from datasets import Dataset
 from transformers import ProgressCallback
 
 from ..devices import deepspeed_on_cpu
-from ..files import staged, write_failure, write_whole
-from ..models import cache_dir
+from ..files import named_write, staged, write_failure, write_whole
 from ..trainer import DPOMinTrainer
 from . import model_setup, rounds
 from .args import (  # noqa: F401  (COMMAND_DEFAULTS, DEMO_DEFAULTS, DataArguments, ...: re-exported for scripts, tests)
@@ -68,31 +66,17 @@ from .samples import Samples, sample_reference
 
 
 @contextmanager
-def _writing(target: str | Callable[[BaseException], str]) -> Iterator[None]:
-    """A write fault while writing `target` ("what to where", or `target(error)`) is one line naming it (InputError,
-    in dpo_min.files' words), not safetensors' or torch's traceback. The caller's except clause then discards the
-    staging folder as for any failure."""
+def _writing(target: str) -> Iterator[None]:
+    """A write fault while writing `target` ("what to where"; the failed writer's own words where it named itself,
+    dpo_min.files.writing) is one line naming it (InputError, in dpo_min.files' words), not safetensors' or torch's
+    traceback. The caller's except clause then discards the staging folder as for any failure."""
     try:
         yield
     except Exception as error:
-        message = write_failure(error, target)
+        message = write_failure(error, named_write(error) or target)
         if message is None:
             raise
         raise InputError(message) from None
-
-
-def _in_training(trainer: DPOMinTrainer, staging: Path) -> Callable[[BaseException], str]:
-    """What a write that failed inside train() was writing, from the functions the error passed through: a
-    checkpoint (the trainer has removed the cut one), the reference log-prob cache, else the samples or TensorBoard
-    events."""
-    def target(error: BaseException) -> str:
-        passed = {frame.f_code.co_name for frame, _ in traceback.walk_tb(error.__traceback__)}
-        if "_save_checkpoint" in passed:
-            return f"checkpoint-{trainer.state.global_step} to {staging}"
-        if "with_reference_logps" in passed:
-            return f"the reference log-probs to their cache ({cache_dir() / 'ref_logps'})"
-        return f"the samples or TensorBoard events to {staging}"
-    return target
 
 
 # ---- the run ----------------------------------------------------------------------------------------------------
@@ -213,7 +197,9 @@ def run_training(trainer: DPOMinTrainer, plan: Plan, checkpoint: str | None, has
     leave the model without its DDP wrapper, and several processes would then train apart, never syncing gradients),
     evaluate, and save the weights into the staging folder."""
     staging = plan.folder.staging
-    with _writing(_in_training(trainer, staging)), stream_rows_checked(plan.data.streaming):
+    # A checkpoint and the reference log-prob cache name themselves when their write fails (the trainer has removed
+    # the cut checkpoint); what else train() writes is the samples or TensorBoard events.
+    with _writing(f"the samples or TensorBoard events to {staging}"), stream_rows_checked(plan.data.streaming):
         train_metrics = trainer.train(resume_from_checkpoint=checkpoint).metrics
     before, after = _held_out_before_after(trainer, has_held_out, plan.ties_at_start and has_held_out, _say(plan))
     with _writing(f"the final weights to {staging}"):
