@@ -110,12 +110,14 @@ def load_models_and_tokenizer(model: Any, ref_model: Any, args: DPOMinConfig, pr
     """Models given as ids or paths loaded as TRL loads them, and the tokenizer (from the model's id or path unless
     given); loaded models and the tokenizer as they are otherwise (`agree_on_pad_token` comes next)."""
     if isinstance(model, str):
-        model = load_causal_lm(model, **_from_pretrained_kwargs(args, quantization_config))
+        init_kwargs = _from_pretrained_kwargs(args, quantization_config)
+        model = load_causal_lm(model, **init_kwargs)
     elif args.model_init_kwargs is not None:
         logger.warning("model_init_kwargs is ignored: the model is already loaded (as TRL)")
     if isinstance(ref_model, str):
-        ref_model = load_causal_lm(ref_model, **_from_pretrained_kwargs(
-            args, quantization_config, dtype=model.dtype, attn_implementation=model.config._attn_implementation))
+        init_kwargs = _from_pretrained_kwargs(args, quantization_config, dtype=model.dtype,
+                                              attn_implementation=model.config._attn_implementation)
+        ref_model = load_causal_lm(ref_model, **init_kwargs)
     if processing_class is None:
         source = model.config._name_or_path
         if not source:

@@ -29,6 +29,12 @@ class InputError(Exception):
     exit_code = 1
 
 
+class OutputDirError(Exception):
+    """The output folder cannot be used as asked: one line on stderr, exit code 2."""
+
+    exit_code = 2
+
+
 # The share held out of one dataset when --eval_fraction is not given (the demo's own is in DEMO_DEFAULTS); a mixture
 # holds out only its own rows (test_split_size, test splits). plan.decide applies it.
 EVAL_FRACTION = 0.05

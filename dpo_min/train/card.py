@@ -1,4 +1,4 @@
-"""The model card (README.md) dpo_min writes beside a trained adapter or model, and the push to the Hugging Face Hub.
+"""The model card (README.md) dpo_min writes beside a trained adapter or model (the push to the Hub: hub.py).
 
 The card says what a reader needs to reuse or judge the run: the base model as the user named it, the data, the loss
 and its hyperparameters, the held-out figures before and after training, the training curves, the framework versions
@@ -6,7 +6,6 @@ and the DPO citation. PEFT's own template is replaced.
 """
 
 import importlib.metadata
-import os
 import platform
 from pathlib import Path
 from typing import Any
@@ -14,7 +13,6 @@ from typing import Any
 from ..intervals import wilson_interval
 from ..losses import LOSSES, LossSettings
 from ..models import DEFAULT_GGUF, DEFAULT_MODEL
-from .run_dir import STAGING_SUFFIX
 
 DPO_CITATION = """@inproceedings{rafailov2023direct,
     title        = {{Direct Preference Optimization: Your Language Model is Secretly a Reward Model}},
@@ -50,15 +48,6 @@ def loss_values_read(settings: LossSettings) -> dict[str, Any]:
 def base_model_name(model: str | None) -> str:
     """The base model as the user named it: a hub id or path, never the local conversion cache."""
     return model if model is not None else DEFAULT_MODEL
-
-
-def hub_repo_id(output_dir: str | Path, hub_model_id: str | None = None) -> str:
-    """The repository a run pushes to: --hub_model_id, else the output folder's name as written (a link's own name,
-    not its target's; never the staging name)."""
-    if hub_model_id:
-        return hub_model_id
-    name = Path(os.path.abspath(output_dir)).name
-    return name.removesuffix(STAGING_SUFFIX)
 
 
 def model_card(*, model: str | None, kind: str, datasets: dict[str, Any], train_pairs: int | None, held_out_pairs: int,
@@ -181,42 +170,3 @@ def framework_versions() -> dict[str, str]:
         except importlib.metadata.PackageNotFoundError:
             versions[name] = "not installed"
     return versions
-
-
-def check_hub_access(repo_id: str, token: str | None = None) -> None:
-    """Before any work of a run that pushes: a valid repository name (ValueError), a token and a Hub that answers
-    (OSError); the run's hours are not spent to fail at the upload."""
-    from huggingface_hub import HfApi
-    from huggingface_hub.utils import HFValidationError, validate_repo_id
-
-    try:
-        validate_repo_id(repo_id)
-    except HFValidationError:
-        raise ValueError(f"--push_to_hub: {repo_id!r} is not a hub repository name (letters, digits, '-', '_', '.', "
-                         "as name or namespace/name); name it with --hub_model_id") from None
-    try:
-        HfApi(token=token).whoami()
-    except Exception as error:  # no token, an offline machine, a refused token: all the same to the run
-        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        # A token given is not the fix when it was refused or never sent (offline): the message says what is.
-        fix = ("check --hub_token and that the Hub can be reached" if token is not None else
-               "log in with `hf auth login` or pass --hub_token")
-        raise OSError(f"--push_to_hub: cannot reach the Hub as a logged-in user ({reason}); {fix}, or train "
-                      "without --push_to_hub and upload later") from None
-
-
-def push_to_hub(folder: Path, repo_id: str, token: str | None = None, private: bool | None = None,
-                revision: str | None = None) -> str:
-    """Upload the finished output folder (model or adapter, tokenizer, card, curves, metrics) to the repository's
-    `revision` branch (made if missing; default: main); returns the URL."""
-    from huggingface_hub import HfApi
-
-    api = HfApi(token=token)
-    repo = api.create_repo(repo_id, private=private, exist_ok=True)
-    branch = {}
-    if revision is not None:
-        api.create_branch(repo.repo_id, branch=revision, exist_ok=True)
-        branch = {"revision": revision}
-    api.upload_folder(repo_id=repo.repo_id, folder_path=str(folder), commit_message="dpo_min: trained model",
-                      ignore_patterns=["checkpoint-*", "checkpoint-*/**"], **branch)
-    return repo.url if hasattr(repo, "url") else str(repo)

@@ -1,14 +1,19 @@
-"""The model phase of `main`: the model (and, under ZeRO-3, the reference) loaded as the plan says (`Plan.load`), and
-the LoRA config the trainer wraps it in."""
+"""The model phase of `main`: the model (and, under ZeRO-3, the reference) loaded as the plan says (`Plan.load`), the
+LoRA config the trainer wraps it in, and the trainer built on them with the command's callbacks (`build_trainer`)."""
 
+import copy
 from typing import Any
 
 import torch
+from datasets import Dataset
 from peft import LoraConfig
+from transformers import ProgressCallback
 
 from ..models import load_model_and_tokenizer, load_tokenizer, quantization_config
+from ..trainer import DPOMinTrainer
 from .args import InputError
 from .plan import Plan
+from .report import HeldOutPrinter, LiveLossBar, StreamCountsLogger
 
 
 def load_model(plan: Plan) -> tuple[Any, Any, LoraConfig | None, Any]:
@@ -54,3 +59,31 @@ def load_run_tokenizer(plan: Plan) -> Any:
     if plan.model.chat_template is not None:
         tokenizer.chat_template = plan.model.chat_template
     return tokenizer
+
+
+def build_trainer(plan: Plan, train_pairs: Any, held_out: Dataset | None) -> DPOMinTrainer:
+    """The model loaded and the trainer built on it, with the command's callbacks."""
+    args = _trainer_args(plan, held_out is not None)
+    model, tokenizer, peft_config, reference = load_model(plan)
+    try:  # tokenization happens here: a pair the tokenizer cannot render is an input error
+        trainer = DPOMinTrainer(model, reference, args=args,
+                                train_dataset=train_pairs, eval_dataset=held_out, processing_class=tokenizer,
+                                peft_config=peft_config)
+    except ValueError as error:
+        raise InputError(str(error).splitlines()[0]) from None
+    if trainer.pop_callback(ProgressCallback) is not None:
+        trainer.add_callback(LiveLossBar())
+    trainer.add_callback(HeldOutPrinter())
+    if plan.data.streaming:
+        trainer.add_callback(StreamCountsLogger())
+    return trainer
+
+
+def _trainer_args(plan: Plan, has_held_out: bool) -> Any:
+    """The trainer's own copy of the plan's training options (the trainer writes to its args; the plan stays as
+    resolved): model_init_kwargs used up by `load_model`, and no step-0 evaluation without held-out
+    pairs."""
+    args = copy.copy(plan.args)
+    args.model_init_kwargs = None
+    args.eval_on_start = plan.args.eval_on_start and has_held_out
+    return args

@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Any
 
 from datasets import Dataset
-from transformers import TrainerCallback
 
 from .. import trainer_setup
 from ..config import DPOMinConfig
@@ -22,7 +21,7 @@ from ..data.mixtures import Mixture, handbook_mixture, legacy_mixer, trl_mixture
 from ..data.options import LayoutOptions
 from ..data.overlap import count_shared_in_stream, warn_shared_pairs
 from ..data.pairs import SOURCE_DATASET
-from ..data.streams import DROP_REASONS, SKIPPED, StreamCounts, describe_stream_counts, stream_counts
+from ..data.streams import DROP_REASONS, SKIPPED, StreamCounts, stream_counts
 from ..data.unpaired import UNPAIRED
 from ..grouping import prompt_groups
 from ..split import held_out_split
@@ -226,29 +225,6 @@ def _row_refusal(error: ValueError) -> str | None:
             f"dpo_min{os.sep}{part}" in line for line in lines for part in ("tokenizing.py", f"data{os.sep}")):
         return lines[-1].removeprefix("ValueError: ")
     return None
-
-
-class StreamCountsLogger(TrainerCallback):
-    """What the training stream read and dropped (rows its layout skips, pairs cut unusable by truncation), said at
-    the end of each pass over the data and of the run. Map-style data says it once, as it is prepared. The counts
-    are the ones the stream the trainer reads carries (`stream_counts`), added to by its DataLoader workers too."""
-
-    def on_train_begin(self, args, state, control, train_dataloader=None, **kwargs):
-        self.counts = stream_counts(train_dataloader)
-        # reading the held-out pairs and the first row happened before
-        self.start = self.counts.snapshot() if self.counts is not None else Counter()
-
-    def on_epoch_end(self, args, state, control, **kwargs):
-        self._say(state, f"at the end of a pass over the data (step {state.global_step})")
-
-    def on_train_end(self, args, state, control, **kwargs):
-        self._say(state, "in the run")
-
-    def _say(self, state, when: str) -> None:
-        if state.is_world_process_zero and self.counts is not None:
-            counts = self.counts.snapshot()
-            counts.subtract(self.start)
-            print(f"stream, {when}: {describe_stream_counts(counts)}")
 
 
 def _columns(data_args: DataArguments) -> dict[str, str] | None:

@@ -20,11 +20,11 @@ from ..reference import needs_second_load
 from ..scale import zero  # noqa: F401 (tests patch zero.zero_stage here: the module needs_second_load reads)
 from ..split import held_out_count
 from .args import EVAL_FRACTION, MIXTURE_KEYS, MIXTURE_OPTIONS, DataArguments, ModelArguments, UsageError
-from .card import hub_repo_id
 from .command_line import parse_with_rounds
-from .resume import resume_settings
+from .hub import hub_repo_id
 from .rounds_args import RoundsArguments
 from .run_dir import RunFolder
+from .same_run import resume_settings
 
 
 @dataclass(frozen=True)
@@ -62,7 +62,7 @@ class Plan:
     # ... and that checkpoint is this folder's interrupted run ("latest", or a path inside the staging folder): the
     # staging folder it left is reused, not refused (RunFolder.prepare).
     resumes_here: bool
-    # What a resumed run must share with the interrupted one (resume.resume_keys), fixed as `decide` decides it.
+    # What a resumed run must share with the interrupted one (same_run.resume_keys), fixed as `decide` decides it.
     resume_settings: dict[str, Any] = field(default_factory=dict)
     rounds: RoundsArguments | None = None  # --rounds N: DPO in rounds (train/rounds/) instead of one offline run
 
@@ -95,6 +95,12 @@ class Plan:
     def reach(self) -> int | None:
         """The train pairs the run reaches with max_steps (only those are tokenized and scored), or None."""
         return self.args.max_steps * self.args.global_batch_size if self.args.max_steps > 0 else None
+
+    @property
+    def records_pairs(self) -> bool:
+        """Whether the run records its pairs' digest, to be compared on resume: a run with checkpoints, or one that
+        resumes (only a run with checkpoints is resumed)."""
+        return self.args.save_strategy != "no" or self.resuming
 
     @property
     def ties_at_start(self) -> bool:

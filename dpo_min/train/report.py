@@ -4,6 +4,7 @@ import dataclasses
 import json
 import math
 import unicodedata
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +13,7 @@ from tqdm.auto import tqdm
 from transformers import ProgressCallback, TrainerCallback
 from transformers.trainer_utils import has_length
 
+from ..data.streams import describe_stream_counts, stream_counts
 from ..intervals import mean_interval, wilson_interval
 from ..logps import sequence_logps
 from ..losses import LossSettings
@@ -347,3 +349,26 @@ def _cell(text: str) -> str:
 def _one_line(text: str, width: int = 200) -> str:
     text = " ".join(text.split())
     return text if len(text) <= width else text[:width - 1] + "…"
+
+
+class StreamCountsLogger(TrainerCallback):
+    """What the training stream read and dropped (rows its layout skips, pairs cut unusable by truncation), said at
+    the end of each pass over the data and of the run. Map-style data says it once, as it is prepared. The counts
+    are the ones the stream the trainer reads carries (`stream_counts`), added to by its DataLoader workers too."""
+
+    def on_train_begin(self, args, state, control, train_dataloader=None, **kwargs):
+        self.counts = stream_counts(train_dataloader)
+        # reading the held-out pairs and the first row happened before
+        self.start = self.counts.snapshot() if self.counts is not None else Counter()
+
+    def on_epoch_end(self, args, state, control, **kwargs):
+        self._say(state, f"at the end of a pass over the data (step {state.global_step})")
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self._say(state, "in the run")
+
+    def _say(self, state, when: str) -> None:
+        if state.is_world_process_zero and self.counts is not None:
+            counts = self.counts.snapshot()
+            counts.subtract(self.start)
+            print(f"stream, {when}: {describe_stream_counts(counts)}")

@@ -23,16 +23,12 @@ from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
-from ..files import write_whole
+from ..files import write_whole, writing
+from .args import OutputDirError
+from .resume import resolve_checkpoint
 
 MANIFEST = "dpo_min_run.json"
 STAGING_SUFFIX, BACKUP_SUFFIX, LOCK_SUFFIX = ".partial", ".replaced", ".lock"
-
-
-class OutputDirError(Exception):
-    """The output folder cannot be used as asked: one line on stderr, exit code 2."""
-
-    exit_code = 2
 
 
 class RunFolder:
@@ -89,16 +85,18 @@ class RunFolder:
         return str(self.named) if self.named == self.output_dir else f"{self.named} (-> {self.output_dir})"
 
     @contextmanager
-    def claimed(self, is_main: bool, resumes_here: bool) -> Iterator["RunFolder"]:
-        """The folder for one run. The main process locks and checks it (`prepare`) on entry and releases it on exit;
-        a failure after `begin` discards the staging folder (its checkpoints kept). The other processes of a run
-        neither lock nor look: the main one may have made the folder."""
+    def claimed(self, is_main: bool, resumes_here: bool, resume_from: str | None = None) -> Iterator[str | None]:
+        """The folder for one run; yields the checkpoint to resume from (`resume_from`, --resume_from_checkpoint:
+        `latest` -> the newest whole one of the interrupted run; None for a new run). The main process locks and
+        checks it (`prepare`) on entry and releases it on exit; a failure after `begin` discards the staging folder
+        (its checkpoints kept). The other processes of a run neither lock nor look: the main one may have made the
+        folder."""
         if is_main:
             self.lock()
         try:
             if is_main:
                 self.prepare(resumes_here)
-            yield self
+            yield resolve_checkpoint(resume_from, self.staging, warn=print if is_main else _quiet)
         except BaseException as error:
             if self._begun:  # a stop by a signal says in its own line what is kept
                 self.discard(say=not isinstance(error, KeyboardInterrupt))
@@ -204,17 +202,22 @@ class RunFolder:
     def begin(self, settings: dict[str, Any]) -> None:
         """Create the staging folder (or reuse the interrupted run's) and record its `resume_settings` (a resumed run
         keeps the interrupted run's record)."""
-        self.staging.mkdir(exist_ok=True)
-        self._begun = True
-        manifest = read_manifest(self.staging)
-        manifest.setdefault("data_settings", settings)
-        _write_json(self.staging / MANIFEST, {**manifest, "complete": False})
+        with writing(f"{MANIFEST} to {self.staging}"):
+            self.staging.mkdir(exist_ok=True)
+            self._begun = True
+            manifest = read_manifest(self.staging)
+            manifest.setdefault("data_settings", settings)
+            _write_json(self.staging / MANIFEST, {**manifest, "complete": False})
 
     # ---- after the run ------------------------------------------------------------------------------------------
     def publish(self) -> None:
         """Make the finished staging folder `output_dir` with renames only: earlier run -> backup, staging -> name,
         then delete the backup. SIGTERM and SIGINT wait until the renames are done; after a SIGKILL the next run's
         `prepare` completes or undoes them."""
+        with writing(f"{MANIFEST} to {self.staging}"):
+            self._publish()
+
+    def _publish(self) -> None:
         manifest = read_manifest(self.staging)
         manifest["files"] = sorted(str(path.relative_to(self.staging)) for path in _walk(self.staging)
                                    if path.name != MANIFEST)
@@ -242,6 +245,10 @@ class RunFolder:
 
 
 # ---- helpers ------------------------------------------------------------------------------------------------------
+def _quiet(text: str) -> None:
+    """The other processes of a run: the main one says it."""
+
+
 def _real_folder(named: Path) -> Path:
     """`named` with every symbolic link on its way followed (the path as written when there is none). A link that
     leads nowhere is refused: the run would create a folder at a place the user did not name."""

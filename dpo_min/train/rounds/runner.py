@@ -54,7 +54,7 @@ NOT_IN_ROUNDS = {
     "reference_mode": "each round's reference is named from --reference (initial or previous)",
 }
 # What decides the numbers about the model, recorded in the rounds' settings.json as the plan decided it for the
-# offline record (resume.resume_keys); LoRA is recorded as RoundsConfig.peft_config, the training options as training.
+# offline record (same_run.resume_keys); LoRA is recorded as RoundsConfig.peft_config, the training options as training.
 MODEL_SETTINGS = ("model", "model_revision", "dtype", "load_in_4bit", "load_in_8bit", "bnb_4bit_quant_type",
                   "use_bnb_nested_quant", "chat_template", "chat_template_kwargs")
 # Training options that are the rounds' own: the loop sets a round's folder and seed (seed + K).
