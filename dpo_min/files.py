@@ -8,7 +8,7 @@ The writers that do not come through here, each for its reason (tests/test_files
   Trainer's own save (`checkpoints.py`), a converted .gguf model (`models.py`: a temporary folder per process, for
   several may convert the same file at once);
 - files written inside the run's staging folder, which is published whole: the trained weights
-  (`train/__init__.py`), the completions appended at each evaluation (`train/report.py`);
+  (`train/finish.py`), the completions appended at each evaluation (`train/report.py`);
 - a plot drawn onto the staged path its caller hands it (`train/report.py`, `rounds/held_out.py`, `rounds/spend.py`);
 - a bad reference cache entry moved aside, not written (`ref_cache.py`);
 - the rounds' save that every process joins and only the main one, inside `staged`, writes (`rounds/policy.py`)."""

@@ -1,5 +1,5 @@
 """How a resume names what changed: the one comparison of a recorded run's settings with a resume's, used by the
-command's resume (train/resume.py) and by DPO in rounds (rounds/store.py), so both refuse in the same words."""
+command's resume (train/same_run.py) and by DPO in rounds (rounds/store.py), so both refuse in the same words."""
 
 import json
 from itertools import zip_longest

@@ -16,8 +16,9 @@ from dpo_min.losses import LOSS_TYPES
 from dpo_min.models import cache_dir
 from dpo_min.train import main, trained_sources
 from dpo_min.train.args import DataArguments
-from dpo_min.train.card import base_model_name, hub_repo_id, model_card
+from dpo_min.train.card import base_model_name, model_card
 from dpo_min.train.command_line import parse_args
+from dpo_min.train.hub import hub_repo_id
 
 
 def tiny_args(model_dir, data_file, output_dir, *extra):
@@ -217,7 +218,7 @@ def test_a_hub_token_is_used_for_the_push_and_written_nowhere(tmp_path, tiny_mod
 
 
 def test_hub_model_revision_pushes_to_that_branch(tmp_path, fake_hub):
-    from dpo_min.train.card import push_to_hub
+    from dpo_min.train.hub import push_to_hub
 
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text("model_name_or_path: org/model\nhub_model_revision: dpo-beta-0.01\n")
@@ -233,7 +234,7 @@ def test_hub_model_revision_pushes_to_that_branch(tmp_path, fake_hub):
 def test_offline_with_a_hub_token_does_not_ask_for_one(monkeypatch):
     from huggingface_hub import constants
 
-    from dpo_min.train.card import check_hub_access
+    from dpo_min.train.hub import check_hub_access
 
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     with pytest.raises(OSError) as error:

@@ -9,8 +9,8 @@ from conftest import tiny_llama
 from dpo_min import DPOMinConfig, DPOMinTrainer, dpo_loss
 from dpo_min.loss_family import PairTerms
 from dpo_min.losses import LOSSES, READS_LABEL_SMOOTHING, Knob, LossEntry, LossSettings
-from dpo_min.train.resume import check_same_run, resume_settings
 from dpo_min.train.run_dir import OutputDirError, RunFolder
+from dpo_min.train.same_run import check_same_run, resume_settings
 
 
 def t(*values):

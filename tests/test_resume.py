@@ -150,7 +150,7 @@ def replace_in_place(folder):
 
 @pytest.mark.parametrize("change, expected", [
     (lambda folder: ["--dataset", str(folder / "other.jsonl")],
-     ["dataset {folder}/pairs.jsonl -> {folder}/other.jsonl"]),  # refused before the data is read
+     ["dataset {folder}/pairs.jsonl -> {folder}/other.jsonl"]),
     (replace_in_place, ["pairs (sha256) "]),
     (lambda folder: ["--max_length", "32"], ["max_length 64 -> 32"]),
     (lambda folder: ["--loss_type", "ipo"], ['loss_type ["sigmoid"] -> ["ipo"]']),
@@ -197,6 +197,23 @@ def test_a_resume_that_is_not_the_same_run_is_refused_naming_old_and_new(finishe
     assert not (tmp_path / "again").exists() and not (tmp_path / "again.partial").exists()
 
 
+def test_a_resume_is_checked_once_after_the_data_naming_the_settings_and_the_pairs_together(finished_run, tmp_path,
+                                                                                           capsys):
+    # issue 57: one same-run check, after the data is read, its digest included (it was two: the settings before the
+    # data, which named the dataset alone, then the pairs).
+    from dpo_min.train import main
+
+    folder, argv = finished_run
+    checkpoint = folder / "run" / "checkpoint-1"
+    code = main([*argv, "--dataset", str(folder / "other.jsonl"), "--beta", "0.5", "--output_dir",
+                 str(tmp_path / "again"), "--resume_from_checkpoint", str(checkpoint)])
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and f"cannot resume {checkpoint} with other settings (" in line
+    for part in ("beta 0.1 -> 0.5", f"dataset {folder}/pairs.jsonl -> {folder}/other.jsonl", "pairs (sha256) "):
+        assert part in line, line
+    assert not (tmp_path / "again").exists() and not (tmp_path / "again.partial").exists()
+
+
 @pytest.mark.parametrize("spelled", [
     [],
     ["--eval_fraction", "0.05"],  # the share the plan holds out of one dataset when none is given
@@ -223,8 +240,8 @@ def test_the_same_run_however_it_is_spelled_resumes(finished_run, tmp_path, caps
 def test_a_record_from_before_the_plan_decided_the_data_seed_and_share_is_the_same_run(tmp_path):
     """A record that left data_seed and eval_fraction to the plan (None) compares them no more; the seed stays."""
     from dpo_min.train.plan import resolve
-    from dpo_min.train.resume import check_same_run
     from dpo_min.train.run_dir import MANIFEST, OutputDirError
+    from dpo_min.train.same_run import check_same_run
 
     argv = ["--model", str(tmp_path / "model"), "--dataset", str(tmp_path / "a.jsonl"), "--output_dir",
             str(tmp_path / "out")]
@@ -242,8 +259,8 @@ def test_a_record_from_before_the_plan_decided_the_data_seed_and_share_is_the_sa
 def test_a_resume_compares_parsed_mixtures_and_names_the_entries_that_differ(tmp_path):
     """The same mixture as YAML in a recipe and as JSON on the command line is the same run; another entry is named."""
     from dpo_min.train.command_line import parse_args
-    from dpo_min.train.resume import check_same_run, resume_settings
     from dpo_min.train.run_dir import MANIFEST, OutputDirError
+    from dpo_min.train.same_run import check_same_run, resume_settings
 
     mixture = [{"path": "a.jsonl"}, {"path": "b.jsonl", "split": "train"}]
     recipe = tmp_path / "recipe.yaml"
@@ -266,8 +283,8 @@ def test_a_resume_compares_parsed_mixtures_and_names_the_entries_that_differ(tmp
 
 def test_a_test_split_size_given_as_text_or_as_a_number_is_the_same_run(tmp_path):
     from dpo_min.train.command_line import parse_args
-    from dpo_min.train.resume import check_same_run, resume_settings
     from dpo_min.train.run_dir import MANIFEST, OutputDirError
+    from dpo_min.train.same_run import check_same_run, resume_settings
 
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text("datasets:\n  - path: a.jsonl\ntest_split_size: 3\n")

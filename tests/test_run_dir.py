@@ -306,6 +306,25 @@ def test_latest_takes_the_newest_whole_checkpoint_and_names_the_skipped_ones(tmp
     assert checkpoint_problems(staging / "checkpoint-2") == []
 
 
+def test_the_folder_phase_finds_the_checkpoint_to_resume_under_its_lock(tmp_path, capsys):
+    # issue 57: the folder, claimed, yields the newest whole checkpoint of its interrupted run (the skipped ones named
+    # by the main process alone), and a new run gets None.
+    folder = RunFolder(tmp_path / "run")
+    for step in (2, 4):
+        write_checkpoint(folder.staging / f"checkpoint-{step}")
+    (folder.staging / "checkpoint-4" / "optimizer.pt").unlink()
+    with folder.claimed(is_main=True, resumes_here=True, resume_from="latest") as checkpoint:
+        assert checkpoint == str(folder.staging / "checkpoint-2")
+        assert folder.lock_path.exists()  # found under the lock
+    assert capsys.readouterr().out == ("--resume_from_checkpoint latest: skipped incomplete checkpoint-4 (no "
+                                       "optimizer.pt)\n")
+    with folder.claimed(is_main=False, resumes_here=True, resume_from="latest") as checkpoint:
+        assert checkpoint == str(folder.staging / "checkpoint-2")
+    assert capsys.readouterr().out == ""  # the other processes of a run find it too, and say nothing
+    with RunFolder(tmp_path / "new").claimed(is_main=True, resumes_here=False) as checkpoint:
+        assert checkpoint is None
+
+
 @pytest.mark.parametrize("damage, problem", [
     (lambda c: (c / "optimizer.pt").unlink(), "no optimizer.pt"),
     (lambda c: (c / "scheduler.pt").unlink(), "no scheduler.pt"),

@@ -6,7 +6,7 @@ them: `plan.resolve` decides what the run is, once (`--rounds` leaves there for 
 offline phases, each reading the plan and handing the next what it takes: the hub checked (`hub.py`), the folder
 locked and the checkpoint to resume found (`RunFolder.claimed`, run_dir.py), the data (`pairs.load_pairs`), the one
 same-run check with the pairs' digest (`same_run.checked_settings`), the model and trainer
-(`model_setup.build_trainer`), the reference's samples (samples.py), training and `publish` (finish.py).
+(`model_setup.build_trainer`), the reference's samples (samples.py), training and `publish_run` (finish.py).
 """
 
 import signal
@@ -27,14 +27,14 @@ from .args import (  # noqa: F401  (COMMAND_DEFAULTS, DEMO_DEFAULTS, DataArgumen
     DataArguments,
     InputError,
     ModelArguments,
-    OutputDirError,
     UsageError,
 )
 from .command_line import parse_args  # noqa: F401  (re-exported for scripts, tests)
-from .finish import publish, run_training
+from .finish import publish_run, run_training
 from .hub import check_push
 from .pairs import dropped_rows, load_pairs, local_data, trained_sources
 from .plan import Plan, decide, resolve  # noqa: F401  (decide: a library caller's options -> their plan)
+from .run_dir import OutputDirError
 from .same_run import checked_settings
 from .samples import sample_reference
 
@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
             samples = sample_reference(trainer, plan, held_out)
             results = run_training(trainer, plan, checkpoint, held_out is not None)
             if plan.is_main:
-                publish(trainer, plan, samples, results, trained_sources(train_pairs, plan.data), started,
+                publish_run(trainer, plan, samples, results, trained_sources(train_pairs, plan.data), started,
                         dropped_rows(train_pairs))
     except (UsageError, InputError, OutputDirError, FloatingPointError) as error:
         print(f"{PROG}: error: {error}", file=sys.stderr)

