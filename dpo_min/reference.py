@@ -1,11 +1,11 @@
-"""The reference: which model computes pi_ref, decided once at construction (`choose_reference`), and everything the
-trainer asks of it: the module whose forward is pi_ref, the weights and settings the precompute cache key hashes,
-TR-DPO's sync, its placement for the run.
+"""The reference: which model computes pi_ref, decided once at construction (`choose_reference`), and what the trainer
+asks of it besides a step: the weights and settings the precompute cache key hashes, TR-DPO's sync, its placement for
+the run.
 
-Its kind is named in the words DPOMinConfig.reference_mode takes, one class each, which holds all that kind does
-(`Reference`'s docstring): a training step reads it through one context manager (`DPOMinTrainer.reference_model` in
-trainer.py: `with torch.no_grad(), self.reference_model() as model:`, as torchtune's recipe writes
-`with torch.no_grad(), disable_adapter(model):`), which is the class's `forward_module`.
+Its kind is named in the words DPOMinConfig.reference_mode takes, one class each, which holds what that kind does
+(`Reference`'s docstring) but its forward. A training step enters none of this file: it runs the reference's forward
+in one context manager, by kind (`DPOMinTrainer.reference_model` in trainer.py: `with torch.no_grad(),
+self.reference_model() as model:`, as torchtune's recipe writes `with torch.no_grad(), disable_adapter(model):`).
 
 `choose_reference` decides, in this order:
 - none (kind None, `NoReference`): the loss reads no reference (simpo, cpo, `reference_free`), so there is no copy and
@@ -23,11 +23,9 @@ trainer.py: `with torch.no_grad(), self.reference_model() as model:`, as torchtu
 - otherwise a frozen copy of the model (kind "policy_at_start", `PolicyAtStart`).
 """
 
-import contextlib
 import copy
 import logging
-from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -51,13 +49,14 @@ _NO_SYNC = "sync_ref_model needs a reference (model or adapter) with the policy'
 @dataclass
 class Reference:
     """Which model computes pi_ref, decided once by `choose_reference`, described in one line. One class per kind,
-    each holding all its kind does: what it needs of the models given and how it is built (the four that
-    DPOMinConfig.reference_mode names, `REFERENCES`), its forward (`forward_module`), its part of the precompute cache
-    key (`cache_name`), TR-DPO's sync. `kind` is the reference_mode word (config.REFERENCE_MODES), None for none.
-    This base refuses what a kind lacks: a forward, a sync."""
+    each holding what its kind does: what it needs of the models given and how it is built (the four that
+    DPOMinConfig.reference_mode names, `REFERENCES`), its part of the precompute cache key (`cache_name`), TR-DPO's
+    sync. `kind` is the reference_mode word (config.REFERENCE_MODES), None for none; its forward is the one thing
+    dispatched on it, in `DPOMinTrainer.reference_model`, so that a step stays in trainer.py. This base refuses a
+    sync, which only a reference with weights of its own (a model, an adapter) can take."""
 
     kind: ClassVar[str | None] = None
-    # Only the precompute pass reads it, before the first step (the policy itself, not a copy of it).
+    # True: the policy itself, no copy, whose log-probs exist only before its first step (precompute.py refuses after).
     before_first_step: ClassVar[bool] = False
     description: str  # one line, for the log and the model card
     model: torch.nn.Module | None = None  # a model of its own (after `prepare`, as prepared for the run)
@@ -92,10 +91,6 @@ class Reference:
         # Hashed into the cache's file names (ref_cache.cache_key): a change orphans every user's cache.
         return "model"
 
-    def forward_module(self, policy: torch.nn.Module) -> AbstractContextManager[torch.nn.Module]:
-        """A context manager giving the module whose forward is pi_ref; `policy` is the trained model."""
-        raise ValueError("this loss reads no reference log-probs")
-
     def check_sync(self, policy: torch.nn.Module) -> None:
         """Raise unless TR-DPO can sync this reference towards the policy."""
         raise ValueError(_NO_SYNC)
@@ -123,9 +118,6 @@ class RefModel(Reference):
     def build(cls, model: Any, ref_model: Any, args: Any, wrapped: bool) -> Reference:
         return cls(_given_reference(ref_model, model), model=ref_model.eval().requires_grad_(False))
 
-    def forward_module(self, policy: torch.nn.Module) -> AbstractContextManager[torch.nn.Module]:
-        return contextlib.nullcontext(self.model)
-
     def check_sync(self, policy: torch.nn.Module) -> None:
         if is_peft(policy):
             raise ValueError("sync_ref_model with a PeftModel syncs a reference adapter: omit ref_model")
@@ -138,8 +130,8 @@ class RefModel(Reference):
 
 
 class PolicyAtStart(RefModel):
-    """policy_at_start, full fine-tuning: a frozen copy of the model made at construction (`model`, forwarded and
-    synced as a ref_model is); with its log-probs precomputed, the model itself (`PolicyBeforeFirstStep`)."""
+    """policy_at_start, full fine-tuning: a frozen copy of the model made at construction (`model`, synced as a
+    ref_model is); with its log-probs precomputed, the model itself (`PolicyBeforeFirstStep`)."""
 
     kind = "policy_at_start"
     needs = "a model without an adapter and no ref_model or peft_config"
@@ -165,9 +157,6 @@ class PolicyBeforeFirstStep(Reference):
     kind = "policy_at_start"
     before_first_step = True
 
-    def forward_module(self, policy: torch.nn.Module) -> AbstractContextManager[torch.nn.Module]:
-        return contextlib.nullcontext(policy)
-
 
 class AdapterOff(Reference):
     """adapter_off, the default with LoRA: the policy with its adapter disabled, no second copy of the weights
@@ -189,11 +178,6 @@ class AdapterOff(Reference):
     def cache_name(self) -> str:
         return "adapter disabled"
 
-    @contextlib.contextmanager
-    def forward_module(self, policy: torch.nn.Module) -> Iterator[torch.nn.Module]:
-        with extract_model_from_parallel(policy).disable_adapter():
-            yield policy
-
 
 class AdapterAtStart(Reference):
     """adapter_at_start: another adapter of the policy (`adapter`), frozen, active for the reference's forward: a copy
@@ -214,16 +198,6 @@ class AdapterAtStart(Reference):
     def cache_name(self) -> str:
         return f"adapter {self.adapter}"
 
-    @contextlib.contextmanager
-    def forward_module(self, policy: torch.nn.Module) -> Iterator[torch.nn.Module]:
-        peft_model = extract_model_from_parallel(policy)
-        active = peft_model.active_adapter
-        peft_model.set_adapter(self.adapter, inference_mode=True)
-        try:
-            yield policy
-        finally:
-            peft_model.set_adapter(active)
-
     def check_sync(self, policy: torch.nn.Module) -> None:
         _same_shapes(_adapter_parameters(policy, policy.active_adapter), _adapter_parameters(policy, self.adapter))
 
@@ -234,7 +208,7 @@ class AdapterAtStart(Reference):
 
 
 # The references DPOMinConfig.reference_mode names, by its word; `choose_reference` builds the one named or inferred.
-REFERENCES = {kind.kind: kind for kind in (RefModel, AdapterOff, AdapterAtStart, PolicyAtStart)}
+REFERENCES = {built.kind: built for built in (RefModel, AdapterOff, AdapterAtStart, PolicyAtStart)}
 
 
 class SyncReferenceCallback(TrainerCallback):

@@ -14,11 +14,12 @@ loss_family.py (the loss table). The constructor's phases are trainer_setup.py's
 import contextlib
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+from accelerate.utils import extract_model_from_parallel
 from datasets import Dataset, IterableDataset
 from torch.utils.data import DataLoader
 from transformers import EvalPrediction, PreTrainedModel, Trainer, TrainerCallback, set_seed
@@ -183,12 +184,29 @@ class DPOMinTrainer(TRLSurface, Trainer):
         with torch.no_grad(), self.reference_model() as model:
             return sequence_logps(model, inputs)
 
-    def reference_model(self, policy: torch.nn.Module | None = None) -> contextlib.AbstractContextManager:
-        """The module whose forward is pi_ref, for a `with` block; `policy` is the trained model (default `self.model`).
-        Each kind of `self.reference` (decided once by `reference.choose_reference`) gives its own: ref_model, or
-        policy_at_start's frozen copy, that model; adapter_off, the policy with its adapter disabled; adapter_at_start,
-        the policy with the reference adapter active; policy_at_start precomputed, the policy before its first step."""
-        return self.reference.forward_module(self.model if policy is None else policy)
+    @contextlib.contextmanager
+    def reference_model(self, policy: torch.nn.Module | None = None) -> Iterator[torch.nn.Module]:
+        """The module whose forward is pi_ref for the block, by the kind of `self.reference` (a reference_mode word,
+        decided once by `reference.choose_reference`); `policy` is the trained model (default `self.model`)."""
+        policy, reference = self.model if policy is None else policy, self.reference
+        match reference.kind:
+            case "ref_model":  # a separate frozen model, given
+                yield reference.model
+            case "policy_at_start":  # a frozen copy made at construction; precomputed, the policy before its first step
+                yield policy if reference.before_first_step else reference.model
+            case "adapter_off":  # the default with LoRA: no second copy of the weights (torchtune's)
+                with extract_model_from_parallel(policy).disable_adapter():
+                    yield policy
+            case "adapter_at_start":  # another adapter of the policy, frozen, active for the block
+                peft_model = extract_model_from_parallel(policy)
+                active = peft_model.active_adapter
+                peft_model.set_adapter(reference.adapter, inference_mode=True)
+                try:
+                    yield policy
+                finally:
+                    peft_model.set_adapter(active)
+            case None:
+                raise ValueError("this loss reads no reference log-probs")
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         """The loss; with `compute_metrics`, also what TRL 1.16 passes it: the logits of a plain forward of the
