@@ -248,7 +248,7 @@ def _training_args(run: _Run, folder: Path, round_index: int, policy: Policy) ->
     """The settings of a round's DPO pass; its reference named by the policy (RoundsConfig refuses one in training)."""
     return DPOMinConfig(**{"report_to": "none", "logging_steps": 1, "num_train_epochs": 1,  # one pass a round
                            "seed": run.config.seed + round_index, "use_cpu": several_on_cpu(),  # join over gloo
-                           **run.config.training, "output_dir": str(folder / "train"),
+                           **run.config.round_training(round_index), "output_dir": str(folder / "train"),
                            "reference_mode": policy.reference_mode})
 
 
