@@ -193,6 +193,8 @@ class AdapterAtStart(Reference):
 
     @classmethod
     def build(cls, model: Any, ref_model: Any, args: Any, wrapped: bool) -> Reference:
+        if args.ref_adapter_name is not None:  # TRL's: the adapter loaded twice, one of them named the reference
+            return cls(f"adapter {args.ref_adapter_name!r}", adapter=args.ref_adapter_name)
         return cls("a frozen copy of the adapter the model came with", adapter=_add_adapter_copy(model, REF_ADAPTER))
 
     def cache_name(self) -> str:
@@ -305,11 +307,14 @@ def choose_reference(model: Any, ref_model: Any, args: Any, peft_config: Any,
         why = "reference_free" if args.reference_free else f"loss_type {', '.join(args.loss_type)}"
         reference = NoReference(f"none ({why}: the loss reads no reference)")
     elif mode is not None:  # named: the models given must fit it
+        if args.ref_adapter_name is not None and mode != "adapter_at_start":
+            raise ValueError(f"ref_adapter_name={args.ref_adapter_name!r} names an adapter_at_start reference, not "
+                             f"reference_mode={mode!r}'s: leave one of them out")
         if not REFERENCES[mode].fits(model, ref_model, wrapped):
             raise ValueError(f"reference_mode={mode!r} needs {REFERENCES[mode].needs}")
         reference = REFERENCES[mode].build(model, ref_model, args, wrapped)
     elif ref_model is None and is_peft(model) and not wrapped and args.ref_adapter_name is not None:
-        reference = AdapterAtStart(f"adapter {args.ref_adapter_name!r}", adapter=args.ref_adapter_name)
+        reference = AdapterAtStart.build(model, ref_model, args, wrapped)
     else:
         reference = REFERENCES[_inferred_mode(model, ref_model, wrapped)].build(model, ref_model, args, wrapped)
     if args.sync_ref_model:

@@ -311,6 +311,18 @@ def test_each_reference_s_cache_settings_are_the_keys_users_caches_were_written_
     assert json.dumps(reference.cache_settings(args), sort_keys=True) == expected
 
 
+def test_a_named_reference_mode_reads_the_adapter_ref_adapter_name_names_or_refuses_it(tmp_path, tokenizer):
+    """reference_mode='adapter_at_start' with ref_adapter_name: the reference was a fresh copy of the active adapter,
+    the adapter named silently left unread; another mode beside ref_adapter_name reads no named adapter: refused."""
+    args = config(tmp_path, model_adapter_name="policy", ref_adapter_name="frozen", reference_mode="adapter_at_start")
+    trainer = DPOMinTrainer(named_adapters(), args=args, train_dataset=pairs(4), processing_class=tokenizer)
+    assert (trainer.reference.adapter, trainer.reference.description) == ("frozen", "adapter 'frozen'")
+    args = config(tmp_path, model_adapter_name="policy", ref_adapter_name="frozen", reference_mode="policy_at_start")
+    with pytest.raises(ValueError, match=r"^ref_adapter_name='frozen' names an adapter_at_start reference, not "
+                                         r"reference_mode='policy_at_start''s: leave one of them out$"):
+        DPOMinTrainer(named_adapters(), args=args, train_dataset=pairs(4), processing_class=tokenizer)
+
+
 def test_a_ref_model_loaded_from_the_policys_own_path_is_named_a_second_load(tmp_path, tokenizer, tiny_model_dir):
     # What the command passes for full fine-tuning under ZeRO-3 (train.load_model): the base model loaded again.
     model, ref_model = (AutoModelForCausalLM.from_pretrained(str(tiny_model_dir)) for _ in range(2))
