@@ -16,15 +16,13 @@ protocol's digest and each arm's arguments; `--table` reads the protocol and ref
 under it (benchmarks/seed_files.py).
 """
 
-import argparse
 import json
-import shlex
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from compare_rounds import POOL_OPTIONS, demo_options, interval, print_comparisons, rounds_arm
-from seed_files import SeedFileForm, protocol_digest, read_seeds, recorded_argv
+from seed_files import SeedFileForm, protocol_digest, read_seeds, recorded_argv, run_or_table
 
 
 def arm_figures(on: dict, folder: Path) -> dict:
@@ -99,27 +97,7 @@ def print_table(paths: list[str], protocol_file: str | None = None) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--protocol", help="the committed protocol file: options, arms, seeds (with --table: the "
-                        "one the files are checked against; by default benchmarks/protocols/NAME.json of the name "
-                        "they record)")
-    parser.add_argument("--seed", type=int, help="one of the protocol's seeds")
-    parser.add_argument("--out", default="compare_groups", help="where every arm writes (a folder there is reused)")
-    parser.add_argument("--json", default=None, help="also write the figures to this file (for --table)")
-    parser.add_argument("--table", nargs="+", default=None, help="print the table and tests of these --json files")
-    args = parser.parse_args()
-    if args.table:
-        return print_table(args.table, args.protocol)
-    if not (args.protocol and args.seed is not None):
-        parser.error("give --protocol FILE and --seed S (or --table FILES)")
-    figures = run_seed(json.loads(Path(args.protocol).read_text()), args.seed, Path(args.out))
-    if args.json:
-        from dpo_min.files import write_whole
-
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        write_whole(args.json, json.dumps(figures, indent=1))  # whole or not at all: --table reads it
-    print(json.dumps({k: v for k, v in figures.items() if k not in ("outcomes", "argv", "held_rows")}, indent=1))
-    print(f"\nreproduce: python benchmarks/compare_groups.py {shlex.join(sys.argv[1:])}")
+    run_or_table(__doc__, "compare_groups", run_seed, print_table)
 
 
 if __name__ == "__main__":

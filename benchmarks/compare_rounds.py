@@ -22,9 +22,7 @@ a file not run under it (benchmarks/seed_files.py).
 The paired statistics are benchmarks/paired.py's.
 """
 
-import argparse
 import json
-import shlex
 import sys
 import time
 from dataclasses import replace
@@ -36,7 +34,7 @@ sys.path.insert(0, str(ROOT))  # this checkout's dpo_min, when it is not install
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from paired import overdispersion, seed_permutation_test, shown_p  # noqa: E402
-from seed_files import SeedFileForm, protocol_digest, read_seeds, recorded_argv  # noqa: E402
+from seed_files import SeedFileForm, protocol_digest, read_seeds, recorded_argv, run_or_table  # noqa: E402
 
 # The pool's task with the demo's model, template and LoRA: eval_fraction 0.0213 holds out 64 of the 3,000 prompts.
 POOL_OPTIONS = ["--dataset", str(ROOT / "data" / "arithmetic-pool.jsonl"),
@@ -85,6 +83,11 @@ def pi0_groups(model, tokenizer, rows, train_rows, config, rewards, round_index)
     indices = round_prompts(train_rows, config.prompts_per_round, config.seed, round_index)
     prompt_ids = render(tokenizer, rows, indices, config)
     groups = sample_like_the_rounds(model, tokenizer, prompt_ids, indices, settings, config.prompts_per_batch)
+    return scored_groups(rows, indices, prompt_ids, groups, rewards, round_index)
+
+
+def scored_groups(rows, indices, prompt_ids, groups, rewards, round_index) -> list[dict]:
+    """Each prompt's samples (`groups`, in the order of `indices`) scored, as make_pairs reads a prompt's group."""
     scored = []
     for i, group in zip(indices, groups):
         columns = {"solution": [rows[i]["solution"]] * len(group)}
@@ -155,7 +158,6 @@ def rounds_figures(on: dict) -> dict:
 
 def offline_arms(on: dict, out: Path) -> dict:
     """offline_samples and offline_matched (the module's docstring), from one pool of pi_0's pairs."""
-    from dpo_min import DPOMinConfig
     from dpo_min.rounds import Rewards, make_pairs
     from dpo_min.rounds.arithmetic import last_integer_reward
     from dpo_min.rounds.pairs import keep_trainable
@@ -171,8 +173,7 @@ def offline_arms(on: dict, out: Path) -> dict:
     rewards = Rewards([last_integer_reward])
     groups = [round_one_groups(Path(config.output_dir), tokenizer, rows, config)]
     groups += [pi0_groups(model, tokenizer, rows, train_rows, config, rewards, k) for k in range(2, config.rounds + 1)]
-    args = DPOMinConfig(**{"report_to": "none", "logging_steps": 1, "num_train_epochs": 1, "seed": config.seed + 1,
-                           **config.training, "output_dir": str(out / "check")})
+    args = pass_args(config, out / "check")
     draws = [keep_trainable(make_pairs(g, config.min_margin, config.pairs_per_prompt, config.pair_rule)[0],
                             tokenizer, args)[0] for g in groups]
     pool = [pair for draw in draws for pair in draw]
@@ -192,19 +193,27 @@ def one_pass(plan, config, pairs, steps, out: Path):
     options; `steps` None: as many as its epochs take. Returns the trained model and its steps."""
     from datasets import Dataset
 
-    from dpo_min import DPOMinConfig, DPOMinTrainer
+    from dpo_min import DPOMinTrainer
     from dpo_min.train import load_model
 
     model, tokenizer, peft_config, _ = load_model(plan)
-    cap = {} if steps is None else {"max_steps": steps}
-    args = DPOMinConfig(**{"report_to": "none", "logging_steps": 1, "num_train_epochs": 1, "seed": config.seed + 1,
-                           **config.training, "output_dir": str(out), **cap})
+    args = pass_args(config, out, steps)
     columns = ("prompt", "chosen", "rejected", "prompt_ids", "chosen_ids", "rejected_ids")  # the sampled ids
     data = Dataset.from_list([{name: pair[name] for name in columns} for pair in pairs])
     trainer = DPOMinTrainer(model=model, peft_config=peft_config, args=args, train_dataset=data,
                             processing_class=tokenizer)
     trainer.train()
     return trainer.model, trainer.state.global_step
+
+
+def pass_args(config, out: Path, steps: int | None = None):
+    """The DPOMinConfig of one offline pass from pi_0 with the rounds' training options: as a round's, seeded
+    seed + 1; `steps` None: as many as its epochs take."""
+    from dpo_min import DPOMinConfig
+
+    cap = {} if steps is None else {"max_steps": steps}
+    return DPOMinConfig(**{"report_to": "none", "logging_steps": 1, "num_train_epochs": 1, "seed": config.seed + 1,
+                           **config.training, "output_dir": str(out), **cap})
 
 
 def seed_argv(protocol: dict, seed: int, out: Path = Path("compare_rounds")) -> list[str]:
@@ -291,27 +300,7 @@ def print_comparisons(seeds: list[dict], pooled: dict[str, list[int]], compariso
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--protocol", help="the committed protocol file: rounds, options, seeds (with --table: the "
-                        "one the files are checked against; by default benchmarks/protocols/NAME.json of the name "
-                        "they record)")
-    parser.add_argument("--seed", type=int, help="one of the protocol's seeds")
-    parser.add_argument("--out", default="compare_rounds", help="where every arm writes (the rounds run is reused)")
-    parser.add_argument("--json", default=None, help="also write the figures to this file (for --table)")
-    parser.add_argument("--table", nargs="+", default=None, help="print the table and tests of these --json files")
-    args = parser.parse_args()
-    if args.table:
-        return print_table(args.table, args.protocol)
-    if not (args.protocol and args.seed is not None):
-        parser.error("give --protocol FILE and --seed S (or --table FILES)")
-    figures = run_seed(json.loads(Path(args.protocol).read_text()), args.seed, Path(args.out))
-    if args.json:
-        from dpo_min.files import write_whole
-
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        write_whole(args.json, json.dumps(figures, indent=1))  # whole or not at all: --table reads it
-    print(json.dumps({k: v for k, v in figures.items() if k not in ("outcomes", "argv", "held_rows")}, indent=1))
-    print(f"\nreproduce: python benchmarks/compare_rounds.py {shlex.join(sys.argv[1:])}")
+    run_or_table(__doc__, "compare_rounds", run_seed, print_table)
 
 
 if __name__ == "__main__":

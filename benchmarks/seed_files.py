@@ -4,9 +4,11 @@ ran with (paths relative to the repository); `--table` reads the protocol and re
 what differs, a file that cannot be read or is cut short, lacks a field or an arm, or whose seed, arguments or
 digest are not the protocol's: the tests are computed over seeds run under one protocol or not at all."""
 
+import argparse
 import difflib
 import hashlib
 import json
+import shlex
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -176,3 +178,31 @@ def read_seeds(paths: list[str], given_protocol: str | None, form: SeedFileForm)
                    "once in the pooled counts and the paired tests")
         first_path[figures["seed"]] = path
     return protocol, sorted(files, key=lambda figures: figures["seed"])
+
+
+def run_or_table(doc: str, script: str, run_seed: Callable[[dict, int, Path], dict],
+                 print_table: Callable[[list[str], str | None], None]) -> None:
+    """A protocol runner's command line: `--protocol P --seed S --out DIR [--json FILE]` runs one seed's arms (each
+    arm's folder under --out, reused by a rerun) and writes its seed file whole; `--table FILES` prints the table."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--protocol", help="the committed protocol file: rounds, options, arms, seeds (with --table: "
+                        "the one the files are checked against; by default benchmarks/protocols/NAME.json of the "
+                        "name they record)")
+    parser.add_argument("--seed", type=int, help="one of the protocol's seeds")
+    parser.add_argument("--out", default=script, help="where every arm writes (a finished arm is reused)")
+    parser.add_argument("--json", default=None, help="also write the figures to this file (for --table)")
+    parser.add_argument("--table", nargs="+", default=None, help="print the table and tests of these --json files")
+    args = parser.parse_args()
+    if args.table:
+        return print_table(args.table, args.protocol)
+    if not (args.protocol and args.seed is not None):
+        parser.error("give --protocol FILE and --seed S (or --table FILES)")
+    figures = run_seed(json.loads(Path(args.protocol).read_text()), args.seed, Path(args.out))
+    if args.json:
+        from dpo_min.files import write_whole
+
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        write_whole(args.json, json.dumps(figures, indent=1))  # whole or not at all: --table reads it
+    print(json.dumps({k: v for k, v in figures.items() if k not in ("outcomes", "argv", "held_rows")}, indent=1))
+    print(f"\nreproduce: python benchmarks/{script}.py {shlex.join(sys.argv[1:])}")
+    return None

@@ -11,7 +11,8 @@ from transformers import TrainingArguments
 from .compat import TRL_FIELDS, apply_trl_negations, check_trl_fields, trl_pad_to_multiple_of
 from .losses import F_DIVERGENCES, LOSS_TYPES, LOSSES, LossSettings
 
-# The references DPOMinConfig.reference_mode names (reference._built builds each).
+# The references DPOMinConfig.reference_mode names, each a class of reference.py (`reference.REFERENCES`), whose
+# kind is this word.
 REFERENCE_MODES = ("ref_model", "adapter_off", "adapter_at_start", "policy_at_start")
 TRUNCATION_MODES = ("keep_end", "keep_start")
 # The loss types that read label_smoothing, named in its help.

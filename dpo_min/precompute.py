@@ -50,7 +50,7 @@ def with_reference_logps(trainer: Any, dataset: Dataset, description: str, metho
     if dataset is None or REFERENCE_COLUMNS[0] in dataset.column_names:
         return dataset
     reference = trainer.reference
-    if reference.kind == "policy" and trainer.state.global_step > 0:
+    if reference.before_first_step and trainer.state.global_step > 0:
         raise ValueError(f"Cannot compute reference log-probs for a dataset passed to `{method}()` after training "
                          f"has started (the {description} data): full fine-tuning without ref_model uses the "
                          "untrained model as reference; pass eval_dataset at construction or a ref_model")

@@ -1,29 +1,33 @@
 """The reference: which model computes pi_ref, decided once at construction (`choose_reference`), and what the trainer
-asks of it besides a step: the weights the precompute cache key hashes, TR-DPO's sync, its placement for the run.
+asks of it besides a step: the weights and settings the precompute cache key hashes, TR-DPO's sync, its placement for
+the run.
 
-A training step enters none of this file. It reads the decision, a `Reference`, through one context manager where the
-step takes the reference's forward (`DPOMinTrainer.reference_model` in trainer.py: `with torch.no_grad(),
+Its kind is named in the words DPOMinConfig.reference_mode takes, one class each, which holds what that kind does
+(`Reference`'s docstring) but its forward. A training step enters none of this file: it runs the reference's forward
+in one context manager, by kind (`DPOMinTrainer.reference_model` in trainer.py: `with torch.no_grad(),
 self.reference_model() as model:`, as torchtune's recipe writes `with torch.no_grad(), disable_adapter(model):`).
 
 `choose_reference` decides, in this order:
-- none (kind "none"): the loss reads no reference (simpo, cpo, `reference_free`), so there is no copy and no
-  reference forward;
+- none (kind None, `NoReference`): the loss reads no reference (simpo, cpo, `reference_free`), so there is no copy and
+  no reference forward;
 - the reference `reference_mode` names, when the config names one (the rounds do): built whatever the branches below
   would infer, or a ValueError when the models given cannot be it;
-- `ref_model` (kind "model"): a separate frozen model, given by the caller;
-- for a PEFT model: the adapter named `ref_adapter_name` (kind "adapter"); the model with its adapter disabled (kind
-  "adapter_off": for a `peft_config`, or, as TRL, an adapter on `target_parameters` under peft < 0.20, which cannot
-  hold a second one); otherwise a frozen copy of the adapter the model arrives with (kind "adapter"; TR-DPO with a
-  `peft_config` also gets such a copy, to move);
-- full fine-tuning with `precompute_ref_log_probs`: the model itself, before its first step (kind "policy");
-- otherwise a frozen copy of the model (kind "model").
+- `ref_model` (kind "ref_model", `RefModel`): a separate frozen model, given by the caller;
+- for a PEFT model: the adapter named `ref_adapter_name` (kind "adapter_at_start", `AdapterAtStart`); the model with
+  its adapter disabled (kind "adapter_off", `AdapterOff`: for a `peft_config`, or, as TRL, an adapter on
+  `target_parameters` under peft < 0.20, which cannot hold a second one); otherwise a frozen copy of the adapter the
+  model arrives with (kind "adapter_at_start"; TR-DPO with a `peft_config` also gets such a copy, of the fresh adapter,
+  to move);
+- full fine-tuning with `precompute_ref_log_probs`: the model itself, before its first step (kind "policy_at_start",
+  `PolicyBeforeFirstStep`);
+- otherwise a frozen copy of the model (kind "policy_at_start", `PolicyAtStart`).
 """
 
 import copy
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from accelerate.utils import extract_model_from_parallel
@@ -39,21 +43,24 @@ except ImportError:  # peft is a dependency, but keep the full fine-tuning path 
 
 logger = logging.getLogger(__name__)
 REF_ADAPTER = "ref"
-# What each kind of reference is; `DPOMinTrainer.reference_model` runs each one's forward.
-KINDS = {"none": "no reference: the loss reads none", "model": "a separate frozen model (`model`)",
-         "policy": "the policy itself, before its first step", "adapter_off": "the policy with its adapter disabled",
-         "adapter": "another adapter of the policy (`adapter`), frozen, active for the reference's forward"}
+_NO_SYNC = "sync_ref_model needs a reference (model or adapter) with the policy's parameters"
 
 
 @dataclass
 class Reference:
-    """Which model computes pi_ref: one of `KINDS`, decided once by `choose_reference`, described in one line."""
+    """Which model computes pi_ref, decided once by `choose_reference`, described in one line. One class per kind,
+    each holding what its kind does: what it needs of the models given and how it is built (the four that
+    DPOMinConfig.reference_mode names, `REFERENCES`), its part of the precompute cache key (`cache_name`), TR-DPO's
+    sync. `kind` is the reference_mode word (config.REFERENCE_MODES), None for none; its forward is the one thing
+    dispatched on it, in `DPOMinTrainer.reference_model`, so that a step stays in trainer.py. This base refuses a
+    sync, which only a reference with weights of its own (a model, an adapter) can take."""
 
-    kind: str
+    kind: ClassVar[str | None] = None
+    # True: the policy itself, no copy, whose log-probs exist only before its first step (precompute.py refuses after).
+    before_first_step: ClassVar[bool] = False
     description: str  # one line, for the log and the model card
-    model: torch.nn.Module | None = None  # kind "model": that model (after `prepare`, as prepared for the run)
-    adapter: str | None = None  # kind "adapter": the name of the policy's reference adapter
-    mode: str | None = None  # the DPOMinConfig.reference_mode that named it; None: chosen from what was given
+    model: torch.nn.Module | None = None  # a model of its own (after `prepare`, as prepared for the run)
+    adapter: str | None = None  # the name of the policy's reference adapter
 
     def modules(self) -> list[torch.nn.Module]:
         """Models of the reference's own, which the trainer prepares as it prepares the policy."""
@@ -77,34 +84,133 @@ class Reference:
 
     def cache_settings(self, args: Any) -> dict[str, Any]:
         """What else the reference log-probs depend on, for the precompute cache key."""
-        name = {"adapter_off": "adapter disabled", "adapter": f"adapter {self.adapter}"}.get(self.kind, "model")
-        return {"reference": name, "ld_alpha": args.ld_alpha, "max_length": args.max_length,
+        return {"reference": self.cache_name(), "ld_alpha": args.ld_alpha, "max_length": args.max_length,
                 "max_prompt_length": args.max_prompt_length, "truncation_mode": args.truncation_mode}
+
+    def cache_name(self) -> str:
+        # Hashed into the cache's file names (ref_cache.cache_key): a change orphans every user's cache.
+        return "model"
 
     def check_sync(self, policy: torch.nn.Module) -> None:
         """Raise unless TR-DPO can sync this reference towards the policy."""
-        if self.kind == "model" and is_peft(policy):
-            raise ValueError("sync_ref_model with a PeftModel syncs a reference adapter: omit ref_model")
-        if self.kind == "model":
-            _same_shapes(dict(policy.named_parameters()), dict(_unwrapped(self.model).named_parameters()))
-        elif self.kind == "adapter":
-            _same_shapes(_adapter_parameters(policy, policy.active_adapter), _adapter_parameters(policy, self.adapter))
-        else:
-            raise ValueError("sync_ref_model needs a reference (model or adapter) with the policy's parameters")
+        raise ValueError(_NO_SYNC)
 
     def sync(self, policy: torch.nn.Module, alpha: float) -> None:
         """TR-DPO: reference <- alpha * policy + (1 - alpha) * reference."""
+        raise ValueError("no reference weights to sync: the reference log-probs were precomputed")
+
+
+class NoReference(Reference):
+    """None: the loss reads no reference (simpo, cpo, `reference_free`): no copy, no reference forward."""
+
+
+class RefModel(Reference):
+    """ref_model: a separate frozen model (`model`), given by the caller."""
+
+    kind = "ref_model"
+    needs = "a ref_model"  # said when the models given do not fit a reference_mode
+
+    @staticmethod
+    def fits(model: Any, ref_model: Any, wrapped: bool) -> bool:
+        return ref_model is not None
+
+    @classmethod
+    def build(cls, model: Any, ref_model: Any, args: Any, wrapped: bool) -> Reference:
+        return cls(_given_reference(ref_model, model), model=ref_model.eval().requires_grad_(False))
+
+    def check_sync(self, policy: torch.nn.Module) -> None:
+        if is_peft(policy):
+            raise ValueError("sync_ref_model with a PeftModel syncs a reference adapter: omit ref_model")
+        _same_shapes(dict(policy.named_parameters()), dict(_unwrapped(self.model).named_parameters()))
+
+    def sync(self, policy: torch.nn.Module, alpha: float) -> None:
+        policy, reference = extract_model_from_parallel(policy), _unwrapped(self.model)
+        sharding.reshard(policy, reference)
+        _mix_into(dict(reference.named_parameters()), dict(policy.named_parameters()), alpha)
+
+
+class PolicyAtStart(RefModel):
+    """policy_at_start, full fine-tuning: a frozen copy of the model made at construction (`model`, synced as a
+    ref_model is); with its log-probs precomputed, the model itself (`PolicyBeforeFirstStep`)."""
+
+    kind = "policy_at_start"
+    needs = "a model without an adapter and no ref_model or peft_config"
+
+    @staticmethod
+    def fits(model: Any, ref_model: Any, wrapped: bool) -> bool:
+        return not is_peft(model) and ref_model is None
+
+    @classmethod
+    def build(cls, model: Any, ref_model: Any, args: Any, wrapped: bool) -> Reference:
+        if args.precompute_ref_log_probs:
+            return PolicyBeforeFirstStep("the model before its first step (log-probs precomputed)")
+        if zero.is_partitioned(model):  # a copy of ZeRO-3's placeholders would be no model at all
+            raise ValueError("full fine-tuning under DeepSpeed ZeRO-3 needs a reference: pass ref_model (an id or "
+                             "path, loaded partitioned), or precompute_ref_log_probs=True, or a peft_config")
+        return cls("a frozen copy of the model", model=copy.deepcopy(model).eval().requires_grad_(False))
+
+
+class PolicyBeforeFirstStep(Reference):
+    """policy_at_start with its log-probs precomputed: the model itself, no copy; only the precompute pass reads it,
+    before the first step (after it, the trained policy scored against itself would give ln 2)."""
+
+    kind = "policy_at_start"
+    before_first_step = True
+
+
+class AdapterOff(Reference):
+    """adapter_off, the default with LoRA: the policy with its adapter disabled, no second copy of the weights
+    (torchtune's `disable_adapter`)."""
+
+    kind = "adapter_off"
+    needs = "a bare model and a peft_config"
+
+    @staticmethod
+    def fits(model: Any, ref_model: Any, wrapped: bool) -> bool:
+        return is_peft(model) and wrapped
+
+    @classmethod
+    def build(cls, model: Any, ref_model: Any, args: Any, wrapped: bool) -> Reference:
+        if wrapped and args.sync_ref_model:  # TR-DPO moves it: a copy of the fresh adapter, the adapter off while B = 0
+            return AdapterAtStart("a copy of the fresh adapter (TR-DPO)", adapter=_add_adapter_copy(model, REF_ADAPTER))
+        return cls("the base model (the adapter disabled)")
+
+    def cache_name(self) -> str:
+        return "adapter disabled"
+
+
+class AdapterAtStart(Reference):
+    """adapter_at_start: another adapter of the policy (`adapter`), frozen, active for the reference's forward: a copy
+    of the adapter the model came with (of the fresh one, under TR-DPO), or the one `ref_adapter_name` names (TRL's
+    adapter loaded twice)."""
+
+    kind = "adapter_at_start"
+    needs = "a PeftModel and no ref_model or peft_config"
+
+    @staticmethod
+    def fits(model: Any, ref_model: Any, wrapped: bool) -> bool:
+        return is_peft(model) and not wrapped and ref_model is None
+
+    @classmethod
+    def build(cls, model: Any, ref_model: Any, args: Any, wrapped: bool) -> Reference:
+        if args.ref_adapter_name is not None:  # TRL's: the adapter loaded twice, one of them named the reference
+            return cls(f"adapter {args.ref_adapter_name!r}", adapter=args.ref_adapter_name)
+        return cls("a frozen copy of the adapter the model came with", adapter=_add_adapter_copy(model, REF_ADAPTER))
+
+    def cache_name(self) -> str:
+        return f"adapter {self.adapter}"
+
+    def check_sync(self, policy: torch.nn.Module) -> None:
+        _same_shapes(_adapter_parameters(policy, policy.active_adapter), _adapter_parameters(policy, self.adapter))
+
+    def sync(self, policy: torch.nn.Module, alpha: float) -> None:
         policy = extract_model_from_parallel(policy)
-        if self.kind == "model":
-            reference = _unwrapped(self.model)
-            sharding.reshard(policy, reference)
-            _mix_into(dict(reference.named_parameters()), dict(policy.named_parameters()), alpha)
-        elif self.kind == "adapter":
-            sharding.reshard(policy)
-            _mix_into(_adapter_parameters(policy, self.adapter), _adapter_parameters(policy, policy.active_adapter),
-                      alpha)
-        else:
-            raise ValueError("no reference weights to sync: the reference log-probs were precomputed")
+        sharding.reshard(policy)
+        _mix_into(_adapter_parameters(policy, self.adapter), _adapter_parameters(policy, policy.active_adapter), alpha)
+
+
+# The references DPOMinConfig.reference_mode names, by its word; `choose_reference` builds the one named or inferred.
+REFERENCES = {built.kind: built for built in (RefModel, AdapterOff, AdapterAtStart, PolicyAtStart)}
 
 
 class SyncReferenceCallback(TrainerCallback):
@@ -142,7 +248,7 @@ def _adapter_parameters(model: "PeftModel", adapter: str) -> dict[str, torch.Ten
 
 def _same_shapes(policy: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> None:
     if {name: p.shape for name, p in policy.items()} != {name: p.shape for name, p in reference.items()}:
-        raise ValueError("sync_ref_model needs a reference (model or adapter) with the policy's parameters")
+        raise ValueError(_NO_SYNC)
 
 
 def _add_adapter_copy(model: "PeftModel", name: str) -> str:
@@ -199,19 +305,22 @@ def choose_reference(model: Any, ref_model: Any, args: Any, peft_config: Any,
     mode = getattr(args, "reference_mode", None)
     if not reads_reference:  # a ref_model given to such a loss is not kept
         why = "reference_free" if args.reference_free else f"loss_type {', '.join(args.loss_type)}"
-        reference = Reference("none", f"none ({why}: the loss reads no reference)")
+        reference = NoReference(f"none ({why}: the loss reads no reference)")
     elif mode is not None:  # named: the models given must fit it
-        _check_fits(mode, model, ref_model, wrapped)
-        reference = _built(mode, model, ref_model, args, wrapped)
-        reference.mode = mode
+        if args.ref_adapter_name is not None and mode != "adapter_at_start":
+            raise ValueError(f"ref_adapter_name={args.ref_adapter_name!r} names an adapter_at_start reference, not "
+                             f"reference_mode={mode!r}'s: leave one of them out")
+        if not REFERENCES[mode].fits(model, ref_model, wrapped):
+            raise ValueError(f"reference_mode={mode!r} needs {REFERENCES[mode].needs}")
+        reference = REFERENCES[mode].build(model, ref_model, args, wrapped)
     elif ref_model is None and is_peft(model) and not wrapped and args.ref_adapter_name is not None:
-        reference = Reference("adapter", f"adapter {args.ref_adapter_name!r}", adapter=args.ref_adapter_name)
+        reference = AdapterAtStart.build(model, ref_model, args, wrapped)
     else:
-        reference = _built(_inferred_mode(model, ref_model, wrapped), model, ref_model, args, wrapped)
+        reference = REFERENCES[_inferred_mode(model, ref_model, wrapped)].build(model, ref_model, args, wrapped)
     if args.sync_ref_model:
         reference.check_sync(model)
-    if args.precompute_ref_log_probs and reads_reference and reference.kind != "policy":
-        reference.description += ", log-probs precomputed"
+    if args.precompute_ref_log_probs and reads_reference and not reference.before_first_step:
+        reference.description += ", log-probs precomputed"  # the model before its first step says so already
     return model, reference
 
 
@@ -227,41 +336,6 @@ def _inferred_mode(model: Any, ref_model: Any, wrapped: bool) -> str:
         return "adapter_off"
     # An adapter may arrive already trained: the reference is that adapter as it starts, kept frozen.
     return "adapter_off" if wrapped else "adapter_at_start"
-
-
-# What each reference_mode needs of the models given, and says when they do not fit.
-_MODE_NEEDS = {"ref_model": "a ref_model", "adapter_off": "a bare model and a peft_config",
-               "adapter_at_start": "a PeftModel and no ref_model or peft_config",
-               "policy_at_start": "a model without an adapter and no ref_model or peft_config"}
-
-
-def _check_fits(mode: str, model: Any, ref_model: Any, wrapped: bool) -> None:
-    fits = {"ref_model": ref_model is not None, "adapter_off": is_peft(model) and wrapped,
-            "adapter_at_start": is_peft(model) and not wrapped and ref_model is None,
-            "policy_at_start": not is_peft(model) and ref_model is None}
-    if not fits[mode]:
-        raise ValueError(f"reference_mode={mode!r} needs {_MODE_NEEDS[mode]}")
-
-
-def _built(mode: str, model: Any, ref_model: Any, args: Any, wrapped: bool) -> Reference:
-    """The reference of a reference_mode (config.REFERENCE_MODES), named or inferred."""
-    if mode == "ref_model":
-        return Reference("model", _given_reference(ref_model, model), model=ref_model.eval().requires_grad_(False))
-    if mode == "adapter_off" and wrapped and args.sync_ref_model:
-        # TR-DPO moves it: a copy of the fresh adapter, equal to the adapter off while B = 0.
-        return Reference("adapter", "a copy of the fresh adapter (TR-DPO)",
-                         adapter=_add_adapter_copy(model, REF_ADAPTER))
-    if mode == "adapter_off":
-        return Reference("adapter_off", "the base model (the adapter disabled)")
-    if mode == "adapter_at_start":
-        return Reference("adapter", "a frozen copy of the adapter the model came with",
-                         adapter=_add_adapter_copy(model, REF_ADAPTER))
-    if args.precompute_ref_log_probs:
-        return Reference("policy", "the model before its first step (log-probs precomputed)")
-    if zero.is_partitioned(model):  # a copy of ZeRO-3's placeholders would be no model at all
-        raise ValueError("full fine-tuning under DeepSpeed ZeRO-3 needs a reference: pass ref_model (an id or path, "
-                         "loaded partitioned), or precompute_ref_log_probs=True, or a peft_config")
-    return Reference("model", "a frozen copy of the model", model=copy.deepcopy(model).eval().requires_grad_(False))
 
 
 def _given_reference(ref_model: Any, model: Any) -> str:

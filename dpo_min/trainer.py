@@ -186,26 +186,27 @@ class DPOMinTrainer(TRLSurface, Trainer):
 
     @contextlib.contextmanager
     def reference_model(self, policy: torch.nn.Module | None = None) -> Iterator[torch.nn.Module]:
-        """The module whose forward is pi_ref for the block, of the kind `self.reference` names (reference.KINDS),
-        decided once by `reference.choose_reference`; `policy` is the trained model (default `self.model`)."""
+        """The module whose forward is pi_ref for the block, by the kind of `self.reference` (a reference_mode word,
+        decided once by `reference.choose_reference`); `policy` is the trained model (default `self.model`)."""
         policy, reference = self.model if policy is None else policy, self.reference
-        if reference.kind == "model":  # ref_model, or a frozen copy of the model made at construction
-            yield reference.model
-        elif reference.kind == "adapter_off":  # the default with LoRA: no second copy of the weights (torchtune's)
-            with extract_model_from_parallel(policy).disable_adapter():
-                yield policy
-        elif reference.kind == "adapter":  # another adapter of the policy, frozen, active for the block
-            peft_model = extract_model_from_parallel(policy)
-            active = peft_model.active_adapter
-            peft_model.set_adapter(reference.adapter, inference_mode=True)
-            try:
-                yield policy
-            finally:
-                peft_model.set_adapter(active)
-        elif reference.kind == "policy":  # the policy before its first step: only the precompute pass asks
-            yield policy
-        else:
-            raise ValueError("this loss reads no reference log-probs")
+        match reference.kind:
+            case "ref_model":  # a separate frozen model, given
+                yield reference.model
+            case "policy_at_start":  # a frozen copy made at construction; precomputed, the policy before its first step
+                yield policy if reference.before_first_step else reference.model
+            case "adapter_off":  # the default with LoRA: no second copy of the weights (torchtune's)
+                with extract_model_from_parallel(policy).disable_adapter():
+                    yield policy
+            case "adapter_at_start":  # another adapter of the policy, frozen, active for the block
+                peft_model = extract_model_from_parallel(policy)
+                active = peft_model.active_adapter
+                peft_model.set_adapter(reference.adapter, inference_mode=True)
+                try:
+                    yield policy
+                finally:
+                    peft_model.set_adapter(active)
+            case None:
+                raise ValueError("this loss reads no reference log-probs")
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         """The loss; with `compute_metrics`, also what TRL 1.16 passes it: the logits of a plain forward of the

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from .collator import REFERENCE_COLUMNS
-from .reference import Reference
+from .reference import NoReference, RefModel
 
 
 class TRLSurface:
@@ -34,8 +34,8 @@ class TRLSurface:
 
     @ref_model.setter
     def ref_model(self, model: torch.nn.Module | None) -> None:
-        self.reference = Reference("none", "none (the loss reads no reference)") if model is None \
-            else Reference("model", "ref_model, a separate frozen model", model=model)
+        self.reference = NoReference("none (the loss reads no reference)") if model is None \
+            else RefModel("ref_model, a separate frozen model", model=model)
 
     @property
     def ref_adapter_name(self) -> str | None:

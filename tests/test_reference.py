@@ -1,6 +1,7 @@
 """The reference options: a named reference adapter, TR-DPO syncing, reference_free. Tiny models on token ids."""
 
 import copy
+import json
 
 import peft
 import pytest
@@ -12,7 +13,9 @@ from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM, MixtralConfig, MixtralForCausalLM, TrainerCallback
 
 from dpo_min import DPODataCollator, DPOMinConfig, DPOMinTrainer, dpo_loss
+from dpo_min.config import REFERENCE_MODES
 from dpo_min.logps import sequence_logps
+from dpo_min.reference import REFERENCES
 from dpo_min.train.card import model_card
 
 VOCAB = 64
@@ -264,6 +267,60 @@ def test_the_trainer_describes_its_reference_and_the_card_prints_it(tmp_path, to
                       repo_id="r")
     [line] = [line for line in card.splitlines() if line.startswith("| reference |")]
     assert line == f"| reference | {expected} |"
+
+
+# Each reference's kind, in the words DPOMinConfig.reference_mode takes (None: no reference read), and its part of
+# the precompute cache key: the JSON of `cache_settings`, hashed into the cache's file names (ref_cache.cache_key).
+# These are the cache keys users' caches were written under (computed at 350e59b, before the kinds took the
+# reference_mode words): a change here orphans every cache on disk.
+CACHE_SETTINGS = ('{{"ld_alpha": null, "max_length": 1024, "max_prompt_length": null, "reference": "{}", '
+                  '"truncation_mode": "keep_end"}}')  # the reference's name: KIND_AND_CACHE_KEY's second column
+KIND_AND_CACHE_KEY = {
+    "simpo": (None, "model"), "cpo": (None, "model"), "reference_free": (None, "model"),
+    "adapter off": ("adapter_off", "adapter disabled"), "adapter off, precomputed": ("adapter_off", "adapter disabled"),
+    "fresh adapter copy (TR-DPO)": ("adapter_at_start", "adapter ref"),
+    "named adapter": ("adapter_at_start", "adapter frozen"),
+    "copy of the adapter given": ("adapter_at_start", "adapter ref"),
+    "frozen copy": ("policy_at_start", "model"), "ref_model": ("ref_model", "model"),
+    "policy before its first step": ("policy_at_start", "model"),
+}
+
+
+def built_reference(tmp_path, tokenizer, case):
+    options, build, _ = REFERENCE_KINDS[case]
+    model = build.get("model", lambda: tiny_llama(vocab_size=VOCAB))()
+    ref_model = build["ref_model"]() if "ref_model" in build else None
+    args = config(tmp_path, **options)
+    trainer = DPOMinTrainer(model, ref_model, args=args, train_dataset=pairs(4), processing_class=tokenizer,
+                            peft_config=build.get("peft_config"))
+    return trainer.reference, args
+
+
+@pytest.mark.parametrize("case", REFERENCE_KINDS)
+def test_each_reference_is_of_the_kind_its_reference_mode_word_names(tmp_path, tokenizer, case):
+    reference, _ = built_reference(tmp_path, tokenizer, case)
+    assert reference.kind == KIND_AND_CACHE_KEY[case][0]
+    assert tuple(REFERENCES) == REFERENCE_MODES  # one vocabulary: the config's words are the classes' kinds
+    assert all(REFERENCES[mode].kind == mode for mode in REFERENCE_MODES)
+
+
+@pytest.mark.parametrize("case", REFERENCE_KINDS)
+def test_each_reference_s_cache_settings_are_the_keys_users_caches_were_written_under(tmp_path, tokenizer, case):
+    reference, args = built_reference(tmp_path, tokenizer, case)
+    expected = CACHE_SETTINGS.format(KIND_AND_CACHE_KEY[case][1])
+    assert json.dumps(reference.cache_settings(args), sort_keys=True) == expected
+
+
+def test_a_named_reference_mode_reads_the_adapter_ref_adapter_name_names_or_refuses_it(tmp_path, tokenizer):
+    """reference_mode='adapter_at_start' with ref_adapter_name: the reference was a fresh copy of the active adapter,
+    the adapter named silently left unread; another mode beside ref_adapter_name reads no named adapter: refused."""
+    args = config(tmp_path, model_adapter_name="policy", ref_adapter_name="frozen", reference_mode="adapter_at_start")
+    trainer = DPOMinTrainer(named_adapters(), args=args, train_dataset=pairs(4), processing_class=tokenizer)
+    assert (trainer.reference.adapter, trainer.reference.description) == ("frozen", "adapter 'frozen'")
+    args = config(tmp_path, model_adapter_name="policy", ref_adapter_name="frozen", reference_mode="policy_at_start")
+    with pytest.raises(ValueError, match=r"^ref_adapter_name='frozen' names an adapter_at_start reference, not "
+                                         r"reference_mode='policy_at_start''s: leave one of them out$"):
+        DPOMinTrainer(named_adapters(), args=args, train_dataset=pairs(4), processing_class=tokenizer)
 
 
 def test_a_ref_model_loaded_from_the_policys_own_path_is_named_a_second_load(tmp_path, tokenizer, tiny_model_dir):

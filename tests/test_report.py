@@ -169,6 +169,37 @@ def test_the_samples_shown_are_the_kept_held_out_pairs_each_beside_its_own_margi
     assert out.count("dropped 2 of 4 pairs") == 1  # said once, when the trainer tokenized them
 
 
+@pytest.mark.parametrize("cut", [False, True])
+def test_the_samples_shown_are_of_distinct_prompts_each_beside_its_own_pairs_margin(tmp_path, tiny_model_dir, capsys,
+                                                                                    cut):
+    """Two held-out pairs of one prompt (as --group_by_prompt holds out every pair of a prompt together): the samples
+    were the first pairs, so that prompt's one greedy completion was shown twice and a third prompt not at all. With
+    a pair cut by --max_length, each prompt shown stays beside its own pair's margins."""
+    _, held = held_out_split(16, 0.25, 42)
+    rows = [{"prompt": f"What is {i} plus {i}?", "chosen": f"It is {2 * i}.", "rejected": f"It is {2 * i + 1}."}
+            for i in range(16)]
+    rows[held[1]]["prompt"] = rows[held[0]]["prompt"]
+    if cut:
+        rows[held[2]]["prompt"] = "Tell me a long story about the sea. " * 40
+    data_file = tmp_path / "pairs.jsonl"
+    data_file.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    args = tiny_run_args(tiny_model_dir, data_file, tmp_path / "run", "--max_length", "64", "--max_eval_samples",
+                         "4", "--seed", "42", "--eval_on_start", "false", "--max_steps", "1")
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    shown_rows = [rows[held[0]], rows[held[3]]] if cut else [rows[held[0]], rows[held[2]], rows[held[3]]]
+    assert [line.removeprefix("prompt:    ") for line in out.splitlines() if line.startswith("prompt:    ")] == [
+        row["prompt"] for row in shown_rows]
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "run")
+    reference = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    with torch.no_grad():
+        expected = [(sequence_logp(reference, p["prompt_ids"], p["chosen_ids"])
+                     - sequence_logp(reference, p["prompt_ids"], p["rejected_ids"])).item()
+                    for p in tokenize_dataset(shown_rows, tokenizer, 64)]
+    shown = re.findall(r"log p\(chosen\) - log p\(rejected\): reference ([+-][\d.]+)", out)
+    assert [float(value) for value in shown] == pytest.approx(expected, abs=5e-3 + 1e-4)
+
+
 def test_no_samples_asked_tokenizes_no_held_out_row_and_the_run_trains(tmp_path, tiny_model_dir, capsys):
     """--num_samples 0 with the held-out split's first rows cut by --max_length: finding the sampled rows tokenized
     those rows alone and died on "no pair left" (a traceback), though most pairs fit and no sample was asked."""

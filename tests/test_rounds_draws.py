@@ -12,8 +12,8 @@ from test_rounds import Killed, kill_in, same_rounds, tiny_policy
 from dpo_min.rounds import RoundsConfig, RoundsError, history, run_rounds
 from dpo_min.rounds import draws as rounds_draws
 from dpo_min.rounds import loop as rounds_loop
-from dpo_min.rounds.prompts import split_held_out
-from dpo_min.rounds.sampling import Completion
+from dpo_min.rounds.prompts import prompt_rows, rendered_prompts, split_held_out
+from dpo_min.rounds.sampling import Completion, GenerationSettings, sample
 from dpo_min.rounds.schedule import round_prompts
 from dpo_min.train.plan import resolve
 from dpo_min.train.rounds import rounds_config
@@ -73,7 +73,11 @@ def test_dynamic_sampling_draws_more_prompts_until_enough_gave_a_pair_each_once_
     assert calls == [(order[:4], 0), (order[4:7], 2), (order[7:8], 4)]
     assert sampled == order[:8] and len(set(sampled)) == 8 and set(sampled) <= set(pool)
     assert len([p for p in sampled if p not in saturated]) == 4  # prompts_per_round gave a pair
-    assert record == {"skipped": [], "refills": 4, "gen_batches": 5}
+    # Each generate() call's prompts and seed (seed 42 + 1000 x round 1 + the call's number over the waves).
+    assert record == {"skipped": [], "refills": 4, "gen_batches": 5, "temperature": 1.0, "batches": [
+        {"seed": 1042, "prompts": order[0:2]}, {"seed": 1043, "prompts": order[2:4]},
+        {"seed": 1044, "prompts": order[4:6]}, {"seed": 1045, "prompts": order[6:7]},
+        {"seed": 1046, "prompts": order[7:8]}]}
     assert len(rows) == 8 * 2  # every sample counted, the tied prompts' too
 
 
@@ -91,7 +95,10 @@ def test_without_dynamic_sampling_the_round_samples_its_draw_in_one_pass(tmp_pat
     config = RoundsConfig(output_dir=str(tmp_path), num_generations=2, prompts_per_round=3, generation_batch_size=4)
     rows, record, calls = fake_round(config, {}, set(range(8)))
     assert calls == [(round_prompts(list(range(8)), 3, config.seed, 1), 0)] and "total" not in rows[0]
-    assert record == {"skipped": [], "refills": 0, "gen_batches": 2}
+    drawn = round_prompts(list(range(8)), 3, config.seed, 1)
+    assert record == {"skipped": [], "refills": 0, "gen_batches": 2, "temperature": 1.0,
+                      "batches": [{"seed": 1042, "prompts": drawn[:2]}, {"seed": 1043, "prompts": drawn[2:]}]}
+    assert rounds_draws.recorded(config, tmp_path, drawn, 1) == record  # what a plain round's line records
 
 
 def test_a_prompt_is_skipped_with_the_probability_its_streak_of_draws_without_a_pair_gives():
@@ -182,6 +189,26 @@ def test_a_round_with_dynamic_sampling_samples_until_prompts_per_round_gave_a_pa
                 (folder / f"run/round-{line['round']}/pairs.jsonl").read_text().splitlines()} <= set(odd)
     assert sum(line["draw"]["refills"] for line in result.rounds) > 0
     assert read_jsonl(folder / "run/rounds.jsonl") == result.rounds
+
+
+def test_each_rounds_draw_records_every_generate_call_so_pi_0_sampled_on_it_gives_round_1_again(drawn_run, tokenizer):
+    """Issue 56 item 5: an offline arm samples pi_0 on exactly a rounds run's prompts, call by call, with the same
+    seeds and temperature. Round 1's policy is pi_0: sampled so, it gives round 1's completions token for token."""
+    result, folder = drawn_run
+    for line in result.rounds:
+        batches = line["draw"]["batches"]
+        draw = json.loads((folder / f"run/round-{line['round']}/draw.json").read_text())
+        sampled = list(dict.fromkeys(row["prompt_index"] for row in
+                                     read_jsonl(folder / f"run/round-{line['round']}/samples.jsonl")))
+        assert [p for batch in batches for p in batch["prompts"]] == sampled  # every prompt, set-aside ones too
+        assert [batch["seed"] for batch in batches] == [SEED + 1000 * line["round"] + b for b in range(len(batches))]
+        assert draw["batches"] == batches and draw["temperature"] == line["draw"]["temperature"] == 1.0
+    ids = rendered_prompts(tokenizer, prompt_rows(PROMPTS), None)
+    again = [c.ids for batch in result.rounds[0]["draw"]["batches"]
+             for group in sample(tiny_policy(), tokenizer, [ids[p] for p in batch["prompts"]],
+                                 GenerationSettings(3, 4, True, 1.0, seed=batch["seed"]), len(batch["prompts"]))
+             for c in group]
+    assert again == [row["completion_ids"] for row in read_jsonl(folder / "run/round-1/generated.jsonl")]
 
 
 def test_the_history_skips_prompts_that_gave_no_pair_as_its_rule_says(drawn_run):

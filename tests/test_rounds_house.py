@@ -85,9 +85,8 @@ def test_each_round_names_its_reference_and_the_trainer_builds_that_one(tmp_path
     assert args.reference_mode == mode
     given = policy.trainer_models()
     _, chosen = choose_reference(given["model"], given["ref_model"], args, given["peft_config"], True)
-    # The mode the trainer reports is the one the rounds named: a reference reached through the order of
-    # choose_reference's inferring branches reports none.
-    assert (chosen.mode, chosen.description) == (mode, description)
+    # The kind the trainer built is the one the rounds named, in the same word (reference.REFERENCES).
+    assert (chosen.kind, chosen.description) == (mode, description)
 
 
 def test_a_named_reference_the_models_do_not_fit_is_refused(tmp_path):

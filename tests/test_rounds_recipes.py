@@ -206,9 +206,11 @@ def test_a_rounds_line_and_rounds_jsonl_say_how_many_prompts_were_saturated(tmp_
     line = run_rounds(tiny_policy(), tokenizer, PROMPTS, constant, config).rounds[0]
     assert line["saturated"] == line["dropped"]["all_tied"] == line["prompts"] == 3
     assert read_jsonl(tmp_path / "run/rounds.jsonl")[0]["saturated"] == 3
-    # Where the samples went (issue 56 item 3), a plain draw too: every prompt all right, one generate() call.
+    # Where the samples went (issue 56 item 3), a plain draw too: every prompt all right, one generate() call, its
+    # prompts (every training prompt, in the pool's order) and its seed, seed 7 + 1000 x round 1 (issue 56 item 5).
     assert line["draw"] == {"all_right": 3, "all_wrong": 0, "all_alike": 0, "mixed": 0, "unscorable": 0, "skipped": 0,
-                            "refills": 0, "gen_batches": 1}
+                            "refills": 0, "gen_batches": 1, "temperature": 1.0,
+                            "batches": [{"seed": 1007, "prompts": split_held_out(5, 0.4, 7)[0]}]}
     assert (tmp_path / "run/rounds.png").is_file()
     assert "round 1: 9 samples, 0 pairs (dropped: 3 all_tied); 3 prompts: 3 all right, 0 mixed, reward mean 1.000 " \
         "(best 1.000, worst 1.000); no pair, round skipped" in capsys.readouterr().out

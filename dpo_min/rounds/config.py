@@ -15,7 +15,7 @@ DEFAULT_PROMPTS_PER_BATCH = 8
 MAX_TEMPERATURE = 10.0
 # Options that came after runs were recorded: at these values settings.json leaves them out, as it did before.
 RECIPE_DEFAULTS = {"prompts_per_round": None, "pairs_per_prompt": 1, "pair_rule": "best", "dynamic_sampling": False,
-                   "max_num_gen_batches": 0, "skip_saturated": 0}
+                   "max_num_gen_batches": 0, "skip_saturated": 0, "round_max_steps": None}
 PAIR_RULES = ("best", "every")  # pairs.py: the best against the k worst, or every better against every worse
 
 
@@ -48,6 +48,10 @@ class RoundsConfig:
     dynamic_sampling: bool = False
     max_num_gen_batches: int = 0
     skip_saturated: int = 0
+    # Each round's DPO pass stopped at exactly this many optimizer steps, one count per round (its pairs cycled over
+    # more epochs, or cut within the first): a control at equal steps (benchmarks/compare_rounds_pay.py). None: the
+    # pass runs training's epochs.
+    round_max_steps: list[int] | None = None
     reference: str = "initial"
     on_no_pairs: str = "stop"
     held_out_share: float = 0.0
@@ -86,6 +90,7 @@ class RoundsConfig:
         if self.pair_rule not in PAIR_RULES:
             raise RoundsError(f"pair_rule must be one of {PAIR_RULES}, got {self.pair_rule!r}")
         self._check_draws()
+        self._check_round_max_steps()
         if self.reference not in REFERENCES:
             raise RoundsError(f"reference must be one of {REFERENCES}, got {self.reference!r}")
         if self.on_no_pairs not in NO_PAIR_CHOICES:
@@ -121,6 +126,24 @@ class RoundsConfig:
             raise RoundsError(f"max_num_gen_batches {self.max_num_gen_batches} is less than the {first} generate() "
                               f"call(s) of prompts_per_round {self.prompts_per_round} ({self.prompts_per_batch} "
                               "prompts a call): raise it, or leave it 0 for no cap")
+
+    def _check_round_max_steps(self) -> None:
+        steps = self.round_max_steps
+        if steps is None:
+            return
+        if len(steps) != self.rounds:
+            raise RoundsError(f"round_max_steps has {len(steps)} values for {self.rounds} rounds: give one per round")
+        if not all(isinstance(count, int) and count >= 1 for count in steps):
+            raise RoundsError(f"round_max_steps must be whole numbers >= 1 (a round's optimizer steps), got {steps}")
+        if self.training.get("max_steps", -1) > 0:
+            raise RoundsError("round_max_steps sets each round's max_steps: drop max_steps from training")
+
+    def round_training(self, round_index: int) -> dict[str, Any]:
+        """Round K's DPO pass options: `training`, with its round_max_steps count as max_steps (Trainer then runs
+        as many epochs over the round's pairs as the steps take, the last one cut) when they are given."""
+        if self.round_max_steps is None:
+            return self.training
+        return {**self.training, "max_steps": self.round_max_steps[round_index - 1]}
 
     def _check_temperature(self) -> None:
         """One value for every round, or exactly one per round; a list of one is that value (the command's

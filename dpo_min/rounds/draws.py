@@ -36,12 +36,22 @@ def uses_draws(config: RoundsConfig) -> bool:
     return config.dynamic_sampling or config.skip_saturated > 0
 
 
-def recorded(config: RoundsConfig, folder: Path, prompts: int) -> dict[str, Any]:
-    """What the round's draw did (sample_round's record): its draw.json; for a plain draw of `prompts` prompts, its
-    generate() calls."""
+def recorded(config: RoundsConfig, folder: Path, prompts: list[int], round_index: int) -> dict[str, Any]:
+    """What the round's draw did (sample_round's record): its draw.json; for a plain draw of `prompts` (the round's
+    prompts in the order sampled: one wave), its generate() calls, their prompts and seeds."""
     if uses_draws(config):
         return json.loads((folder / "draw.json").read_text())
-    return {"skipped": [], "refills": 0, "gen_batches": -(-prompts // config.prompts_per_batch)}
+    return {"skipped": [], "refills": 0, **_calls([prompts], config, round_index)}
+
+
+def _calls(waves: list[list[int]], config: RoundsConfig, round_index: int) -> dict[str, Any]:
+    """The round's generate() calls: how many, the round's temperature, and each call's prompts and sampling seed
+    (batches of prompts_per_batch prompts within each wave, numbered over the waves, batch b seeded round_seed + b as
+    the loop seeds it), so that another model can be sampled on exactly these prompts with these seeds."""
+    size, first = config.prompts_per_batch, schedule.round_seed(config.seed, round_index)
+    batches = [wave[start:start + size] for wave in waves for start in range(0, len(wave), size)]
+    return {"gen_batches": len(batches), "temperature": schedule.round_temperature(config.temperature, round_index),
+            "batches": [{"seed": first + b, "prompts": prompts} for b, prompts in enumerate(batches)]}
 
 
 def candidates(pool: list[int], per_round: int | None, seed: int, round_index: int) -> list[int]:
@@ -79,15 +89,16 @@ def _paired(rows: list[dict[str, Any]], config: RoundsConfig) -> int:
 def sample_round(config: RoundsConfig, pool: list[int], past: dict[int, list[bool]], round_index: int,
                  sample: SampleFn, score: ScoreFn) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """The round's generated rows (scored, with dynamic sampling: its decisions read the scores) and its record:
-    the prompts skipped, how many were drawn to refill, the generate() calls made."""
+    the prompts skipped, how many were drawn to refill, the generate() calls made (`_calls`)."""
     skipped: list[int] = []
     order = _not_skipped(candidates(pool, config.prompts_per_round, config.seed, round_index), past, config,
                          round_index, skipped)
     target = config.prompts_per_round
     wave = list(islice(order, target))  # None: every prompt not skipped
-    rows, batches, paired, first = [], 0, 0, len(wave)
+    rows, batches, paired, first, waves = [], 0, 0, len(wave), []
     size = config.prompts_per_batch
     while wave:
+        waves.append(wave)
         new = _rows(wave, sample(wave, batches))
         batches += -(-len(wave) // size)
         if not config.dynamic_sampling:
@@ -99,4 +110,4 @@ def sample_round(config: RoundsConfig, pool: list[int], past: dict[int, list[boo
         room = config.max_num_gen_batches - batches if config.max_num_gen_batches else len(pool)
         wave = list(islice(order, max(0, min(target - paired, room * size))))
     sampled = len({row["prompt_index"] for row in rows})
-    return rows, {"skipped": skipped, "refills": sampled - first, "gen_batches": batches}
+    return rows, {"skipped": skipped, "refills": sampled - first, **_calls(waves, config, round_index)}

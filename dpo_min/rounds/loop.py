@@ -127,7 +127,7 @@ def _generate(run: _Run, model: Any, round_index: int, steps: int) -> list[dict[
     config, folder = run.config, run.folder.round_dir(round_index)
     settings = GenerationSettings(config.num_generations, config.max_completion_length, True,
                                   schedule.round_temperature(config.temperature, round_index), config.top_p,
-                                  seed=config.seed + 1000 * round_index)
+                                  seed=schedule.round_seed(config.seed, round_index))
     past = history.draws([run.folder.round_dir(k) / "samples.jsonl" for k in range(1, round_index)],
                          config.min_margin, config.pair_rule) if config.skip_saturated else {}
     rows, drawn = draws.sample_round(
@@ -248,7 +248,7 @@ def _training_args(run: _Run, folder: Path, round_index: int, policy: Policy) ->
     """The settings of a round's DPO pass; its reference named by the policy (RoundsConfig refuses one in training)."""
     return DPOMinConfig(**{"report_to": "none", "logging_steps": 1, "num_train_epochs": 1,  # one pass a round
                            "seed": run.config.seed + round_index, "use_cpu": several_on_cpu(),  # join over gloo
-                           **run.config.training, "output_dir": str(folder / "train"),
+                           **run.config.round_training(round_index), "output_dir": str(folder / "train"),
                            "reference_mode": policy.reference_mode})
 
 
@@ -294,7 +294,7 @@ def _round(run: _Run, policy: Policy, round_index: int, steps: int) -> tuple[dic
     totals = [row["total"] for row in samples if row["total"] is not None]
     line = {"round": round_index, "prompts": len(_sampled(samples)), "samples": len(samples), "pairs": len(made),
             "dropped": dropped, "saturated": saturated,
-            "draw": spend.record(samples, draws.recorded(run.config, folder, len(_sampled(samples)))),
+            "draw": spend.record(samples, draws.recorded(run.config, folder, _sampled(samples), round_index)),
             "unscorable_samples": len(samples) - len(totals),
             "reward_mean": held_out.mean_with_interval(totals)["mean"],  # finite where a sum of 1e308s is not
             "reward_best": max(totals, default=None), "reward_worst": min(totals, default=None)}

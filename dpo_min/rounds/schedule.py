@@ -43,6 +43,12 @@ def round_prompts(pool: Sequence[int], per_round: int | None, seed: int, round_i
     return sorted(drawn)
 
 
+def round_seed(seed: int, round_index: int) -> int:
+    """The sampling seed of round K's first generate() call; its batch b is seeded this + b (1000 calls a round
+    before two rounds' seeds meet)."""
+    return seed + 1000 * round_index
+
+
 def round_temperature(temperature: float | list[float], round_index: int) -> float:
     """Round K's sampling temperature: the one value, or the K-th of one per round."""
     return temperature[round_index - 1] if isinstance(temperature, list) else temperature

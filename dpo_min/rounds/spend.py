@@ -40,9 +40,10 @@ def outcomes(samples: list[dict[str, Any]]) -> dict[str, int]:
 
 def record(samples: list[dict[str, Any]], drawn: dict[str, Any]) -> dict[str, Any]:
     """rounds.jsonl's `draw`: the outcomes, and from the round's draw (draws.sample_round) the prompts skipped, the
-    prompts drawn to refill, the generate() calls."""
-    return {**outcomes(samples), "skipped": len(drawn["skipped"]), "refills": drawn["refills"],
-            "gen_batches": drawn["gen_batches"]}
+    prompts drawn to refill, the generate() calls, the round's temperature and each call's prompts and seed (a
+    draw.json written before they were recorded has none)."""
+    calls = {key: drawn[key] for key in ("gen_batches", "temperature", "batches") if key in drawn}
+    return {**outcomes(samples), "skipped": len(drawn["skipped"]), "refills": drawn["refills"], **calls}
 
 
 def describe(line: dict[str, Any]) -> str:

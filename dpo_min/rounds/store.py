@@ -37,9 +37,9 @@ from .config import RoundsError
 RECORDED_SINCE = ("model", "reward_identity")
 # Keys of each reward_identity entry that an earlier version's lacks (rewards.Rewards.identity): compared once recorded.
 IDENTITY_SINCE = ("code (sha256)", "weights (sha256)")
-# Settings a resume may lengthen: one temperature per round, a list that rounds added to the run extend (the old list
-# its start); settings.json then records the longer one.
-EXTENDABLE = ("temperature",)
+# Settings a resume may lengthen: one temperature (or step count) per round, a list that rounds added to the run
+# extend (the old list its start); settings.json then records the longer one.
+EXTENDABLE = ("temperature", "round_max_steps")
 
 
 @contextmanager

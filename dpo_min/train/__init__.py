@@ -32,6 +32,7 @@ from .args import (  # noqa: F401  (COMMAND_DEFAULTS, DEMO_DEFAULTS, DataArgumen
 from .command_line import parse_args  # noqa: F401  (re-exported for scripts, tests)
 from .finish import publish_run, run_training
 from .hub import check_push
+from .model_setup import load_model  # noqa: F401  (re-exported for scripts: the benchmarks load as the command)
 from .pairs import dropped_rows, load_pairs, local_data, trained_sources
 from .plan import Plan, decide, resolve  # noqa: F401  (decide: a library caller's options -> their plan)
 from .run_dir import OutputDirError

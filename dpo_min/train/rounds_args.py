@@ -75,6 +75,10 @@ class RoundsArguments:
         "help": "GRESO's pre-sampling skip: a training prompt whose last N draws in a row gave no pair is skipped "
                 "with probability 1 - 2^-(streak - N + 1) (1/2, then 3/4, ...), seeded; the round draws another in "
                 "its place. Read from the rounds' samples.jsonl, so a resume skips alike. 0: off."})
+    round_max_steps: list[int] | None = field(default=None, metadata={
+        "help": "Run each round's DPO pass for exactly this many optimizer steps, one count per round (12 9 24 for "
+                "three rounds): the round's pairs cycled over more epochs, or cut within the first; a control at "
+                "equal steps. Default: --num_train_epochs over the round's pairs."})
     on_no_pairs: str = field(default=_DEFAULT["on_no_pairs"], metadata={
         "help": "A round where every prompt's samples tie: stop there, or skip to the next round.",
         "choices": list(NO_PAIR_CHOICES)})

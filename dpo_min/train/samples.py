@@ -2,6 +2,7 @@
 greedy completions and log-prob margins of the first --num_samples held-out pairs, which the trained policy's are
 set beside when the run is published."""
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,8 +19,9 @@ from .report import CompletionLogger, describe_plan, describe_ties, greedy_compl
 
 @dataclass
 class Samples:
-    """The first num_samples held-out pairs (in the seeded split's order, fixed before any output is seen) and the
-    reference's greedy completions and log-prob margins of them; `completions` logs the policy's at each evaluation."""
+    """The first num_samples held-out pairs of distinct prompts (in the seeded split's order, fixed before any output
+    is seen) and the reference's greedy completions and log-prob margins of them; `completions` logs the policy's at
+    each evaluation."""
 
     prompts: list[Any]
     pairs: list[dict[str, Any]]
@@ -33,8 +35,8 @@ def sample_reference(trainer: DPOMinTrainer, plan: Plan, held_out: Dataset | Non
     say = print if plan.is_main else (lambda *_, **__: None)
     model = trainer.model
     rows = _sampled_rows(trainer, held_out, plan.data.num_samples)
-    prompts = [held_out[row]["prompt"] for row in rows]
-    pairs = [trainer.eval_dataset[i] for i in range(len(rows))]  # the pairs of those rows, as the trainer kept them
+    prompts = [held_out[row]["prompt"] for row, _ in rows]
+    pairs = [trainer.eval_dataset[pair] for _, pair in rows]  # the pairs of those rows, as the trainer kept them
     train_pairs = pair_count(trainer.train_dataset)
     say(f"model {plan.model_name} | {'streamed' if train_pairs is None else train_pairs} train pairs, "
         f"{0 if held_out is None else len(trainer.eval_dataset)} held-out | "
@@ -60,16 +62,25 @@ def sample_reference(trainer: DPOMinTrainer, plan: Plan, held_out: Dataset | Non
     return Samples(prompts, pairs, texts, margins, completions)
 
 
-def _sampled_rows(trainer: DPOMinTrainer, held_out: Dataset | None, count: int) -> list[int]:
-    """The held-out rows of the trainer's first `count` held-out pairs. Tokenizing drops the pairs that truncation
-    leaves unusable, so a row is found by asking it which it kept, over the rows that can hold the first `count`:
-    those hold at least min(count, kept) kept pairs. No samples asked, no row is tokenized (the first rows may all be
-    cut: tokenizing only those would find no pair left)."""
+def _sampled_rows(trainer: DPOMinTrainer, held_out: Dataset | None, count: int) -> list[tuple[int, int]]:
+    """(held-out row, held-out pair) of the first `count` kept pairs whose prompts differ: a prompt's greedy
+    completion is one text, so a second pair of it (all of a prompt's pairs are held out together under
+    --group_by_prompt) would show the same sample again. Tokenizing drops the pairs that truncation leaves unusable,
+    so the kept rows are asked of it over the rows that hold count + dropped prompts: at least min(count, kept
+    prompts) of those are kept. No samples asked, no row is tokenized (the first rows may all be cut: tokenizing
+    only those would find no pair left)."""
     if held_out is None or count <= 0:
         return []
     dropped = len(held_out) - len(trainer.eval_dataset)
-    if not dropped:
-        return list(range(min(count, len(held_out))))
-    reach = held_out.select(range(min(len(held_out), count + dropped)))
-    tokenizer = getattr(trainer.processing_class, "tokenizer", trainer.processing_class)
-    return trainer_setup.kept_rows(reach, tokenizer, trainer.args, trainer.model)[:count]
+    keys = [json.dumps(prompt, sort_keys=True) for prompt in held_out["prompt"]]
+    kept = range(len(held_out))
+    if dropped:
+        reach = next((end for end in range(len(keys) + 1) if len(set(keys[:end])) >= count + dropped), len(keys))
+        tokenizer = getattr(trainer.processing_class, "tokenizer", trainer.processing_class)
+        kept = trainer_setup.kept_rows(held_out.select(range(reach)), tokenizer, trainer.args, trainer.model)
+    shown, seen = [], set()
+    for pair, row in enumerate(kept):
+        if len(shown) < count and keys[row] not in seen:
+            seen.add(keys[row])
+            shown.append((row, pair))
+    return shown

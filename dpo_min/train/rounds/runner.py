@@ -123,7 +123,7 @@ def rounds_config(plan: Plan, peft_config: Any) -> RoundsConfig:
             prompts_per_round=options.prompts_per_round, pairs_per_prompt=options.pairs_per_prompt,
             pair_rule=options.pair_rule, dynamic_sampling=options.dynamic_sampling,
             max_num_gen_batches=options.max_num_gen_batches, skip_saturated=options.skip_saturated,
-            peft_config=peft_config)
+            round_max_steps=options.round_max_steps, peft_config=peft_config)
     except RoundsError as error:
         raise UsageError(f"--{error}") from None  # its messages open with the field's name, the option's
 
