@@ -174,9 +174,6 @@ def run_seed(protocol: dict, seed: int, out: Path) -> dict:
     argvs = seed_argv(protocol, seed, out)
     arms = {arm: finished(out / f"{arm}.json", lambda argv=argv: rounds_run(argv)) for arm, argv in argvs.items()}
     steps = arms["rounds_pay"]["steps"]
-    if 0 in steps:  # --round_max_steps takes counts >= 1: a round of no step has no control at equal steps
-        sys.exit(f"seed {seed}: rounds_pay's round {steps.index(0) + 1} trained no step (no pair): plain_matched "
-                 "cannot run a round at 0 steps")
     arms["plain_matched"] = finished(out / "plain_matched.json", lambda: {
         **rounds_run(matched_argv(argvs["rounds_plain"], steps, out)), "round_max_steps": steps})
     plan = resolve(argvs["rounds_pay"])

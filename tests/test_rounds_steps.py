@@ -33,10 +33,25 @@ def test_each_round_trains_exactly_its_count_of_steps_its_pairs_cycled_or_cut(tm
     assert json.loads((tmp_path / "run" / "settings.json").read_text())["round_max_steps"] == [5, 1]
 
 
+def test_a_round_given_no_step_writes_its_pairs_and_trains_none(tmp_path, tokenizer, capsys):
+    """The control at equal steps of a round that had no pair: round_max_steps 0 for it. The count was refused
+    (>= 1), so a protocol seed with such a round had no control and could not be reported."""
+    config = settings(tmp_path, round_max_steps=[2, 0], training={"num_train_epochs": 1})
+    result = run_rounds(tiny_policy(), tokenizer, PROMPTS, letters, config)
+    first, second = result.rounds
+    assert first["dpo"]["steps"] == 2 and second["status"] == "no step: round_max_steps 0" and "dpo" not in second
+    assert second["pairs"] > 0 and (tmp_path / "run" / "round-2" / "pairs.jsonl").read_text().count("\n") == \
+        second["pairs"]
+    assert not (tmp_path / "run" / "round-2" / "train").exists()
+    assert "no step (round_max_steps 0), round skipped" in capsys.readouterr().out
+    again = run_rounds(tiny_policy(), tokenizer, PROMPTS, letters, config)  # finished: read back, not rerun
+    assert [line["status"] for line in again.rounds] == ["trained", "no step: round_max_steps 0"]
+
+
 @pytest.mark.parametrize(("steps", "message"), [
     ([4], "round_max_steps has 1 values for 2 rounds: give one per round"),
-    ([4, 0], "round_max_steps must be whole numbers >= 1 (a round's optimizer steps), got [4, 0]"),
-], ids=["count", "zero"])
+    ([4, -1], "round_max_steps must be whole numbers >= 0 (a round's optimizer steps), got [4, -1]"),
+], ids=["count", "negative"])
 def test_a_step_count_per_round_that_cannot_work_is_refused_in_one_line(tmp_path, capsys, monkeypatch, steps,
                                                                        message):
     with pytest.raises(RoundsError) as error:

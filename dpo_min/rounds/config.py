@@ -133,15 +133,19 @@ class RoundsConfig:
             return
         if len(steps) != self.rounds:
             raise RoundsError(f"round_max_steps has {len(steps)} values for {self.rounds} rounds: give one per round")
-        if not all(isinstance(count, int) and count >= 1 for count in steps):
-            raise RoundsError(f"round_max_steps must be whole numbers >= 1 (a round's optimizer steps), got {steps}")
+        if not all(isinstance(count, int) and not isinstance(count, bool) and count >= 0 for count in steps):
+            raise RoundsError(f"round_max_steps must be whole numbers >= 0 (a round's optimizer steps), got {steps}")
         if self.training.get("max_steps", -1) > 0:
             raise RoundsError("round_max_steps sets each round's max_steps: drop max_steps from training")
+
+    def trains_no_step(self, round_index: int) -> bool:
+        """Round K is given 0 steps: the control at equal steps of a round that trained none (it had no pair)."""
+        return self.round_max_steps is not None and self.round_max_steps[round_index - 1] == 0
 
     def round_training(self, round_index: int) -> dict[str, Any]:
         """Round K's DPO pass options: `training`, with its round_max_steps count as max_steps (Trainer then runs
         as many epochs over the round's pairs as the steps take, the last one cut) when they are given."""
-        if self.round_max_steps is None:
+        if self.round_max_steps is None or self.trains_no_step(round_index):  # 0: no pass is built to run
             return self.training
         return {**self.training, "max_steps": self.round_max_steps[round_index - 1]}
 

@@ -24,6 +24,8 @@ def summary(line: dict[str, Any]) -> str:
                 f"{line['reward_worst']:.3f})"
     if line["status"] == "no pair: stop":
         return f"{text}; {no_pair_message(line)}"
+    if line["status"] == "no step: round_max_steps 0":
+        return f"{text}; no step (round_max_steps 0), round skipped"
     if line["status"] != "trained":
         return f"{text}; no pair, round skipped (on_no_pairs='skip')"
     dpo = line["dpo"]

@@ -300,6 +300,8 @@ def _round(run: _Run, policy: Policy, round_index: int, steps: int) -> tuple[dic
             "reward_best": max(totals, default=None), "reward_worst": min(totals, default=None)}
     if not made:
         return {**line, "status": f"no pair: {run.config.on_no_pairs}", "seconds": times}, None
+    if run.config.trains_no_step(round_index):  # its pairs written, its weights the round before's
+        return {**line, "status": "no step: round_max_steps 0", "seconds": times}, None
     trainer = None
     if (folder / "checkpoint").is_dir():  # trained before a kill: the round's weights are on disk
         policy.restore(folder / "checkpoint")

@@ -78,7 +78,8 @@ class RoundsArguments:
     round_max_steps: list[int] | None = field(default=None, metadata={
         "help": "Run each round's DPO pass for exactly this many optimizer steps, one count per round (12 9 24 for "
                 "three rounds): the round's pairs cycled over more epochs, or cut within the first; a control at "
-                "equal steps. Default: --num_train_epochs over the round's pairs."})
+                "equal steps (0: the round trains no step, as a round with no pair). Default: --num_train_epochs over "
+                "the round's pairs."})
     on_no_pairs: str = field(default=_DEFAULT["on_no_pairs"], metadata={
         "help": "A round where every prompt's samples tie: stop there, or skip to the next round.",
         "choices": list(NO_PAIR_CHOICES)})
