@@ -255,16 +255,11 @@ REFERENCE_KINDS = {
 
 @pytest.mark.parametrize("kind", REFERENCE_KINDS)
 def test_the_trainer_describes_its_reference_and_the_card_prints_it(tmp_path, tokenizer, kind):
-    options, build, expected = REFERENCE_KINDS[kind]
-    model = build.get("model", lambda: tiny_llama(vocab_size=VOCAB))()
-    ref_model = build["ref_model"]() if "ref_model" in build else None
-    args = config(tmp_path, **options)
-    trainer = DPOMinTrainer(model, ref_model, args=args, train_dataset=pairs(4), processing_class=tokenizer,
-                            peft_config=build.get("peft_config"))
-    assert trainer.reference.description == expected
+    expected = REFERENCE_KINDS[kind][2]
+    reference, args = built_reference(tmp_path, tokenizer, kind)
+    assert reference.description == expected
     card = model_card(model="org/base", kind="full", datasets={"org/pairs": 4}, train_pairs=4, held_out_pairs=0,
-                      args=args, reference=trainer.reference.description, lora=None, before={}, after={},
-                      repo_id="r")
+                      args=args, reference=reference.description, lora=None, before={}, after={}, repo_id="r")
     [line] = [line for line in card.splitlines() if line.startswith("| reference |")]
     assert line == f"| reference | {expected} |"
 
