@@ -9,8 +9,8 @@ import zlib
 from pathlib import Path
 
 import pytest
+from conftest import committed_table, protocol_digest
 from conftest import load_benchmark as load
-from conftest import protocol_digest
 
 from dpo_min.rounds import arithmetic
 from dpo_min.train.plan import resolve
@@ -18,6 +18,7 @@ from dpo_min.train.rounds import rounds_config
 
 ROOT = Path(__file__).resolve().parent.parent
 PROTOCOL = ROOT / "benchmarks" / "protocols" / "rounds-pay-2026-12-06.json"
+RESULTS = ROOT / "benchmarks" / "results" / "rounds-pay-2026-12-06"
 SEED = 11  # the tiny protocol's: rounds_pay refills, every rounds arm trains in both rounds, at other steps
 
 
@@ -204,3 +205,12 @@ def test_the_protocols_arms_are_options_the_command_takes_and_an_unlisted_seed_i
                                                         "output_dir": None} == {**vars(plain), "output_dir": None}
     with pytest.raises(SystemExit, match="not one of the protocol's"):
         compare.run_seed(protocol, 42, tmp_path)
+
+
+def test_the_committed_seed_files_pass_the_tables_checks_and_print_the_table_docs_rounds_quotes(capsys):
+    """The seeds run so far, each run under the committed protocol (its digest, the command's arguments, the controls
+    at rounds_pay's steps): the table over them is the one docs/rounds.md quotes, line for line, whatever it shows."""
+    printed = committed_table("compare_rounds_pay", PROTOCOL, RESULTS, capsys, every_seed=False)
+    doc = (ROOT / "docs" / "rounds.md").read_text().splitlines()
+    start = doc.index(printed[0])
+    assert doc[start:start + len(printed)] == printed and printed[0].startswith("protocol rounds-pay-2026-12-06, ")
