@@ -75,7 +75,7 @@ def _sampled_rows(trainer: DPOMinTrainer, held_out: Dataset | None, count: int) 
     keys = [json.dumps(prompt, sort_keys=True) for prompt in held_out["prompt"]]
     kept = range(len(held_out))
     if dropped:
-        reach = next((end for end in range(len(keys) + 1) if len(set(keys[:end])) >= count + dropped), len(keys))
+        reach = _rows_holding(keys, count + dropped)
         tokenizer = getattr(trainer.processing_class, "tokenizer", trainer.processing_class)
         kept = trainer_setup.kept_rows(held_out.select(range(reach)), tokenizer, trainer.args, trainer.model)
     shown, seen = [], set()
@@ -84,3 +84,13 @@ def _sampled_rows(trainer: DPOMinTrainer, held_out: Dataset | None, count: int) 
             seen.add(keys[row])
             shown.append((row, pair))
     return shown
+
+
+def _rows_holding(keys: list[str], prompts: int) -> int:
+    """How many first rows hold `prompts` distinct prompts (all the rows where fewer are there), in one pass."""
+    seen = set()
+    for end, key in enumerate(keys, 1):
+        seen.add(key)
+        if len(seen) >= prompts:
+            return end
+    return len(keys)
