@@ -44,7 +44,7 @@ from compare_rounds import (
     sample_like_the_rounds,
     scored_groups,
 )
-from paired import exact_mcnemar, seed_permutation_test
+from paired import exact_mcnemar, seed_permutation_test, sign_flip_floor
 from seed_files import SeedFileForm, protocol_digest, read_seeds, recorded_argv, refuse, run_or_table
 
 ARMS = ("pi_0", "rounds_pay", "rounds_plain", "offline_pay", "offline_pay_matched", "plain_matched")
@@ -229,7 +229,7 @@ def print_table(paths: list[str], protocol_file: str | None = None) -> None:
     """In the protocol's order: per seed, every seed pooled (Wilson 95%), the primary comparison and its verdict, the
     secondary ones, where each arm's samples went round by round, and what a held-out prompt gained cost. Every file
     is checked against the protocol first (`protocol_file`, or the one the files name): seed_files.read_seeds."""
-    _, seeds = read_seeds(paths, protocol_file, SEED_FILES)
+    protocol, seeds = read_seeds(paths, protocol_file, SEED_FILES)
     for figures in seeds:
         if problem := control_problem(figures):
             refuse(f"seed {figures['seed']}: {problem}: not the protocol's control")
@@ -245,7 +245,7 @@ def print_table(paths: list[str], protocol_file: str | None = None) -> None:
         print(f"| {arm} | {interval(sum(pooled[arm]), len(pooled[arm]))} |")
     print("\nprimary: rounds_pay vs offline_pay, both tests two-sided at 0.05")
     print_comparisons(seeds, pooled, [("rounds_pay", "offline_pay")])
-    print(f"\n{verdict(seeds, pooled)}\n\nsecondary:")
+    print(f"\n{verdict(seeds, pooled, len(protocol['seeds']))}\n\nsecondary:")
     print_comparisons(seeds, pooled, [("rounds_pay", "rounds_plain"), ("rounds_pay", "offline_pay_matched"),
                                       ("rounds_pay", "plain_matched"), ("rounds_plain", "offline_pay"),
                                       *((arm, "pi_0") for arm in ARMS[1:])])
@@ -253,17 +253,28 @@ def print_table(paths: list[str], protocol_file: str | None = None) -> None:
     print_cost(seeds, pooled)
 
 
-def verdict(seeds: list[dict], pooled: dict) -> str:
+def verdict(seeds: list[dict], pooled: dict, seeds_in_all: int) -> str:
     """The protocol's rule: a gain only if McNemar over the prompts and the sign-flip test over the seeds both give
-    p < 0.05, with rounds_pay right on more of the discordant prompts."""
+    p < 0.05, with rounds_pay right on more of the discordant prompts. Before its last seed, whether the seeds left
+    can still give a gain: not once the sign-flip test's floor over all the seeds reaches 0.05."""
     pay, off = pooled["rounds_pay"], pooled["offline_pay"]
     only_pay, only_off = sum(a and not b for a, b in zip(pay, off)), sum(b and not a for a, b in zip(pay, off))
     prompts = exact_mcnemar(only_pay, only_off)
-    flips = seed_permutation_test([sum(f["outcomes"]["rounds_pay"]) - sum(f["outcomes"]["offline_pay"])
-                                   for f in seeds])
+    differences = [sum(f["outcomes"]["rounds_pay"]) - sum(f["outcomes"]["offline_pay"]) for f in seeds]
+    flips = seed_permutation_test(differences)
     gain = prompts < ALPHA and flips < ALPHA and only_pay > only_off
-    return (f"primary verdict: {'a gain of rounds_pay' if gain else 'no gain claimed'} (McNemar p {prompts:.3g}, "
+    line = (f"primary verdict: {'a gain of rounds_pay' if gain else 'no gain claimed'} (McNemar p {prompts:.3g}, "
             f"sign-flip p {flips:.3g}, discordant prompts {only_pay} for rounds_pay, {only_off} for offline_pay)")
+    left = seeds_in_all - len(seeds)
+    if left <= 0:
+        return line
+    floor = sign_flip_floor(differences, seeds_in_all)
+    if floor < ALPHA:
+        return f"{line}; {len(seeds)} of the protocol's {seeds_in_all} seeds run: the {left} left decide it"
+    not_ahead = sum(d <= 0 for d in differences)
+    return (f"{line}; {len(seeds)} of the protocol's {seeds_in_all} seeds run, and no outcome of the {left} left "
+            f"gives a gain: with {not_ahead} seed(s) not ahead, the sign-flip p over {seeds_in_all} seeds is at least "
+            f"{2 ** (1 + not_ahead)}/{2 ** seeds_in_all} = {floor:.3g}")
 
 
 def print_spend(seeds: list[dict]) -> None:

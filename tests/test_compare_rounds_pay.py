@@ -134,6 +134,7 @@ def seed_figures(seed: int, outcomes: dict, steps=(2, 3, 4)) -> dict:
 
 def seed_files(folder: Path, table: list[tuple]) -> list[str]:
     """One file per (seed, rounds_pay's outcomes, offline_pay's), the other arms as offline_pay, pi_0 all wrong."""
+    folder.mkdir(exist_ok=True)
     paths = []
     for seed, pay, offline in table:
         outcomes = {"pi_0": [0] * len(pay), "rounds_pay": pay, "rounds_plain": offline, "offline_pay": offline,
@@ -154,7 +155,7 @@ def test_the_tables_tests_are_the_hand_counted_ones_and_paired_pys(tmp_path, cap
     assert paired.exact_mcnemar(4, 1) == 0.375 and paired.seed_permutation_test([1, 2, 0]) == 0.5
     assert "| rounds_pay vs offline_pay | 4 | 1 | 0.375 | 2 / 0 / 1 | 0.5 | 0.5 |" in printed
     assert "primary verdict: no gain claimed (McNemar p 0.375, sign-flip p 0.5, discordant prompts 4 for " \
-           "rounds_pay, 1 for offline_pay)" in printed
+           "rounds_pay, 1 for offline_pay); 3 of the protocol's 8 seeds run: the 5 left decide it\n" in printed
     assert printed.index("primary:") < printed.index("secondary:") < printed.index("| rounds_pay vs rounds_plain |")
     assert "| rounds_pay | 1 | 48 | 3 | 15 | 30 | 0 | 6 | 9 | 60 | 6 | 432 |" in printed  # 3 seeds' round 1
     assert "| offline_pay | 3 | 48 | 3 | 15 | 30 | - | - | 9 | 60 | - | 432 |" in printed
@@ -164,12 +165,29 @@ def test_the_tables_tests_are_the_hand_counted_ones_and_paired_pys(tmp_path, cap
            "round 1 is rounds_pay's, token for token (both pi_0's), in 3 of 3 seed(s)" in printed
 
 
-def test_the_verdict_claims_a_gain_only_when_both_tests_are_under_005(tmp_path, capsys):
+def test_the_verdict_claims_a_gain_only_when_both_tests_are_under_005_and_says_what_the_seeds_left_can(
+        tmp_path, capsys):
     # 6 seeds, each one prompt right only in rounds_pay: McNemar 2 / 2**6 = 0.03125, sign-flip 2 / 64 alike.
     seeds = json.loads(PROTOCOL.read_text())["seeds"][:6]
     load("compare_rounds_pay").print_table(seed_files(tmp_path, [(s, [1, 0], [0, 0]) for s in seeds]))
     assert "primary verdict: a gain of rounds_pay (McNemar p 0.0312, sign-flip p 0.0312, discordant prompts 6 " \
-           "for rounds_pay, 0 for offline_pay)" in capsys.readouterr().out
+           "for rounds_pay, 0 for offline_pay); 6 of the protocol's 8 seeds run: the 2 left decide it\n" \
+           in capsys.readouterr().out
+    paired = load("paired")
+    # Three seeds behind: flipping any of them only raises the sum, so 8 sign choices and their 8 negations reach it
+    # whatever the 5 left show; 5 large distinct positive differences reach the floor, bounded ones stay above it.
+    assert paired.sign_flip_floor([-3, -9, -4], 8) == 16 / 256
+    assert paired.seed_permutation_test([-3, -9, -4, 10**3, 2 * 10**3, 4 * 10**3, 8 * 10**3, 16 * 10**3]) == 16 / 256
+    assert paired.seed_permutation_test([-3, -9, -4, 64, 64, 64, 64, 64]) >= 16 / 256
+    assert paired.sign_flip_floor([1, 2, 0], 8) == 4 / 256  # a level seed counts as not ahead: both signs tie
+    seeds = json.loads(PROTOCOL.read_text())["seeds"]
+    load("compare_rounds_pay").print_table(seed_files(tmp_path / "behind", [(s, [0, 0], [1, 0]) for s in seeds[:3]]))
+    assert "primary verdict: no gain claimed (McNemar p 0.25, sign-flip p 0.25, discordant prompts 0 for " \
+           "rounds_pay, 3 for offline_pay); 3 of the protocol's 8 seeds run, and no outcome of the 5 left gives a " \
+           "gain: with 3 seed(s) not ahead, the sign-flip p over 8 seeds is at least 16/256 = 0.0625\n" \
+           in capsys.readouterr().out
+    load("compare_rounds_pay").print_table(seed_files(tmp_path / "all", [(s, [0, 0], [1, 0]) for s in seeds]))
+    assert "for offline_pay)\n" in capsys.readouterr().out  # all 8 run: the verdict alone
 
 
 def test_the_table_refuses_a_file_of_another_protocol_or_an_unmatched_control_in_one_line(tmp_path, capsys):
