@@ -274,7 +274,7 @@ def verdict(seeds: list[dict], pooled: dict, seeds_in_all: int) -> str:
     not_ahead = sum(d <= 0 for d in differences)
     return (f"{line}; {len(seeds)} of the protocol's {seeds_in_all} seeds run, and no outcome of the {left} left "
             f"gives a gain: with {not_ahead} seed(s) not ahead, the sign-flip p over {seeds_in_all} seeds is at least "
-            f"{2 ** (1 + not_ahead)}/{2 ** seeds_in_all} = {floor:.3g}")
+            f"{floor * 2 ** seeds_in_all:.0f}/{2 ** seeds_in_all} = {floor:.3g}")  # the floor's own sign choices
 
 
 def print_spend(seeds: list[dict]) -> None:

@@ -65,7 +65,6 @@ def seed_permutation_test(differences: list[int]) -> float:
     return sum(abs(total) >= observed for total in totals) / len(totals)
 
 
-
 def sign_flip_floor(differences: list[int], seeds_in_all: int) -> float:
     """The least two-sided sign-flip p over `seeds_in_all` seeds that the seeds not yet run can give, whatever they
     show, with the first arm ahead (a positive sum: it is ahead on the discordant prompts too, since the seeds'
@@ -74,6 +73,7 @@ def sign_flip_floor(differences: list[int], seeds_in_all: int) -> float:
     Seeds left with large distinct positive differences reach it."""
     not_ahead = sum(difference <= 0 for difference in differences)
     return min(1.0, 2 ** (1 + not_ahead) / 2 ** seeds_in_all)
+
 
 def overdispersion(differences: list[int], prompts_per_seed: int, only_first: int, only_second: int) -> float:
     """The variance of the per-seed differences over the variance independent prompts would give them: each prompt
